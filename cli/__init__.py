@@ -1,0 +1,1 @@
+"""The `kubelora` command line."""

@@ -1,0 +1,114 @@
+"""`kubelora` command: entry point only; each subcommand lives in the module that owns the behaviour."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+
+def _run_make_tiny_model(args: argparse.Namespace) -> int:
+    from kubelora.cli.tiny import make_tiny_model
+
+    sizes = {k: v for k, v in vars(args).items() if k in _SIZE_FLAGS and v is not None}
+    out = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, **sizes)
+    print(out)
+    return 0
+
+
+def _run_make_adapter(args: argparse.Namespace) -> int:
+    from kubelora.cli.tiny import make_adapter
+
+    out = make_adapter(args.dir, args.model, rank=args.rank, alpha=args.alpha, targets=args.targets,
+                       seed=args.seed, use_rslora=args.rslora)
+    print(out)
+    return 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from kubelora.cli.demo import run_demo
+
+    return run_demo(workdir=args.workdir, device=args.device)
+
+
+def _run_engine_serve(args: argparse.Namespace) -> int:
+    from kubelora.engine.server.cli import run
+
+    return run(args)
+
+
+_SIZE_FLAGS = {
+    "hidden_size": "--hidden",
+    "num_layers": "--layers",
+    "num_heads": "--heads",
+    "num_kv_heads": "--kv-heads",
+    "intermediate_size": "--intermediate",
+    "vocab_size": "--vocab",
+    "max_position_embeddings": "--max-positions",
+}
+
+
+def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a random tiny Hugging Face model directory")
+    p.add_argument("dir")
+    p.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    for dest, flag in _SIZE_FLAGS.items():
+        p.add_argument(flag, dest=dest, type=int, default=None)
+    p.set_defaults(func=_run_make_tiny_model)
+
+
+def _add_make_adapter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-adapter", help="write a PEFT LoRA adapter for a model directory")
+    p.add_argument("dir")
+    p.add_argument("--model", required=True, help="base model directory")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--alpha", type=float, default=16)
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="comma list or all-linear")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rslora", action="store_true", help="rank-stabilised scaling alpha/sqrt(r)")
+    p.set_defaults(func=_run_make_adapter)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run the whole system on a tiny built-in model")
+    p.add_argument("--workdir", default=None, help="where to build the tiny model and adapters")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_run_demo)
+
+
+def _add_engine(sub: argparse._SubParsersAction) -> None:
+    engine = sub.add_parser("engine", help="the data plane").add_subparsers(dest="engine_command", required=True)
+    serve = engine.add_parser("serve", help="serve a model and its adapters over the OpenAI API")
+    try:
+        from kubelora.engine.server.cli import add_arguments
+    except ImportError:  # the server module is optional while the package is being built up
+        add_arguments = None
+    if add_arguments is not None:
+        add_arguments(serve)
+    serve.set_defaults(func=_run_engine_serve)
+
+
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_make_tiny_model,
+    _add_make_adapter,
+    _add_demo,
+    _add_engine,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kubelora", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""kubelora data plane: model, scheduler, adapters, OpenAI-compatible server."""

@@ -1,0 +1,1 @@
+"""kubelora compute kernels: Triton ops, each with its plain-PyTorch reference."""
