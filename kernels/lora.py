@@ -11,23 +11,45 @@ Semantics, for every token t whose step slot a = token_slots[t] >= 0 and every s
     y[t, off_s : off_s + out_dim_s] += scale[a, s] * (x[t] @ A_a,s^T) @ B_a,s^T
 
 Tokens with slot -1 and slices with rank 0 leave y untouched. `LoRAStep` (once per step) and `LoRAProj`
-(once per step and projection kind) are built on the host side by `prepare_*` and shared by every layer.
+(once per step and projection kind) are packed on the host by `prepare_*`, copied to the device in one
+transfer each, and shared by every layer. `add_lora` dispatches to the reference (`add_lora_torch`) or to
+the Triton kernels (`kernels/lora_triton.py`); `default_backend` reads `KUBELORA_LORA_BACKEND`.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+BACKENDS = ("torch", "triton")
+BACKEND_ENV = "KUBELORA_LORA_BACKEND"
+# Token tile heights of the Triton kernels (tl.dot needs >= 16 rows). A step whose largest slot group fits
+# in 16 tokens launches the decode shape (one tile per adapter); bigger groups take taller tiles, up to the
+# prefill shape of 64 tokens per tile (a long segment is cut into several tiles of its slot).
+TILE_HEIGHTS = (16, 32, 64)
+
 
 @dataclass(frozen=True)
 class LoRAStep:
-    """Per-step token -> adapter map, shared by all layers and projections."""
+    """Per-step token -> adapter map, shared by all layers and projections.
+
+    The kernels' view of the same map: the LoRA tokens grouped by slot (`sorted_tokens`), cut into tiles of
+    at most `block_m` tokens of one slot each (`tiles` rows: slot, first position in `sorted_tokens`,
+    number of tokens). Built by `prepare_lora_step`; left None by hand-made steps (then derived on demand).
+    """
 
     token_slots: torch.Tensor  # [num_tokens] int64: the token's slot in this step's adapter table; -1 = none
     num_slots: int  # number of distinct adapters in the step (slot table length)
     has_lora: bool  # any token with an adapter at all; False skips every LoRA op
+    sorted_tokens: torch.Tensor | None = None  # [num_lora_tokens] int64: token ids grouped by slot, stable
+    tiles: torch.Tensor | None = None  # [num_tiles, 3] int64: (slot, start in sorted_tokens, num tokens)
+    block_m: int = TILE_HEIGHTS[0]  # tile height: 16 is the decode launch shape, 64 the prefill one
+
+    @property
+    def num_tiles(self) -> int:
+        return 0 if self.tiles is None else self.tiles.shape[0]
 
 
 @dataclass(frozen=True)
@@ -40,9 +62,35 @@ class LoRAProj:
     max_rank: tuple[int, ...]  # per slice, max of rank[:, s]: sizes the shrink buffer; 0 skips the slice
 
 
+def _tile_height(max_group: int) -> int:
+    return next((h for h in TILE_HEIGHTS if max_group <= h), TILE_HEIGHTS[-1])
+
+
 def prepare_lora_step(token_slots: list[int], num_slots: int, device: torch.device | str) -> LoRAStep:
+    """Pack the token -> slot map and its slot-sorted tile table into one host buffer, one copy to device."""
     slots = torch.tensor(token_slots, dtype=torch.int64)
-    return LoRAStep(token_slots=slots.to(device), num_slots=num_slots, has_lora=bool((slots >= 0).any()))
+    has_slot = slots >= 0
+    num_lora_tokens = int(has_slot.sum())
+    # Stable sort by slot with the no-adapter tokens (key num_slots) last, then cut them off.
+    order = torch.argsort(torch.where(has_slot, slots, num_slots), stable=True)[:num_lora_tokens]
+    counts = torch.bincount(slots[has_slot], minlength=num_slots).tolist() if num_lora_tokens else []
+    block_m = _tile_height(max(counts, default=0))
+    tiles: list[int] = []
+    start = 0
+    for slot, count in enumerate(counts):
+        for first in range(0, count, block_m):
+            tiles += (slot, start + first, min(block_m, count - first))
+        start += count
+    packed = torch.cat([slots, order, torch.tensor(tiles, dtype=torch.int64)]).to(device)
+    num_tokens = slots.numel()
+    return LoRAStep(
+        token_slots=packed[:num_tokens],
+        num_slots=num_slots,
+        has_lora=num_lora_tokens > 0,
+        sorted_tokens=packed[num_tokens : num_tokens + num_lora_tokens],
+        tiles=packed[num_tokens + num_lora_tokens :].view(-1, 3),
+        block_m=block_m,
+    )
 
 
 def prepare_lora_proj(
@@ -100,6 +148,16 @@ def add_lora_torch(
         offset += width
 
 
+def default_backend(device: torch.device | str) -> str:
+    """The LoRA backend from `KUBELORA_LORA_BACKEND` (torch|triton); unset: triton on CUDA, torch elsewhere."""
+    value = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if not value:
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r} is not allowed: use one of {', '.join(BACKENDS)}")
+    return value
+
+
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -110,4 +168,11 @@ def add_lora(
     backend: str = "torch",
 ) -> None:
     """Dispatch to the backend chosen once at engine start ("torch" reference or "triton")."""
-    add_lora_torch(y, x, lora_a, lora_b, proj, step)
+    if backend == "torch":
+        add_lora_torch(y, x, lora_a, lora_b, proj, step)
+    elif backend == "triton":
+        from kubelora.kernels.lora_triton import add_lora_triton  # imported late: TRITON_INTERPRET is read then
+
+        add_lora_triton(y, x, lora_a, lora_b, proj, step)
+    else:
+        raise ValueError(f"LoRA backend {backend!r} is not allowed: use one of {', '.join(BACKENDS)}")
