@@ -1,0 +1,107 @@
+"""Safe extraction of downloaded adapter archives (.tar, .tar.gz/.tgz, .zip).
+
+Only regular files and directories are extracted. A member with an absolute name, a `..` component, a link
+or a device refuses the whole archive, and so does content larger than `max_bytes` (an archive bomb).
+"""
+
+from __future__ import annotations
+
+import stat
+import tarfile
+import zipfile
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from kubelora.engine.server.errors import AdapterSourceError
+
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+
+
+def _refuse(message: str) -> AdapterSourceError:
+    return AdapterSourceError(message, param="lora_path", code="unsafe_archive")
+
+
+def _safe_relative(name: str) -> PurePosixPath:
+    path = PurePosixPath(name.replace("\\", "/"))
+    has_drive = bool(path.parts) and ":" in path.parts[0]
+    if path.is_absolute() or has_drive or ".." in path.parts:
+        raise _refuse(f"archive member {name!r} has an absolute path or a '..' component")
+    return path
+
+
+def extract_archive(archive: Path, url_path: str, dest: Path, *, max_bytes: int) -> None:
+    """Extract `archive` (kind from the URL path's suffix) into `dest`, which must not exist yet."""
+    dest.mkdir(parents=True)
+    lowered = url_path.lower()
+    try:
+        if lowered.endswith(".zip"):
+            _extract_zip(archive, dest, max_bytes)
+        else:
+            _extract_tar(archive, dest, max_bytes)
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
+        raise _refuse(f"cannot read the adapter archive: {exc}") from None
+
+
+def _extract_tar(archive: Path, dest: Path, max_bytes: int) -> None:
+    with tarfile.open(archive, mode="r:*") as tar:
+        members = tar.getmembers()
+        total = 0
+        for member in members:
+            _safe_relative(member.name)
+            if not (member.isfile() or member.isdir()):
+                raise _refuse(f"archive member {member.name!r} is a link or a special file")
+            total += member.size
+            if total > max_bytes:
+                raise _refuse(f"archive content exceeds {max_bytes} bytes")
+        for member in members:
+            target = dest / _safe_relative(member.name)
+            if member.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tar.extractfile(member) as src, open(target, "wb") as out:
+                _copy_at_most(src, out, member.size)
+
+
+def _extract_zip(archive: Path, dest: Path, max_bytes: int) -> None:
+    with zipfile.ZipFile(archive) as zf:
+        infos = zf.infolist()
+        total = 0
+        for info in infos:
+            _safe_relative(info.filename)
+            kind = stat.S_IFMT(info.external_attr >> 16)  # 0 when the writer stored no Unix mode
+            if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
+                raise _refuse(f"archive member {info.filename!r} is a link or a special file")
+            total += info.file_size
+            if total > max_bytes:
+                raise _refuse(f"archive content exceeds {max_bytes} bytes")
+        for info in infos:
+            target = dest / _safe_relative(info.filename)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(target, "wb") as out:
+                _copy_at_most(src, out, info.file_size)
+
+
+def _copy_at_most(src: BinaryIO, out: BinaryIO, size: int) -> None:
+    """Copy the declared size and no more: a lying header cannot inflate past the checked total."""
+    left = size
+    while left > 0:
+        block = src.read(min(left, 1 << 20))
+        if not block:
+            break
+        out.write(block)
+        left -= len(block)
+
+
+def find_adapter_dir(root: Path) -> Path:
+    """The directory holding adapter_config.json: the archive's root or its single top-level folder."""
+    if (root / "adapter_config.json").is_file():
+        return root
+    subdirs = [p for p in root.iterdir() if p.is_dir()]
+    if len(subdirs) == 1 and (subdirs[0] / "adapter_config.json").is_file():
+        return subdirs[0]
+    raise AdapterSourceError("the downloaded adapter has no adapter_config.json at its root or in a single "
+                             "top-level folder", param="lora_path", code="adapter_not_found")

@@ -1,0 +1,176 @@
+"""Server settings: one frozen `ServerConfig`, from command-line flags first and `KUBELORA_*` variables second.
+
+Every setting has one row in `SETTINGS` (flag, environment variable, parser, default); `add_arguments` and
+`resolve_config` both loop over that table, and docs/server.md lists the same rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_PREFIX = "KUBELORA_"
+DEVICES = ("cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Adapter names appear in URLs, metric labels and Kubernetes status: keep them to a safe alphabet.
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Setting:
+    flag: str
+    parse: Callable[[str], object]
+    help: str
+    default: object = None
+    is_list: bool = False  # repeatable flag; comma-separated in the environment
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+def _lora(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("--model", str, "base model directory (Hugging Face layout, safetensors)"),
+    Setting("--served-model-name", str, "name clients use for the base model (default: --model as given)"),
+    Setting("--lora", _lora, "adapter to load at start, NAME=PATH (repeatable)", is_list=True),
+    Setting("--max-loras", int, "distinct adapters in one batch (adapter slots on the device)"),
+    Setting("--max-lora-rank", int, "largest adapter rank accepted"),
+    Setting("--max-cpu-loras", int, "adapters kept in host memory (LRU)"),
+    Setting("--max-model-len", int, "prompt plus completion tokens per request"),
+    Setting("--max-num-seqs", int, "sequences in one batch", default=64),
+    Setting("--max-waiting-requests", int, "queued requests before 429", default=1024),
+    Setting("--device", str, "cpu or cuda", default="cpu"),
+    Setting("--dtype", str, "weights dtype: auto, float32, float16, bfloat16", default="auto"),
+    Setting("--host", str, "listen address", default="0.0.0.0"),
+    Setting("--port", int, "listen port", default=8000),
+    Setting("--admin-token-file", str, "file holding the bearer token for the adapter admin endpoints"),
+    Setting("--adapter-root", str, "directory local adapter paths must lie under (repeatable)", is_list=True),
+    Setting("--adapter-url-host", str, "host[:port] adapter URLs may name (repeatable)", is_list=True),
+    Setting("--adapter-cache-dir", str, "where downloaded adapters are stored", default="/tmp/kubelora-adapters"),
+    Setting("--max-adapter-bytes", int, "largest adapter download or archive content", default=2 << 30),
+    Setting("--log-level", str, "debug, info, warning or error", default="info"),
+)
+REQUIRED = ("model", "max_loras", "max_lora_rank", "max_cpu_loras", "max_model_len")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    max_model_len: int
+    served_model_name: str = ""
+    lora: tuple[tuple[str, str], ...] = ()
+    max_num_seqs: int = 64
+    max_waiting_requests: int = 1024
+    device: str = "cpu"
+    dtype: str = "auto"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    admin_token: str | None = field(default=None, repr=False)
+    adapter_root: tuple[str, ...] = ()
+    adapter_url_host: tuple[str, ...] = ()
+    adapter_cache_dir: str = "/tmp/kubelora-adapters"
+    max_adapter_bytes: int = 2 << 30
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", self.model)
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "max_model_len", "max_num_seqs",
+                     "max_waiting_requests", "max_adapter_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.admin_token is not None and not self.admin_token:
+            raise ValueError("admin token must not be empty")
+        names = [name for name, _ in self.lora]
+        for name in names:
+            if not ADAPTER_NAME_RE.match(name) or name == self.served_model_name:
+                raise ValueError(f"lora name {name!r} must match {ADAPTER_NAME_RE.pattern} and differ from the base")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora names must be unique, got {names}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag defaults to None, so `resolve_config` can tell 'not given' from 'given'."""
+    for s in SETTINGS:
+        action = "append" if s.is_list else "store"
+        parser.add_argument(s.flag, dest=s.dest, type=s.parse, action=action, default=None,
+                            help=f"{s.help} [env {s.env}]")
+
+
+def _from_env(s: Setting, environ: Mapping[str, str]) -> object:
+    raw = environ.get(s.env)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        if s.is_list:
+            return [s.parse(item.strip()) for item in raw.split(",") if item.strip()]
+        return s.parse(raw.strip())
+    except ValueError as exc:
+        raise ValueError(f"{s.env}: {exc}") from None
+
+
+def _read_token(path: str | None, environ: Mapping[str, str]) -> str | None:
+    if path is None:
+        return environ.get(ENV_PREFIX + "ADMIN_TOKEN") or None
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"admin token file {path} is empty")
+    return token
+
+
+def resolve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Flags win over environment variables, which win over defaults. Raises ValueError naming the setting."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for s in SETTINGS:
+        value = getattr(args, s.dest, None)
+        if value is None:
+            value = _from_env(s, environ)
+        if value is None:
+            value = s.default
+        if s.is_list:
+            value = tuple(value or ())
+        values[s.dest] = value
+    missing = [f"--{name.replace('_', '-')} (or {ENV_PREFIX}{name.upper()})" for name in REQUIRED
+               if values[name] is None]
+    if missing:
+        raise ValueError(f"missing required settings: {', '.join(missing)}")
+    values["admin_token"] = _read_token(values.pop("admin_token_file"), environ)
+    if values["served_model_name"] is None:
+        values["served_model_name"] = ""
+    return ServerConfig(**values)

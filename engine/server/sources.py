@@ -1,0 +1,198 @@
+"""Where an adapter's files come from: a local directory under an `--adapter-root`, or an http(s) URL on an
+allowed host, downloaded into the cache directory.
+
+An adapter manifest must not make a pod read arbitrary files or reach arbitrary hosts (DESIGN "Sources of
+adapters"): local paths are resolved (symlinks included) and must stay under a root, every file inside the
+adapter directory too; URLs must name an allowed host, on every redirect. Everything here blocks on I/O, so
+callers run it in an executor, never on the event loop or the engine thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubelora.engine.server.archives import ARCHIVE_SUFFIXES, extract_archive, find_adapter_dir
+from kubelora.engine.server.downloads import download
+from kubelora.engine.server.errors import AdapterSourceError
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    roots: tuple[Path, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    cache_dir: Path = Path("/tmp/kubelora-adapters")
+    max_bytes: int = 2 << 30
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    path: Path  # a local adapter directory, confined and checked
+    source: str  # what the caller asked for
+    sha256: str | None  # the digest that was verified, when one was given
+
+
+def _refuse(message: str, code: str = "path_not_allowed") -> AdapterSourceError:
+    return AdapterSourceError(message, param="lora_path", code=code)
+
+
+def resolve_source(config: SourceConfig, source: str, sha256: str | None = None) -> ResolvedSource:
+    scheme = urllib.parse.urlsplit(source).scheme.lower()
+    if scheme in ("http", "https"):
+        return ResolvedSource(fetch_url(config, source, sha256), source, sha256)
+    if scheme not in ("", "file"):
+        raise _refuse(f"lora_path scheme {scheme!r} is not supported; use a path, file://, http:// or https://",
+                      "unsupported_scheme")
+    path = confine_local(config.roots, source)
+    if sha256 is not None:
+        _check_digest(_file_sha256(path / WEIGHTS_FILE), sha256, WEIGHTS_FILE)
+    return ResolvedSource(path, source, sha256)
+
+
+def _local_text(source: str) -> str:
+    if source.startswith("file:"):
+        parts = urllib.parse.urlsplit(source)
+        if parts.netloc not in ("", "localhost"):
+            raise _refuse(f"file URL must name a local path, got host {parts.netloc!r}")
+        return urllib.parse.unquote(parts.path)
+    return source
+
+
+def confine_local(roots: tuple[Path, ...], source: str) -> Path:
+    """The resolved adapter directory, or AdapterSourceError when it (or a file in it) leaves every root."""
+    if not roots:
+        raise _refuse("local adapter paths are disabled on this server: no --adapter-root is configured")
+    text = _local_text(source)
+    if "\x00" in text or ".." in Path(text).parts:
+        raise _refuse(f"lora_path {source!r} must not contain '..' components")
+    real_roots = [Path(os.path.realpath(root)) for root in roots]
+    candidates = [Path(text)] if Path(text).is_absolute() else [root / text for root in real_roots]
+    for candidate in candidates:
+        real = Path(os.path.realpath(candidate))
+        root = next((r for r in real_roots if real.is_relative_to(r)), None)
+        if root is None:
+            continue
+        if not real.is_dir():
+            raise _refuse(f"lora_path {source!r} is not a directory", "path_not_found")
+        _check_tree_confined(real, root, source)
+        return real
+    shown = ", ".join(str(r) for r in roots)
+    raise _refuse(f"lora_path {source!r} resolves outside the adapter roots ({shown})")
+
+
+def _check_tree_confined(directory: Path, root: Path, source: str) -> None:
+    """A symlinked file inside a confined directory could still point anywhere: check every entry."""
+    for dirpath, dirnames, filenames in os.walk(directory, followlinks=False):
+        for name in dirnames + filenames:
+            entry = Path(dirpath) / name
+            if entry.is_symlink() and not Path(os.path.realpath(entry)).is_relative_to(root):
+                raise _refuse(f"lora_path {source!r} holds {name!r}, a link out of the adapter roots")
+
+
+def host_allowed(allowed_hosts: tuple[str, ...], url: str) -> bool:
+    """`host` allows every port, `host:port` one port, `*.example.com` every subdomain."""
+    parts = urllib.parse.urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if not host or parts.scheme.lower() not in ("http", "https"):
+        return False
+    try:
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        return False
+    for entry in (h.lower() for h in allowed_hosts):
+        entry_host, _, entry_port = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
+        if entry_port and entry_port != str(port):
+            continue
+        if host == entry_host or (entry_host.startswith("*.") and host.endswith(entry_host[1:])):
+            return True
+    return False
+
+
+def fetch_url(config: SourceConfig, url: str, sha256: str | None) -> Path:
+    """Download an archive, or the two adapter files under a URL "directory"; return the local directory.
+
+    Downloads land in `cache_dir/<url digest>/<content digest>`, so the same bytes always give the same
+    directory (the engine sees one revision), and a changed artifact behind the same URL gives a new one.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.username or parts.password:
+        raise _refuse("adapter URLs must not carry credentials", "url_not_allowed")
+    if not host_allowed(config.allowed_hosts, url):
+        raise _refuse(f"host {parts.netloc!r} is not an allowed adapter host (--adapter-url-host)",
+                      "url_not_allowed")
+    url_dir = config.cache_dir / hashlib.sha256(url.encode()).hexdigest()[:24]
+    url_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".download-", dir=url_dir))
+    try:
+        is_archive = parts.path.lower().endswith(ARCHIVE_SUFFIXES)
+        digest = _fetch_archive(config, url, staging, sha256) if is_archive else _fetch_files(config, url, staging,
+                                                                                              sha256)
+        final = url_dir / digest[:32]
+        try:
+            os.rename(staging / "content", final)
+        except OSError:
+            if not final.is_dir():  # else a concurrent fetch of the same bytes won the rename
+                raise
+        return find_adapter_dir(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _allowed(config: SourceConfig):
+    return lambda target: host_allowed(config.allowed_hosts, target)
+
+
+def _fetch_archive(config: SourceConfig, url: str, staging: Path, sha256: str | None) -> str:
+    archive = staging / "archive"
+    digest = download(url, archive, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
+                      is_allowed=_allowed(config))
+    if sha256 is not None:
+        _check_digest(digest, sha256, "archive")
+    extract_archive(archive, urllib.parse.urlsplit(url).path, staging / "content", max_bytes=config.max_bytes)
+    return digest
+
+
+def _fetch_files(config: SourceConfig, url: str, staging: Path, sha256: str | None) -> str:
+    content = staging / "content"
+    content.mkdir()
+    base = url.rstrip("/") + "/"
+    combined = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        digest = download(base + name, content / name, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
+                          is_allowed=_allowed(config))
+        if name == WEIGHTS_FILE and sha256 is not None:
+            _check_digest(digest, sha256, WEIGHTS_FILE)
+        combined.update(digest.encode())
+    return combined.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError as exc:
+        raise _refuse(f"cannot read {path.name} to check sha256: {exc.strerror}", "path_not_found") from None
+    return h.hexdigest()
+
+
+def _check_digest(actual: str, expected: str, what: str) -> None:
+    if actual != expected.lower():
+        raise AdapterSourceError(f"sha256 of {what} is {actual}, expected {expected.lower()}", param="sha256",
+                                 code="sha256_mismatch")
