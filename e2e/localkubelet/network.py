@@ -1,0 +1,79 @@
+"""Per-pod network namespaces on the cluster bridge (see e2e/localcluster/network.py).
+
+Each pod gets `klr-<id>` with `eth0` (its pod IP) and `lo`; the host end `klrv<id>` of the
+veth pair is a port of the bridge. No default route: pods reach the node, and so the API
+server, at the bridge address, and each other on the pod subnet.
+"""
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import threading
+
+BRIDGE = "klr-br0"
+
+
+def netns_name(pod_uid: str) -> str:
+    return "klr-" + pod_uid.replace("-", "")[:10]
+
+
+def veth_name(pod_uid: str) -> str:
+    return "klrv" + pod_uid.replace("-", "")[:10]  # 14 chars: Linux allows 15
+
+
+class IpAllocator:
+    """Hands out pod IPs round-robin, so a deleted pod's address is not reused at once
+    (EndpointSlices and clients may still hold it for a moment)."""
+
+    def __init__(self, pod_cidr: str, node_ip: str) -> None:
+        network = ipaddress.ip_network(pod_cidr)
+        self._pool = [str(h) for h in network.hosts() if str(h) != node_ip]
+        self._prefixlen = network.prefixlen
+        self._used: set[str] = set()
+        self._next = 0
+        self._lock = threading.Lock()
+
+    @property
+    def prefixlen(self) -> int:
+        return self._prefixlen
+
+    def allocate(self) -> str:
+        with self._lock:
+            for offset in range(len(self._pool)):
+                candidate = self._pool[(self._next + offset) % len(self._pool)]
+                if candidate not in self._used:
+                    self._used.add(candidate)
+                    self._next = (self._next + offset + 1) % len(self._pool)
+                    return candidate
+        raise RuntimeError("pod CIDR exhausted")
+
+    def release(self, address: str) -> None:
+        with self._lock:
+            self._used.discard(address)
+
+
+def create_pod_netns(pod_uid: str, address: str, prefixlen: int) -> str:
+    """Create the namespace and wire it to the bridge; returns the namespace name."""
+    netns, veth = netns_name(pod_uid), veth_name(pod_uid)
+    delete_pod_netns(pod_uid)  # a leftover from a crashed kubelet would block the names
+    run("ip", "netns", "add", netns)
+    run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+    run("ip", "link", "set", veth, "master", BRIDGE, "up")
+    run("ip", "-n", netns, "addr", "add", f"{address}/{prefixlen}", "dev", "eth0")
+    run("ip", "-n", netns, "link", "set", "eth0", "up")
+    run("ip", "-n", netns, "link", "set", "lo", "up")
+    return netns
+
+
+def delete_pod_netns(pod_uid: str) -> None:
+    """Kill anything still inside, then delete the namespace (which takes the veth along)."""
+    netns, veth = netns_name(pod_uid), veth_name(pod_uid)
+    pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+    for pid in pids.stdout.split():
+        subprocess.run(["kill", "-KILL", pid], capture_output=True)
+    subprocess.run(["ip", "netns", "delete", netns], capture_output=True)
+    subprocess.run(["ip", "link", "delete", veth], capture_output=True)
+
+
+def run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)

@@ -1,0 +1,242 @@
+"""One thread per pod: sandbox (network namespace, volumes), containers, status, teardown."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from . import network
+from .apiclient import STRATEGIC_PATCH, ApiClient, ApiError
+from .config import KubeletConfig
+from .container import Backoff, ContainerRunner, Termination
+from .envvars import EnvError, PodEnvContext, build_env, expand
+from .images import UnknownEntrypoint, build_argv
+from .launch import LaunchSpec, build_mounts, ensure_mountpoints
+from .probes import ProbeTarget
+from .status import ConditionClock, PodPhase, PodView, build_pod_status
+from .timeutil import now_rfc3339
+from .volumes import VolumeContext, VolumeError, prepare_volumes
+
+TICK_S = 0.25
+RETRY_S = 2.0
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerDeps:
+    cfg: KubeletConfig
+    api: ApiClient
+    ips: network.IpAllocator
+
+
+class PodWorker(threading.Thread):
+    def __init__(self, pod: dict, deps: WorkerDeps) -> None:
+        meta = pod["metadata"]
+        super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
+        self.pod = pod
+        self.uid: str = meta["uid"]
+        self.key = f"{meta['namespace']}/{meta['name']}"
+        self._deps = deps
+        self._pod_dir = deps.cfg.pods_dir / self.uid
+        backoff = Backoff(deps.cfg.restart_backoff_base_s, deps.cfg.restart_backoff_max_s)
+        spec = pod["spec"]
+        self.init_runners = tuple(ContainerRunner(c, self._pod_dir, backoff)
+                                  for c in spec.get("initContainers", []))
+        self.runners = tuple(ContainerRunner(c, self._pod_dir, backoff)
+                             for c in spec["containers"])
+        self._restart_policy: str = spec.get("restartPolicy", "Always")
+        self._finished: set[str] = set()   # containers that will not run again
+        self._is_initialized = not self.init_runners
+        self._has_failed_init = False
+        self._pod_ip = ""
+        self._netns: str | None = None
+        self._volume_paths: dict = {}
+        self._start_time = now_rfc3339()
+        self._clock = ConditionClock()
+        self._last_status = ""
+        self._message = ""
+        self._stop = threading.Event()
+        self._grace_s = float(spec.get("terminationGracePeriodSeconds", 30))
+        self._delete_from_api = False
+
+    # -- control from the sync loop ----------------------------------------------------------
+    def request_stop(self, grace_s: float, delete_from_api: bool) -> None:
+        self._grace_s = min(self._grace_s, grace_s)
+        self._delete_from_api |= delete_from_api
+        self._stop.set()
+
+    def find_runner(self, name: str) -> ContainerRunner | None:
+        return next((r for r in (*self.init_runners, *self.runners) if r.name == name), None)
+
+    # -- thread body -------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while not self._stop.is_set() and not self._setup_sandbox():
+                self._push_status()
+                self._stop.wait(RETRY_S)
+            while not self._stop.is_set():
+                if self._phase() not in (PodPhase.SUCCEEDED, PodPhase.FAILED):
+                    self._tick()
+                self._push_status()
+                self._stop.wait(TICK_S)
+        except Exception:  # noqa: BLE001 - a pod bug must not leak its processes
+            log.exception("pod %s worker crashed", self.key)
+        finally:
+            self._terminate()
+
+    def _setup_sandbox(self) -> bool:
+        cfg = self._deps.cfg
+        try:
+            if not self._pod_ip:
+                self._create_network()
+            volume_ctx = VolumeContext(self._deps.api, self.pod, self._pod_dir, cfg.node_ip)
+            self._volume_paths = prepare_volumes(volume_ctx)
+        except (VolumeError, ApiError, OSError) as error:
+            self._message = f"setting up pod: {error}"
+            log.warning("pod %s: %s", self.key, self._message)
+            return False
+        self._message = ""
+        return True
+
+    def _create_network(self) -> None:
+        if self.pod["spec"].get("hostNetwork"):
+            self._pod_ip = self._deps.cfg.node_ip
+            return
+        address = self._deps.ips.allocate()
+        try:
+            self._netns = network.create_pod_netns(self.uid, address, self._deps.ips.prefixlen)
+        except Exception:
+            self._deps.ips.release(address)
+            raise
+        self._pod_ip = address
+
+    # -- containers --------------------------------------------------------------------------
+    def _tick(self) -> None:
+        if not self._is_initialized:
+            self._tick_init()
+            return
+        target = self._probe_target()
+        for runner in self.runners:
+            if runner.name in self._finished:
+                continue
+            if runner.is_running:
+                self._check_running(runner, target)
+            elif runner.can_start(time.monotonic()):
+                self._start(runner)
+
+    def _tick_init(self) -> None:
+        """Init containers run one at a time, in order, each to successful completion."""
+        runner = next(r for r in self.init_runners if r.name not in self._finished)
+        if runner.is_running:
+            termination = runner.poll_exit()
+            if termination is not None:
+                self._on_exit(runner, termination, is_init=True)
+        elif runner.can_start(time.monotonic()):
+            self._start(runner)
+        self._is_initialized = all(r.name in self._finished for r in self.init_runners) \
+            and not self._has_failed_init
+
+    def _check_running(self, runner: ContainerRunner, target: ProbeTarget) -> None:
+        termination = runner.poll_exit()
+        if termination is None and not runner.run_due_probes(target):
+            log.info("pod %s: container %s failed its liveness probe", self.key, runner.name)
+            grace = float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+            termination = runner.kill(grace)
+        if termination is not None:
+            self._on_exit(runner, termination, is_init=False)
+
+    def _on_exit(self, runner: ContainerRunner, termination: Termination, is_init: bool) -> None:
+        is_success = termination.exit_code == 0
+        if is_init and is_success:
+            self._finished.add(runner.name)
+        elif self._restart_policy == "Always" and not is_init or \
+                self._restart_policy in ("Always", "OnFailure") and not is_success:
+            runner.schedule_restart(termination)
+        else:
+            self._finished.add(runner.name)
+            self._has_failed_init |= is_init
+
+    def _start(self, runner: ContainerRunner) -> None:
+        try:
+            runner.start(self._build_launch(runner))
+        except (EnvError, UnknownEntrypoint, ApiError, OSError, KeyError) as error:
+            runner.mark_waiting("CreateContainerConfigError", str(error), RETRY_S)
+
+    def _build_launch(self, runner: ContainerRunner) -> LaunchSpec:
+        cfg = self._deps.cfg
+        env = build_env(PodEnvContext(self._deps.api, self.pod, self._pod_ip, cfg.node_ip,
+                                      cfg.apiserver_port, cfg.python_env), runner.spec)
+        argv = tuple(expand(arg, env) for arg in build_argv(runner.spec))
+        mounts = build_mounts(runner.spec, self._volume_paths)
+        ensure_mountpoints(mounts, cfg.mountpoints_record)
+        return LaunchSpec(argv=argv, env=tuple(env.items()), netns=self._netns, mounts=mounts,
+                          working_dir=runner.spec.get("workingDir", "/"),
+                          log_path=runner.log_path(runner.restart_count))
+
+    def _probe_target(self) -> ProbeTarget:
+        ports = {p["name"]: p["containerPort"] for c in self.runners
+                 for p in c.spec.get("ports", []) if p.get("name")}
+        return ProbeTarget(self._pod_ip, self._netns, ports, {"PATH": "/usr/sbin:/usr/bin:/bin"})
+
+    # -- status ------------------------------------------------------------------------------
+    def _phase(self) -> PodPhase:
+        if self._has_failed_init:
+            return PodPhase.FAILED
+        if self._is_initialized and len(self._finished) == len(self.init_runners) + len(self.runners):
+            is_success = all(r.last_termination and r.last_termination.exit_code == 0
+                             for r in self.runners)
+            return PodPhase.SUCCEEDED if is_success else PodPhase.FAILED
+        if self._is_initialized and any(r.has_run for r in self.runners):
+            return PodPhase.RUNNING
+        return PodPhase.PENDING
+
+    def _push_status(self) -> None:
+        view = PodView(self.uid, self._phase(), self._pod_ip, self._deps.cfg.node_ip,
+                       self._start_time, bool(self._pod_ip), self.init_runners, self.runners,
+                       self._is_initialized, self._message)
+        status = build_pod_status(view, self._clock)
+        encoded = json.dumps(status, sort_keys=True)
+        if encoded == self._last_status:
+            return
+        meta = self.pod["metadata"]
+        try:
+            self._deps.api.patch(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+                                 "/status", {"status": status}, STRATEGIC_PATCH)
+            self._last_status = encoded
+        except ApiError as error:
+            if error.status == 404:
+                self._stop.set()
+            else:
+                log.warning("pod %s: status update failed: %s", self.key, error)
+
+    # -- teardown ----------------------------------------------------------------------------
+    def _terminate(self) -> None:
+        """Stop every container (in parallel, each with the grace period), free the
+        sandbox, then let the API server forget the pod if it asked for its deletion."""
+        running = [r for r in (*self.init_runners, *self.runners) if r.is_running]
+        if running:
+            with ThreadPoolExecutor(len(running)) as pool:
+                list(pool.map(lambda r: r.kill(self._grace_s), running))
+            self._finished.update(r.name for r in running)
+        if self._netns:
+            network.delete_pod_netns(self.uid)
+            self._deps.ips.release(self._pod_ip)
+        if self._delete_from_api:
+            self._push_status()
+            self._delete_pod()
+        shutil.rmtree(self._pod_dir, ignore_errors=True)
+
+    def _delete_pod(self) -> None:
+        meta = self.pod["metadata"]
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
+                "preconditions": {"uid": self.uid}}
+        try:
+            self._deps.api.delete(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                                  body)
+        except ApiError as error:
+            if error.status not in (404, 409):
+                log.warning("pod %s: delete failed: %s", self.key, error)
