@@ -144,7 +144,9 @@ def add_lora_torch(
             token_scale = proj.scale[slots, s].to(x.dtype)  # [num_tokens]
             shrink = shrink_all * (keep * token_scale[:, None])[..., None]  # zero outside the token's slot
             delta = shrink.reshape(num_tokens, -1) @ b_slots.reshape(-1, width)  # [num_tokens, d_s]
-            y[:, offset : offset + width] += delta.to(y.dtype)
+            is_adapted = has_slot & (proj.rank[slots, s] > 0)  # rows to add into; the rest keep their bits
+            y_slice = y[:, offset : offset + width]
+            y_slice.copy_(torch.where(is_adapted[:, None], y_slice + delta.to(y.dtype), y_slice))
         offset += width
 
 

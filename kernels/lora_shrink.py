@@ -80,6 +80,11 @@ def _shrink_kernel(
         tl.store(t_rows + 2 * lanes, acc2, mask=m_mask[:, None] & (offs_r < rank2)[None, :])
 
 
+def _new_workspace(*shape: int, device: torch.device) -> torch.Tensor:
+    # Uninitialised on purpose: the expand reads only what the shrink wrote (tests poison it through here).
+    return torch.empty(shape, device=device, dtype=torch.float32)
+
+
 def plan_split(in_dim: int, num_programs: int, config: KernelConfig, split_k: int | None) -> tuple[int, int]:
     """(split_k, k_per_split): enough K splits to reach config.target_programs, each a multiple of BLOCK_K."""
     if split_k is None:
@@ -109,7 +114,7 @@ def lora_shrink(
     num_chunks = lanes // BLOCK_R
     in_dim = x.shape[1]
     split_k, k_per_split = plan_split(in_dim, step.num_tiles * num_chunks, config, split_k)
-    t = torch.empty(split_k, step.sorted_tokens.numel(), len(slices), lanes, device=x.device, dtype=torch.float32)
+    t = _new_workspace(split_k, step.sorted_tokens.numel(), len(slices), lanes, device=x.device)
     pools = lora_a + [lora_a[0]] * (MAX_SLICES - len(lora_a))
     cols = slices + [slices[0]] * (MAX_SLICES - len(slices))
     _shrink_kernel[(step.num_tiles * num_chunks, split_k)](

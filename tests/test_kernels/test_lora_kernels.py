@@ -1,0 +1,107 @@
+"""Triton LoRA kernels against their PyTorch references, at small sizes.
+
+On CPU they run under TRITON_INTERPRET=1 (fp32 and fp16: the interpreter has returned garbage for tl.dot on
+bf16 operands); on a GPU, in fp16 and bf16. The full GPU sweep is test_lora_sweep.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kubelora.kernels.lora import LoRAStep, add_lora, prepare_lora_step
+from kubelora.kernels.lora_config import BLOCK_R, DEFAULT_CONFIGS, KernelConfig
+from kubelora.kernels.lora_problems import build_problem, check_y
+
+DTYPES = (torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+ODD_RANKS = [[3, 3, 0], [12, 12, 12], [24, 5, 24], [1, 0, 17]]
+
+# (num_tokens, ranks per adapter and slice, slice widths, in_dim, distribution, share of tokens without adapter)
+CASES = [
+    (1, [[8, 8, 8]], [24, 8, 8], 40, "one", 0.0),
+    (13, ODD_RANKS, [24, 8, 8], 40, "uniform", 0.25),
+    (20, ODD_RANKS, [40, 12, 12], 72, "distinct", 0.0),
+    (50, [[2, 2]] * 8 + [[33, 40]] * 3, [20, 20], 33, "zipf", 0.1),
+    (90, ODD_RANKS, [17, 9, 9], 130, "segments", 0.0),
+    (70, [[16]] * 5, [50], 24, "segments", 0.3),
+    (6, [[1, 1, 1]] * 6, [7, 5, 3], 16, "distinct", 0.0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}tok-{len(c[1])}ad-{c[4]}")
+def test_add_lora_matches_float64(triton_backend, device, dtype, case):
+    num_tokens, ranks, widths, in_dim, dist, no_adapter = case
+    p = build_problem(num_tokens, ranks, widths, in_dim, dist, dtype, seed=num_tokens, device=device,
+                      no_adapter=no_adapter)
+    y = p.y0.clone()
+    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
+    check_y(p, y)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch, split_k):
+    from kubelora.kernels import lora_shrink
+
+    monkeypatch.setattr(lora_shrink, "_new_workspace", lambda *shape, device: torch.full(shape, math.nan, device=device))
+    p = build_problem(30, ODD_RANKS, [24, 8, 8], 300, "zipf", torch.float32, seed=5, device=device, no_adapter=0.2)
+    config = KernelConfig(block_k=32)
+    slices = [0, 1, 2]
+    t = lora_shrink.lora_shrink(p.x.float(), [a.float() for a in p.lora_a], p.proj, p.step, slices, config, split_k)
+    ref = lora_shrink.lora_shrink_torch(p.x.float(), [a.float() for a in p.lora_a], p.proj, p.step, slices)
+    assert t.shape[0] == split_k and t.shape[1:] == ref.shape[1:] and t.shape[3] % BLOCK_R == 0
+    lane_rank = p.proj.rank[p.step.token_slots[p.step.sorted_tokens]]  # [num_lora_tokens, num_slices]
+    valid = torch.arange(t.shape[3], device=device) < lane_rank[..., None]
+    assert not t.sum(0)[valid].isnan().any()
+    torch.testing.assert_close(t.sum(0)[valid], ref[0][valid], rtol=1e-5, atol=1e-4)
+
+
+def test_expand_matches_reference(triton_backend, device):
+    from kubelora.kernels.lora_expand import lora_expand, lora_expand_torch
+
+    p = build_problem(40, ODD_RANKS, [24, 8, 16], 8, "uniform", torch.float32, seed=6, device=device, no_adapter=0.2)
+    t = torch.randn(2, p.step.sorted_tokens.numel(), 2, 32, device=device)
+    y, y_ref = p.y0.clone(), p.y0.clone()
+    args = ([p.lora_b[0], p.lora_b[2]], p.proj, p.step, [0, 2], [0, 32])
+    lora_expand(y, t, *args, KernelConfig(block_n=16))
+    lora_expand_torch(y_ref, t, *args)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-4)
+
+
+def test_more_slices_than_one_launch_fuses(triton_backend, device):
+    ranks = [[4, 0, 9, 2, 16], [0, 0, 3, 3, 3]]  # slice 1: rank 0 everywhere, skipped
+    p = build_problem(11, ranks, [8, 8, 16, 24, 8], 20, "uniform", torch.float32, seed=7, device=device)
+    y = p.y0.clone()
+    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
+    check_y(p, y)
+
+
+def test_hand_made_step_without_tiles(triton_backend, device):
+    p = build_problem(9, ODD_RANKS, [24, 8, 8], 40, "uniform", torch.float32, seed=8, device=device, no_adapter=0.3)
+    bare = LoRAStep(token_slots=p.step.token_slots, num_slots=p.step.num_slots, has_lora=p.step.has_lora)
+    y = p.y0.clone()
+    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, bare, backend="triton")
+    check_y(p, y)
+
+
+def test_no_lora_tokens_leave_y_alone(triton_backend, device):
+    p = build_problem(5, ODD_RANKS, [24, 8, 8], 40, "uniform", torch.float32, seed=9, device=device)
+    step = prepare_lora_step([-1] * 5, len(ODD_RANKS), device)
+    y = p.y0.clone()
+    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, step, backend="triton")
+    assert torch.equal(y, p.y0)
+
+
+@pytest.mark.parametrize("block_m", sorted(DEFAULT_CONFIGS))
+def test_every_tile_height(triton_backend, device, block_m):
+    tokens_per_slot = {16: 5, 32: 30, 64: 100}[block_m]
+    slots = [a for a in range(3) for _ in range(tokens_per_slot)]
+    p = build_problem(len(slots), ODD_RANKS[:3], [24, 8, 8], 40, "one", torch.float32, seed=10, device=device)
+    p.slots = slots
+    p.step = prepare_lora_step(slots, 3, device)
+    assert p.step.block_m == block_m
+    y = p.y0.clone()
+    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
+    check_y(p, y)

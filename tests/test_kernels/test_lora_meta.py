@@ -1,0 +1,77 @@
+"""LoRA step metadata, backend choice and the reference op, in plain PyTorch on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubelora.kernels.lora import (
+    BACKEND_ENV,
+    add_lora,
+    add_lora_torch,
+    default_backend,
+    prepare_lora_proj,
+    prepare_lora_step,
+)
+from kubelora.kernels.lora_problems import DISTRIBUTIONS, build_problem, check_y
+
+
+def test_step_groups_tokens_by_slot_in_tiles():
+    step = prepare_lora_step([2, 0, -1, 2, 1, 0, 2, -1], 3, "cpu")
+    assert step.has_lora and step.block_m == 16
+    assert step.token_slots.tolist() == [2, 0, -1, 2, 1, 0, 2, -1]
+    assert step.sorted_tokens.tolist() == [1, 5, 4, 0, 3, 6]
+    assert step.tiles.tolist() == [[0, 0, 2], [1, 2, 1], [2, 3, 3]]
+
+
+def test_long_segments_take_prefill_tiles():
+    step = prepare_lora_step([1] * 150 + [0] * 20 + [-1] * 5, 2, "cpu")
+    assert step.block_m == 64
+    assert step.tiles.tolist() == [[0, 0, 20], [1, 20, 64], [1, 84, 64], [1, 148, 22]]
+    assert step.sorted_tokens.tolist() == list(range(150, 170)) + list(range(150))
+
+
+@pytest.mark.parametrize("slots", [[], [-1, -1], [0, -1]])
+def test_steps_without_lora_tokens(slots):
+    step = prepare_lora_step(slots, 1, "cpu")
+    assert step.has_lora == (0 in slots)
+    assert step.num_tiles == (1 if 0 in slots else 0)
+
+
+def test_proj_max_rank_per_slice():
+    proj = prepare_lora_proj([[0, 0], [3, 0]], [[3, 0], [12, 0]], [[1.0, 1.0], [0.5, 0.5]], "cpu")
+    assert proj.max_rank == (12, 0)
+    assert proj.rank.dtype == torch.int64 and proj.scale.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("value", "device", "expected"),
+    [(None, "cpu", "torch"), (None, "cuda", "triton"), ("torch", "cuda", "torch"), ("Triton", "cpu", "triton")],
+)
+def test_default_backend(monkeypatch, value, device, expected):
+    if value is None:
+        monkeypatch.delenv(BACKEND_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BACKEND_ENV, value)
+    assert default_backend(device) == expected
+
+
+def test_default_backend_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match=f"{BACKEND_ENV}.*torch, triton"):
+        default_backend("cpu")
+
+
+def test_add_lora_rejects_unknown_backend():
+    p = build_problem(4, [[2]], [8], 8, "one", torch.float32, seed=0, device="cpu")
+    with pytest.raises(ValueError, match="torch, triton"):
+        add_lora(p.y0.clone(), p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="cutlass")
+
+
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+def test_reference_matches_float64(dist):
+    ranks = [[3, 12, 0], [12, 1, 24], [24, 24, 24], [1, 0, 7]]
+    p = build_problem(37, ranks, [24, 8, 16], 40, dist, torch.float32, seed=1, device="cpu", no_adapter=0.2)
+    y = p.y0.clone()
+    add_lora_torch(y, p.x, p.lora_a, p.lora_b, p.proj, p.step)
+    check_y(p, y)

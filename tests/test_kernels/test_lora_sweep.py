@@ -1,0 +1,61 @@
+"""The full GPU sweep of the Triton LoRA op against float64: run on an H200 as its own command,
+
+    python -P -m pytest tests/test_kernels/test_lora_sweep.py
+
+fp16 and bf16; 1..4096 tokens; 1..64 adapters with ranks 1..128 mixed in one batch (some slices at rank 0);
+one adapter, all distinct, uniform, Zipf-skewed and prefill segments; tokens without adapter; slices of
+unequal widths and dimensions that are not multiples of the block sizes. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kubelora.kernels.lora import add_lora
+from kubelora.kernels.lora_problems import DISTRIBUTIONS, build_problem, check_y
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the full sweep needs a GPU")
+
+# (slice widths, in_dim): q/k/v with and without GQA, gate/up, single projections, odd sizes.
+SHAPES = [
+    ([4096, 4096, 4096], 4096),
+    ([4096, 1024, 1024], 4096),
+    ([2048, 256, 256], 2048),
+    ([1000, 136, 72], 1000),
+    ([11008, 11008], 4096),
+    ([4096], 11008),
+    ([4100], 4100),
+    ([3, 5, 1], 7),
+]
+TOKENS = [1, 2, 7, 16, 17, 63, 64, 100, 256, 511, 1024, 4096]
+
+
+def sweep_cases(num_cases: int = 48) -> list[tuple]:
+    rng = random.Random(0)
+    cases = []
+    for i in range(num_cases):
+        widths, in_dim = SHAPES[i % len(SHAPES)]
+        num_tokens = TOKENS[i % len(TOKENS)] if i < 36 else rng.randint(1, 4096)
+        dist = DISTRIBUTIONS[i % len(DISTRIBUTIONS)]
+        num_adapters = num_tokens if dist == "distinct" else rng.choice([1, 2, 5, 8, 32, 64])
+        num_adapters = max(1, min(num_adapters, 64, num_tokens))
+        max_rank = rng.choice([1, 8, 16, 64, 128])
+        ranks = [[rng.choice([0, rng.randint(1, max_rank)]) if rng.random() < 0.15 else rng.randint(1, max_rank)
+                  for _ in widths] for _ in range(num_adapters)]
+        ranks[0] = [max(r, 1) for r in ranks[0]]
+        cases.append((num_tokens, ranks, widths, in_dim, dist, rng.choice([0.0, 0.0, 0.3]), i))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", sweep_cases(), ids=lambda c: f"{c[6]}-{c[0]}tok-{len(c[1])}ad-{c[4]}")
+def test_sweep(dtype, case):
+    num_tokens, ranks, widths, in_dim, dist, no_adapter, seed = case
+    p = build_problem(num_tokens, ranks, widths, in_dim, dist, dtype, seed=seed, device="cuda", no_adapter=no_adapter)
+    y = p.y0.clone()
+    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
+    torch.cuda.synchronize()
+    check_y(p, y)
