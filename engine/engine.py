@@ -1,0 +1,238 @@
+"""LLMEngine: wires scheduler, KV block manager, adapter manager, model runner, sampler and detokenizer.
+
+Threads: `step()` runs in one engine thread; `add_request`, `abort_request`, `snapshot` and the adapter manager
+are called from any thread. `_lock` guards the scheduler's queues; it is held while scheduling and
+postprocessing, never during the forward pass or any file I/O (adapter I/O runs in callers' threads or in
+the adapter manager's loader threads).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from kubelora.engine.adapters.manager import AdapterManager, AdapterManagerConfig
+from kubelora.engine.adapters.pool import DeviceLoRAPool
+from kubelora.engine.adapters.spec import AdapterLimits
+from kubelora.engine.block_manager import BlockManager, BlockManagerConfig
+from kubelora.engine.config import EngineConfig
+from kubelora.engine.detokenizer import Detokenizer
+from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
+from kubelora.engine.model.config import load_hf_config, model_config_from_hf, rope_inv_freq
+from kubelora.engine.model.llama import DecoderModel
+from kubelora.engine.model.rope import RotaryEmbedding
+from kubelora.engine.model.weights import load_weights
+from kubelora.engine.outputs import EngineSnapshot, RequestOutput
+from kubelora.engine.runner import ModelRunner, RunnerConfig, StepResult
+from kubelora.engine.sampling_params import SamplingParams
+from kubelora.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from kubelora.engine.sequence import Sequence, SequenceStatus
+from kubelora.engine import setup
+
+IDLE_STEP_SLEEP_S = 0.002  # an empty step (requests only wait for adapter loads) yields the CPU briefly
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = setup.resolve_dtype(config)
+        hf_config = load_hf_config(config.model_dir)
+        self.model_config = model_config_from_hf(hf_config, config.model_dir)
+        self.model_name = config.served_model_name or self.model_config.name
+        self.max_model_len = setup.resolve_max_model_len(config, self.model_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer)
+        torch.manual_seed(config.seed)
+        pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype),
+                              self.dtype, self.device)
+        self.adapters = AdapterManager(self._adapter_config(), self.model_config, pool, self._adapter_limits(pool))
+        self._runner = self._build_runner(hf_config, pool)
+        self._blocks = BlockManager(BlockManagerConfig(self._num_kv_blocks, config.kv_block_size))
+        self._scheduler = Scheduler(self._scheduler_config(), self._blocks, self.adapters)
+        self._detokenizer = Detokenizer(self.tokenizer)
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._last_batch = (0, 0, 0)
+        self._num_steps = 0
+
+    # ---- wiring ----
+
+    def _adapter_config(self) -> AdapterManagerConfig:
+        return AdapterManagerConfig(max_cpu_loras=self.config.max_cpu_loras,
+                                    num_loader_threads=self.config.num_loader_threads,
+                                    is_host_pinned=self.device.type == "cuda")
+
+    def _adapter_limits(self, pool: DeviceLoRAPool) -> AdapterLimits:
+        names = tuple(dict.fromkeys((self.model_name, self.model_config.name, str(self.config.model_dir))))
+        return AdapterLimits(max_lora_rank=self.config.max_lora_rank, max_pool_rows=pool.num_rows,
+                             model_names=names, is_base_model_strict=self.config.is_base_model_strict)
+
+    def _build_runner(self, hf_config, pool: DeviceLoRAPool) -> ModelRunner:
+        weights = load_weights(self.config.model_dir, self.model_config, self.dtype)
+        weights = _to_device(weights, self.device)
+        inv_freq, attention_scaling = rope_inv_freq(hf_config)
+        self._num_kv_blocks = setup.num_kv_blocks(self.config, self.model_config, self.dtype, self.max_model_len,
+                                                  self.device)
+        kv_cache = setup.allocate_kv_cache(self.config, self.model_config, self.dtype, self._num_kv_blocks,
+                                           self.device)
+        model = DecoderModel(self.model_config, weights, RotaryEmbedding(inv_freq, attention_scaling, self.device),
+                             kv_cache, pool.layer_buffers())
+        runner_config = RunnerConfig(device=self.device, block_size=self.config.kv_block_size,
+                                     lora_backend=setup.resolve_lora_backend(self.config))
+        return ModelRunner(model, runner_config)
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
+                               max_num_batched_tokens=self.config.max_num_batched_tokens,
+                               max_loras=self.config.max_loras, max_waiting=self.config.max_waiting,
+                               eos_token_ids=self.eos_token_ids)
+
+    # ---- requests (any thread) ----
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    adapter: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises InvalidRequest, PromptTooLong, QueueFull, UnknownAdapter, AdapterUnloading."""
+        prompt = self._check_prompt(prompt_token_ids)
+        room = self.max_model_len - len(prompt)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        with self._lock:
+            if self._scheduler.get(request_id) is not None:
+                raise InvalidRequest(f"request_id {request_id!r} is already in flight")
+            if not self._scheduler.has_room():
+                raise QueueFull(self.config.max_waiting)
+            revision = self.adapters.acquire(adapter) if adapter else None
+            seq = Sequence(request_id=request_id, prompt_token_ids=prompt, params=params, adapter_name=adapter or None,
+                           adapter=revision, max_tokens=max_tokens, arrival_time=arrival_time or time.time(),
+                           generator=generator)
+            self._scheduler.add(seq)
+            self._work.notify_all()
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish a request with "abort" (its output comes from the next step); unknown ids are ignored."""
+        with self._lock:
+            self._scheduler.abort(request_id)
+            self._work.notify_all()
+
+    def has_waiting_room(self) -> bool:
+        with self._lock:
+            return self._scheduler.has_room()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self._scheduler.has_unfinished()
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block the engine thread until there is something to step (True) or the timeout passes."""
+        with self._work:
+            return self._work.wait_for(self._scheduler.has_unfinished, timeout)
+
+    # ---- one step (engine thread) ----
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            batch = self._scheduler.schedule()
+            done_early = self._scheduler.take_finished_between_steps()
+        if not batch.chunks:
+            if not done_early:
+                time.sleep(IDLE_STEP_SLEEP_S)
+            return [self._output(seq, []) for seq in done_early]
+        result = self._runner.execute(batch)
+        with self._lock:
+            outputs = [self._output(seq, []) for seq in done_early]
+            outputs += self._postprocess(batch, result)
+            self._last_batch = (len(batch.chunks), batch.num_tokens, len(batch.slots))
+            self._num_steps += 1
+        return outputs
+
+    def _postprocess(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
+        for chunk, logits in zip(batch.chunks, result.logits):
+            if logits is not None and chunk.seq.status is SequenceStatus.RUNNING:
+                _record_logits(chunk.seq, chunk.start_pos, logits, chunk.is_sampled)
+        outputs = []
+        for seq in self._scheduler.postprocess(batch, result.sampled):
+            if self._detokenizer.update(seq, seq.status.is_finished):
+                self._scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                self._detokenizer.update(seq, True)
+            outputs.append(self._output(seq, seq.output_token_ids[-1:]))
+        return outputs
+
+    def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        finished = seq.status.is_finished
+        keep_logits = finished and seq.params.return_logits
+        return RequestOutput(
+            request_id=seq.request_id,
+            adapter=seq.adapter_name,
+            new_token_ids=list(new_token_ids),
+            token_ids=list(seq.output_token_ids),
+            text=seq.text,
+            finished=finished,
+            finish_reason=seq.status.finish_reason,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            error=seq.error,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            prompt_logits=torch.stack(seq.prompt_logits) if keep_logits and seq.prompt_logits else None,
+            logits=torch.stack(seq.logits) if keep_logits and seq.logits else None,
+        )
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise InvalidRequest("prompt must have at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise PromptTooLong(len(prompt), self.max_model_len)
+        return prompt
+
+    # ---- observability ----
+
+    def snapshot(self) -> EngineSnapshot:
+        with self._lock:
+            counts = self._scheduler.counts()
+            kv_usage = self._blocks.usage
+            last, steps, preemptions = self._last_batch, self._num_steps, self._scheduler.num_preemptions
+        return EngineSnapshot.build(counts, last, kv_usage, self._num_kv_blocks, self.adapters.stats(),
+                                    preemptions, steps)
+
+    def close(self) -> None:
+        self.adapters.close()
+
+
+def _record_logits(seq: Sequence, start_pos: int, logits: torch.Tensor, is_sampled: bool) -> None:
+    """Keep prompt-position logits once (a preemption recomputes them) and the sampled step's logits."""
+    num_prompt = len(seq.prompt_token_ids)
+    for i in range(logits.shape[0]):
+        if start_pos + i == len(seq.prompt_logits) < num_prompt:
+            seq.prompt_logits.append(logits[i])
+    if is_sampled:
+        seq.logits.append(logits[-1])
+
+
+def _eos_ids(model_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
+    ids = list(model_eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)
+
+
+def _to_device(weights, device: torch.device):
+    from dataclasses import replace
+
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    layers = [replace(layer, input_norm=move(layer.input_norm), post_attn_norm=move(layer.post_attn_norm),
+                      weight={k: move(v) for k, v in layer.weight.items()},
+                      bias={k: move(v) for k, v in layer.bias.items()}) for layer in weights.layers]
+    embed = move(weights.embed)
+    lm_head = embed if weights.lm_head is weights.embed else move(weights.lm_head)
+    return replace(weights, embed=embed, final_norm=move(weights.final_norm), lm_head=lm_head, layers=layers)

@@ -1,0 +1,110 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache, with batched multi-LoRA.
+
+One forward runs every scheduled token of the step as one flat batch `[num_tokens, hidden]`. Each adaptable
+projection (fused qkv, o, fused gate_up, down) computes its base output and then calls the batched LoRA op
+once for the whole batch with the step's shared metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kubelora.engine.model.attention import AttentionMetadata, KVCache, paged_attention, write_kv
+from kubelora.engine.model.config import ModelConfig
+from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
+from kubelora.engine.model.weights import ModelWeights
+from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
+
+
+@dataclass(frozen=True)
+class LayerLoRABuffers:
+    """One layer's view of the device adapter pool: kind -> per-slice buffers (see kernels/lora.py)."""
+
+    lora_a: dict[str, list[torch.Tensor]]  # kind -> [num_rows, in_dim] per slice
+    lora_b: dict[str, list[torch.Tensor]]  # kind -> [num_rows, out_dim_s] per slice
+
+
+@dataclass(frozen=True)
+class LoRAContext:
+    step: LoRAStep
+    proj: dict[str, LoRAProj]  # kind -> slot table for that projection kind
+    backend: str
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Everything a layer needs for one step, built once by the runner's prepare_* functions."""
+
+    attention: AttentionMetadata
+    cos: torch.Tensor  # [num_tokens, head_dim]
+    sin: torch.Tensor  # [num_tokens, head_dim]
+    lora: LoRAContext | None  # None: no token of the step has an adapter
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers: normalise in float32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class DecoderModel:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, rope: RotaryEmbedding, kv_cache: KVCache,
+                 lora_buffers: list[LayerLoRABuffers]) -> None:
+        self.config = config
+        self.weights = weights
+        self.rope = rope
+        self.kv_cache = kv_cache
+        self.lora_buffers = lora_buffers
+        self.scale = config.head_dim**-0.5
+        self.windows = set(config.sliding_windows)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.embed.dtype
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """token_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        hidden = F.embedding(token_ids, self.weights.embed)
+        for layer in range(self.config.num_layers):
+            hidden = self._layer(layer, hidden, ctx)
+        return rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> logits [n, vocab] float32."""
+        return F.linear(hidden, self.weights.lm_head).float()
+
+    def _layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        norms = self.weights.layers[layer]
+        x = rms_norm(hidden, norms.input_norm, self.config.rms_norm_eps)
+        hidden = hidden + self._proj(layer, "o", self._attention(layer, x, ctx), ctx)
+        x = rms_norm(hidden, norms.post_attn_norm, self.config.rms_norm_eps)
+        gate, up = self._proj(layer, "gate_up", x, ctx).chunk(2, dim=-1)
+        return hidden + self._proj(layer, "down", F.silu(gate) * up, ctx)
+
+    def _attention(self, layer: int, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x: [num_tokens, hidden] -> attention output before o_proj [num_tokens, num_heads * head_dim]."""
+        cfg = self.config
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = self._proj(layer, "qkv", x, ctx).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        key_cache, value_cache = self.kv_cache.key[layer], self.kv_cache.value[layer]
+        write_kv(key_cache, value_cache, k, v, ctx.attention.slot_mapping)
+        return paged_attention(q, key_cache, value_cache, ctx.attention, cfg.sliding_windows[layer], self.scale)
+
+    def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
+        weights = self.weights.layers[layer]
+        y = F.linear(x, weights.weight[kind], weights.bias[kind])
+        if ctx.lora is not None:
+            buffers = self.lora_buffers[layer]
+            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], ctx.lora.proj[kind], ctx.lora.step,
+                     backend=ctx.lora.backend)
+        return y

@@ -1,0 +1,79 @@
+"""What the engine hands back: per-step request outputs, offline results, and a metrics snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kubelora.engine.adapters.manager import AdapterStats
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    adapter: str | None
+    new_token_ids: list[int]  # generated this step
+    token_ids: list[int]  # all generated so far
+    text: str  # full stable text so far (stop strings removed)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    num_prompt_tokens: int
+    error: str | None  # set with finish_reason "error" (e.g. the adapter's on-demand load failed)
+    arrival_time: float  # time.time() of add_request
+    first_token_time: float | None  # time.time() of the first generated token (TTFT = this - arrival_time)
+    prompt_logits: torch.Tensor | None = None  # [num_prompt_tokens, vocab], finished + return_logits only
+    logits: torch.Tensor | None = None  # [num_generated, vocab]: the distribution of each generated token
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One prompt's result from `LLM.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    adapter: str | None
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None
+    prompt_logits: torch.Tensor | None
+    logits: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Point-in-time engine state for metrics. Adapter keys: the adapter name, "" for the base model."""
+
+    num_running: dict[str, int]
+    num_waiting: dict[str, int]
+    last_batch_size: int  # sequences in the last step
+    last_batch_tokens: int
+    last_batch_adapters: int  # distinct adapters in the last step
+    kv_cache_usage: float  # fraction of KV blocks in use
+    num_kv_blocks: int
+    adapter_pool_used_bytes: int
+    adapter_pool_total_bytes: int
+    adapter_host_bytes: int
+    num_adapter_loads: int
+    num_adapter_load_failures: int
+    num_device_evictions: int
+    num_host_evictions: int
+    adapter_load_latencies_s: tuple[float, ...]
+    num_preemptions: int
+    num_steps: int
+
+    @classmethod
+    def build(cls, counts: tuple[dict[str, int], dict[str, int]], last: tuple[int, int, int], kv_usage: float,
+              num_kv_blocks: int, adapters: AdapterStats, num_preemptions: int, num_steps: int) -> EngineSnapshot:
+        return cls(
+            num_running=counts[0], num_waiting=counts[1],
+            last_batch_size=last[0], last_batch_tokens=last[1], last_batch_adapters=last[2],
+            kv_cache_usage=kv_usage, num_kv_blocks=num_kv_blocks,
+            adapter_pool_used_bytes=adapters.pool_used_bytes, adapter_pool_total_bytes=adapters.pool_total_bytes,
+            adapter_host_bytes=adapters.host_bytes, num_adapter_loads=adapters.num_loads,
+            num_adapter_load_failures=adapters.num_load_failures,
+            num_device_evictions=adapters.num_device_evictions, num_host_evictions=adapters.num_host_evictions,
+            adapter_load_latencies_s=adapters.load_latencies_s, num_preemptions=num_preemptions,
+            num_steps=num_steps,
+        )

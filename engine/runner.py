@@ -1,0 +1,114 @@
+"""Model runner: turns a scheduled `Batch` into device tensors once (`prepare_*`), runs the model, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kubelora.engine.adapters.pool import SlotView
+from kubelora.engine.model.attention import prepare_attention
+from kubelora.engine.model.config import PROJ_KINDS
+from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
+from kubelora.engine.sampler import sample
+from kubelora.engine.scheduler import Batch
+from kubelora.kernels.lora import prepare_lora_proj, prepare_lora_step
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    device: torch.device
+    block_size: int
+    lora_backend: str
+
+
+@dataclass(frozen=True)
+class StepResult:
+    sampled: list[int | None]  # per chunk: the new token, None for a chunk in the middle of a prefill
+    logits: list[torch.Tensor | None]  # per chunk with params.return_logits: [len(chunk), vocab] on the host
+
+
+@dataclass(frozen=True)
+class LogitsPlan:
+    rows: torch.Tensor  # [num_rows] int64: batch token rows whose logits are computed
+    chunk_rows: list[tuple[int, int]]  # per chunk: (first, end) into the logits rows; empty when none
+    sample_rows: list[int | None]  # per chunk: logits row to sample from
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, config: RunnerConfig) -> None:
+        self.model = model
+        self.config = config
+
+    def execute(self, batch: Batch) -> StepResult:
+        token_ids, ctx = self.prepare_inputs(batch)
+        plan = prepare_logits_plan(batch, self.config.device)
+        hidden = self.model.forward(token_ids, ctx)
+        logits = self.model.compute_logits(hidden[plan.rows])
+        return StepResult(sampled=self._sample(batch, logits, plan), logits=_chunk_logits(batch, logits, plan))
+
+    def prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
+        device = self.config.device
+        token_ids = [t for c in batch.chunks for t in c.token_ids]
+        positions = torch.cat([torch.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in batch.chunks])
+        attention = prepare_attention(
+            query_lens=[len(c.token_ids) for c in batch.chunks],
+            context_lens=[c.start_pos + len(c.token_ids) for c in batch.chunks],
+            block_tables=[list(c.block_table) for c in batch.chunks],
+            block_size=self.config.block_size,
+            windows=self.model.windows,
+            device=device,
+        )
+        cos, sin = self.model.rope.cos_sin(positions.to(device), self.model.dtype)
+        ctx = ForwardContext(attention=attention, cos=cos, sin=sin, lora=self.prepare_lora(batch))
+        return torch.tensor(token_ids, dtype=torch.int64, device=device), ctx
+
+    def prepare_lora(self, batch: Batch) -> LoRAContext | None:
+        """One LoRAStep (token -> slot) and one LoRAProj per projection kind, shared by every layer."""
+        if not batch.slots:
+            return None
+        token_slots = [c.slot for c in batch.chunks for _ in c.token_ids]
+        step = prepare_lora_step(token_slots, len(batch.slots), self.config.device)
+        proj = {kind: _prepare_kind(batch.slots, self.model.config.kind_modules(kind), self.config.device)
+                for kind in PROJ_KINDS}
+        return LoRAContext(step=step, proj=proj, backend=self.config.lora_backend)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor, plan: LogitsPlan) -> list[int | None]:
+        rows = [r for r in plan.sample_rows if r is not None]
+        if not rows:
+            return [None] * len(batch.chunks)
+        seqs = [c.seq for c, r in zip(batch.chunks, plan.sample_rows) if r is not None]
+        tokens = iter(sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs]))
+        return [None if r is None else next(tokens) for r in plan.sample_rows]
+
+
+def _prepare_kind(slots: tuple[SlotView, ...], modules: tuple[str, ...], device: torch.device):
+    row_start = [[view.row_start.get(m, 0) for m in modules] for view in slots]
+    rank = [[view.rank.get(m, 0) for m in modules] for view in slots]
+    scale = [[view.scale.get(m, 0.0) if m in view.rank else 0.0 for m in modules] for view in slots]
+    return prepare_lora_proj(row_start, rank, scale, device)
+
+
+def prepare_logits_plan(batch: Batch, device: torch.device) -> LogitsPlan:
+    """Logits only where needed: the last token of sampled chunks, every token when return_logits is set."""
+    rows, chunk_rows, sample_rows = [], [], []
+    token = 0
+    for chunk in batch.chunks:
+        num = len(chunk.token_ids)
+        first = len(rows)
+        if chunk.seq.params.return_logits:
+            rows.extend(range(token, token + num))
+        elif chunk.is_sampled:
+            rows.append(token + num - 1)
+        chunk_rows.append((first, len(rows)))
+        sample_rows.append(len(rows) - 1 if chunk.is_sampled else None)
+        token += num
+    return LogitsPlan(rows=torch.tensor(rows, dtype=torch.int64, device=device), chunk_rows=chunk_rows,
+                      sample_rows=sample_rows)
+
+
+def _chunk_logits(batch: Batch, logits: torch.Tensor, plan: LogitsPlan) -> list[torch.Tensor | None]:
+    out = []
+    for chunk, (first, end) in zip(batch.chunks, plan.chunk_rows):
+        out.append(logits[first:end].cpu() if chunk.seq.params.return_logits else None)
+    return out

@@ -1,0 +1,305 @@
+"""Continuous batching with chunked prefill, at most `max_loras` distinct adapters per batch, fair admission.
+
+Each step `schedule()` returns a `Batch`: first the running sequences (decodes, then prefill chunks), then
+waiting ones admitted in fairness order (smallest virtual token counter first). A waiting request whose adapter
+is not resident, or that would need one more adapter slot than `max_loras`, is skipped and the scan goes on:
+it never blocks requests of other adapters. Base-model requests take no adapter slot.
+
+Anti-starvation: when a key is refused only for lack of a slot, keys behind it in fairness order stop admitting
+new requests into the adapters they already run, so a slot frees as soon as those requests finish: a waiting
+adapter gets in within one request lifetime (bounded by max_tokens) even when others flood. Running requests
+keep their slot until they finish (adapters are not swapped every step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from kubelora.engine.block_manager import BlockManager
+from kubelora.engine.errors import QueueFull
+from kubelora.engine.fairness import FairShare
+from kubelora.engine.sequence import Sequence, SequenceStatus
+
+
+class AdapterPlacer(Protocol):
+    """What the scheduler needs from the adapter manager (a fake in unit tests)."""
+
+    def ensure_device(self, revision: object, protected: set) -> bool: ...
+    def take_load_error(self, revision: object) -> str | None: ...
+    def release(self, revision: object) -> None: ...
+    def slot_view(self, revision: object) -> object: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_loras: int
+    max_waiting: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for field in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_waiting"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    token_ids: tuple[int, ...]  # the tokens fed this step
+    start_pos: int  # position of token_ids[0]
+    block_table: tuple[int, ...]  # the sequence's KV blocks, covering start_pos + len(token_ids) positions
+    slot: int  # index into Batch.slots; -1 = base model
+    is_sampled: bool  # the chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass(frozen=True)
+class Batch:
+    chunks: tuple[ScheduledChunk, ...]
+    slots: tuple[object, ...]  # per slot: the adapter's pool placement (SlotView), addresses valid this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterPlacer) -> None:
+        self.config = config
+        self._blocks = blocks
+        self._adapters = adapters
+        self._waiting: dict[str, deque[Sequence]] = {}
+        self._running: list[Sequence] = []  # admission order
+        self._seqs: dict[str, Sequence] = {}
+        self._fair = FairShare()
+        self._num_waiting = 0
+        self._finished_between_steps: list[Sequence] = []  # aborted or failed outside postprocess
+        self.num_preemptions = 0
+
+    # ---- queues (under the engine lock) ----
+
+    def has_room(self) -> bool:
+        return self._num_waiting < self.config.max_waiting
+
+    def add(self, seq: Sequence) -> None:
+        if not self.has_room():
+            raise QueueFull(self.config.max_waiting)
+        key = seq.fairness_key
+        if not self._is_active(key):
+            self._fair.activate(key, self._active_keys())
+        self._waiting.setdefault(key, deque()).append(seq)
+        self._seqs[seq.request_id] = seq
+        self._num_waiting += 1
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._finished_between_steps.append(seq)
+        return seq
+
+    def take_finished_between_steps(self) -> list[Sequence]:
+        out, self._finished_between_steps = self._finished_between_steps, []
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._finished_between_steps)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(running, waiting) request counts per adapter key ("" = base model)."""
+        running: dict[str, int] = {}
+        for seq in self._running:
+            running[seq.fairness_key] = running.get(seq.fairness_key, 0) + 1
+        waiting = {key: len(queue) for key, queue in self._waiting.items() if queue}
+        return running, waiting
+
+    # ---- one step ----
+
+    def schedule(self) -> Batch:
+        self._fail_failed_loads()
+        budget = [self.config.max_num_batched_tokens]
+        chunks: list[ScheduledChunk] = []
+        self._schedule_running(budget, chunks)
+        self._admit_waiting(budget, chunks)
+        return self._build_batch(chunks)
+
+    def postprocess(self, batch: Batch, sampled: list[int | None]) -> list[Sequence]:
+        """Advance each scheduled sequence; append sampled tokens; finish on eos/stop ids/length.
+
+        Returns the sequences that got a token this step (finished ones included)."""
+        updated = []
+        now = time.time()
+        for chunk, token in zip(batch.chunks, sampled):
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += len(chunk.token_ids)
+            if token is None:
+                continue
+            seq.output_token_ids.append(token)
+            seq.first_token_time = seq.first_token_time or now
+            status = self._stop_status(seq, token)
+            if status is not None:
+                self.finish(seq, status)
+            updated.append(seq)
+        return updated
+
+    def finish(self, seq: Sequence, status: SequenceStatus, error: str | None = None) -> None:
+        """Idempotent; frees KV blocks and releases the adapter reference exactly once."""
+        if seq.status.is_finished:
+            if status is SequenceStatus.FINISHED_STOPPED and seq.status is SequenceStatus.FINISHED_LENGTH:
+                seq.status = status  # a stop string completed by the last allowed token
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self._waiting[seq.fairness_key].remove(seq)
+            self._num_waiting -= 1
+            self._drop_empty(seq.fairness_key)
+        else:
+            self._running.remove(seq)
+        seq.status, seq.error = status, error
+        self._blocks.free(seq.request_id)
+        self._seqs.pop(seq.request_id, None)
+        if seq.adapter is not None:
+            revision, seq.adapter = seq.adapter, None
+            self._adapters.release(revision)
+
+    # ---- internals ----
+
+    def _schedule_running(self, budget: list[int], chunks: list[ScheduledChunk]) -> None:
+        scheduled: set[str] = set()
+        for seq in sorted(self._running, key=lambda s: s.is_prefill):  # decodes first
+            if seq.status is not SequenceStatus.RUNNING or budget[0] == 0:
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget[0])
+            if not self._grow_or_preempt(seq, num_new, scheduled):
+                continue
+            chunks.append(self._chunk(seq, num_new, slot=-1))
+            scheduled.add(seq.request_id)
+            budget[0] -= num_new
+            self._fair.charge(seq.fairness_key, num_new)
+
+    def _grow_or_preempt(self, seq: Sequence, num_new: int, scheduled: set[str]) -> bool:
+        while not self._blocks.grow(seq.request_id, seq.num_computed_tokens + num_new):
+            victim = next((s for s in reversed(self._running) if s.request_id not in scheduled), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Out of KV blocks: drop the sequence's cache and requeue it at the front (recomputed later)."""
+        self._running.remove(seq)
+        self._blocks.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self._waiting.setdefault(seq.fairness_key, deque()).appendleft(seq)
+        self._num_waiting += 1
+
+    def _admit_waiting(self, budget: list[int], chunks: list[ScheduledChunk]) -> None:
+        in_batch = {s.adapter for s in self._running if s.adapter is not None}
+        refused: set[str] = set()
+        has_slot_waiter = False
+        while budget[0] > 0 and len(self._running) < self.config.max_num_seqs:
+            key = self._next_key(refused)
+            if key is None:
+                return
+            seq = self._waiting[key][0]
+            revision = seq.adapter
+            if revision is not None:
+                if revision not in in_batch and len(in_batch) >= self.config.max_loras:
+                    refused.add(key)  # needs a slot: keys behind it must not hold theirs longer
+                    has_slot_waiter = True
+                    continue
+                if revision in in_batch and has_slot_waiter:
+                    refused.add(key)  # let this adapter drain so the slot waiter gets in
+                    continue
+                if not self._adapters.ensure_device(revision, protected=set(in_batch)):
+                    refused.add(key)  # loading or no room: wait without blocking the others
+                    continue
+            num_new = min(seq.num_uncomputed_tokens, budget[0])
+            if not self._blocks.grow(seq.request_id, seq.num_computed_tokens + num_new):
+                return  # out of KV blocks: nothing else fits either
+            self._waiting[key].popleft()
+            self._num_waiting -= 1
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            self._drop_empty(key)
+            if revision is not None:
+                in_batch.add(revision)
+            chunks.append(self._chunk(seq, num_new, slot=-1))
+            budget[0] -= num_new
+            self._fair.charge(key, num_new)
+
+    def _next_key(self, refused: set[str]) -> str | None:
+        candidates = [k for k, q in self._waiting.items() if q and k not in refused]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda k: (self._fair.counter(k), self._waiting[k][0].arrival_time))
+
+    def _chunk(self, seq: Sequence, num_new: int, slot: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            seq=seq,
+            token_ids=tuple(seq.token_ids(start, start + num_new)),
+            start_pos=start,
+            block_table=tuple(self._blocks.table(seq.request_id)),
+            slot=slot,
+            is_sampled=start + num_new == seq.num_tokens,
+        )
+
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> Batch:
+        """Assign step slots to the distinct adapters, after every placement (addresses are now final)."""
+        slot_of: dict[object, int] = {}
+        out = []
+        for chunk in chunks:
+            revision = chunk.seq.adapter
+            slot = -1 if revision is None else slot_of.setdefault(revision, len(slot_of))
+            out.append(ScheduledChunk(chunk.seq, chunk.token_ids, chunk.start_pos, chunk.block_table, slot,
+                                      chunk.is_sampled))
+        slots = tuple(self._adapters.slot_view(revision) for revision in slot_of)
+        return Batch(chunks=tuple(out), slots=slots)
+
+    def _fail_failed_loads(self) -> None:
+        """Requests waiting for an adapter whose on-demand load failed finish with that error."""
+        errors: dict[object, str | None] = {}
+        for queue in self._waiting.values():
+            for seq in list(queue):
+                if seq.adapter is None:
+                    continue
+                if seq.adapter not in errors:
+                    errors[seq.adapter] = self._adapters.take_load_error(seq.adapter)
+                if errors[seq.adapter] is not None:
+                    self.finish(seq, SequenceStatus.FINISHED_ERROR, errors[seq.adapter])
+                    self._finished_between_steps.append(seq)
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        if not seq.params.ignore_eos and token in self.config.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if token in seq.params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if len(seq.output_token_ids) >= seq.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _drop_empty(self, key: str) -> None:
+        if not self._waiting[key]:
+            del self._waiting[key]
+            if not self._is_active(key):
+                self._fair.forget(self._active_keys())
+
+    def _is_active(self, key: str) -> bool:
+        return bool(self._waiting.get(key)) or any(s.fairness_key == key for s in self._running)
+
+    def _active_keys(self) -> set[str]:
+        return {k for k, q in self._waiting.items() if q} | {s.fairness_key for s in self._running}

@@ -1,0 +1,77 @@
+"""A request inside the engine: its tokens, progress and lifecycle status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kubelora.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Owned by the scheduler; the runner reads tokens, the detokenizer writes `text`.
+
+    `adapter` is the opaque adapter revision the request is bound to (None: base model); it is released
+    exactly once, when the sequence finishes (`adapter` becomes None then; `adapter_name` stays).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter_name: str | None
+    adapter: object | None
+    max_tokens: int  # params.max_tokens clipped to the room left by max_model_len
+    arrival_time: float
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    first_token_time: float | None = None
+    text: str = ""  # stable decoded output (stop strings removed, incomplete characters held back)
+    error: str | None = None
+    num_preemptions: int = 0
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # with params.return_logits: [vocab] each
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def fairness_key(self) -> str:
+        return self.adapter_name or ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still feeding known tokens (the prompt, or prompt + output after a preemption)."""
+        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]

@@ -1,0 +1,82 @@
+"""Derived sizes and component construction for LLMEngine (values are returned, never written to config)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from kubelora.engine.adapters.pool import DeviceLoRAPool
+from kubelora.engine.config import EngineConfig
+from kubelora.engine.model.attention import KVCache
+from kubelora.engine.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+CPU_KV_CAP_BYTES = 4 << 30
+
+
+def resolve_dtype(config: EngineConfig) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if config.device.startswith("cuda") else torch.float32
+    return getattr(torch, config.dtype)
+
+
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    if config.max_model_len is None:
+        return model.max_position_embeddings
+    if config.max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
+                         f"({model.max_position_embeddings}), got {config.max_model_len}")
+    return config.max_model_len
+
+
+def resolve_lora_backend(config: EngineConfig) -> str:
+    if config.lora_backend is not None:
+        return config.lora_backend
+    from kubelora.kernels import lora
+
+    default_backend = getattr(lora, "default_backend", None)
+    return default_backend(config.device) if default_backend is not None else "torch"
+
+
+def pool_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """Rank rows per module: the byte budget divided by the bytes of one rank row of every module."""
+    per_rank = DeviceLoRAPool.bytes_per_rank(model, dtype)
+    budget = config.max_lora_pool_bytes or config.max_loras * config.max_lora_rank * per_rank
+    rows = budget // per_rank
+    if rows < 1:
+        raise ValueError(f"max_lora_pool_bytes must hold at least one rank row of every module "
+                         f"({per_rank} bytes), got {budget}")
+    return rows
+
+
+def kv_block_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * config.kv_block_size * model.num_kv_heads * model.head_dim * element
+
+
+def num_kv_blocks(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int,
+                  device: torch.device) -> int:
+    block_bytes = kv_block_bytes(config, model, dtype)
+    needed = math.ceil(max_model_len / config.kv_block_size)
+    wanted = config.max_num_seqs * needed
+    if config.num_kv_blocks is not None:
+        blocks = config.num_kv_blocks
+    elif config.kv_cache_bytes is not None:
+        blocks = config.kv_cache_bytes // block_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        blocks = min(wanted, int(free * config.gpu_memory_utilization) // block_bytes)
+    else:
+        blocks = min(wanted, CPU_KV_CAP_BYTES // block_bytes)
+    if blocks < needed:
+        raise ValueError(f"the KV cache must hold one max_model_len sequence ({needed} blocks of "
+                         f"{config.kv_block_size} tokens); num_kv_blocks/kv_cache_bytes give {blocks}")
+    return blocks
+
+
+def allocate_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, blocks: int,
+                      device: torch.device) -> KVCache:
+    return KVCache.allocate(model.num_layers, blocks, config.kv_block_size, model.num_kv_heads, model.head_dim,
+                            dtype, device)
