@@ -1,0 +1,78 @@
+"""Tiny models and PEFT adapters built once per session (random weights, real transformers/PEFT writers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# name -> (rank, alpha, targets, use_rslora): different ranks, alphas, scalings and target sets.
+ADAPTERS = {
+    "r4-qv": (4, 8, "q_proj,v_proj", False),
+    "r8-all": (8, 16, "all-linear", False),
+    "r16-all-rs": (16, 8, "all-linear", True),
+    "r32-attn": (32, 64, "q_proj,k_proj,v_proj,o_proj", False),
+}
+MAX_RANK = 32
+
+
+@dataclass(frozen=True)
+class Material:
+    arch: str
+    model_dir: Path
+    adapters: dict[str, Path]
+
+
+def build_material(root: Path, arch: str) -> Material:
+    from kubelora.cli.tiny import make_adapter, make_tiny_model
+
+    model_dir = make_tiny_model(root / "model", arch=arch, seed=0)
+    adapters = {}
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items(), start=1):
+        adapters[name] = make_adapter(root / name, model_dir, rank=rank, alpha=alpha, targets=targets, seed=seed,
+                                      use_rslora=rslora)
+    return Material(arch, model_dir, adapters)
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory) -> Material:
+    return build_material(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def mistral(tmp_path_factory) -> Material:
+    return build_material(tmp_path_factory.mktemp("mistral"), "mistral")
+
+
+@pytest.fixture(scope="session")
+def qwen2(tmp_path_factory) -> Material:
+    return build_material(tmp_path_factory.mktemp("qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def material(request) -> Material:
+    """Parametrize indirectly with an arch name."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama_llm(llama):
+    """A shared engine with every test adapter loaded; tests must not unload them or leave requests behind."""
+    from kubelora.engine import LLM
+
+    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=MAX_RANK, max_cpu_loras=8)
+    for name, path in llama.adapters.items():
+        llm.load_adapter(name, path)
+    yield llm
+    llm.close()
+
+
+def make_prompt(index: int, length: int, vocab: int = 512) -> list[int]:
+    """Deterministic varied prompts (token ids away from the specials at the start of the vocabulary)."""
+    return [1] + [(17 + 31 * index + 7 * j) % (vocab - 20) + 10 for j in range(length - 1)]
+
+
+@pytest.fixture(scope="session")
+def prompt_ids():
+    return make_prompt

@@ -1,0 +1,127 @@
+"""The engine equals transformers + PEFT: prefill logits, >= 16 decode steps, greedy ids, any batch order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kubelora.engine import LLM, SamplingParams
+
+TOL = 1e-4  # float32 max abs logit difference
+NUM_DECODE = 18
+# 4 adapters of ranks 4/8/16/32 (attention-only and all-linear, one rsLoRA) mixed with base requests.
+BATCH = [None, "r4-qv", "r8-all", None, "r16-all-rs", "r32-attn", "r8-all", None]
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    return SamplingParams(max_tokens=NUM_DECODE, temperature=0.0, ignore_eos=True, return_logits=True)
+
+
+def build_reference(material):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(material.model_dir, dtype=torch.float32)
+    names = list(material.adapters)
+    model = PeftModel.from_pretrained(base, material.adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(material.adapters[name], adapter_name=name)
+    return model.eval()
+
+
+def reference_logits(model, adapter: str | None, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence, with that sequence's adapter (or none)."""
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                return model(ids).logits[0]
+        model.set_adapter(adapter)
+        return model(ids).logits[0]
+
+
+def run_engine(material, prompts, names, params, **options):
+    llm = LLM(material.model_dir, max_loras=4, max_lora_rank=32, **options)
+    for name, path in material.adapters.items():
+        llm.load_adapter(name, path)
+    try:
+        return llm.generate(prompts, params, adapters=names)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("material", ["llama", "mistral", "qwen2"], indirect=True)
+def test_mixed_batch_matches_transformers_peft(material, greedy, prompt_ids):
+    prompts = [prompt_ids(i, 5 + 3 * i) for i in range(len(BATCH))]
+    results = run_engine(material, prompts, BATCH, greedy)
+    reference = build_reference(material)
+    for name, prompt, result in zip(BATCH, prompts, results):
+        assert result.finish_reason == "length" and len(result.token_ids) == NUM_DECODE
+        expected = reference_logits(reference, name, prompt + result.token_ids[:-1])
+        num_prompt = len(prompt)
+        assert (result.prompt_logits - expected[:num_prompt]).abs().max() < TOL, name
+        assert (result.logits - expected[num_prompt - 1 :]).abs().max() < TOL, name
+        assert expected[num_prompt - 1 :].argmax(-1).tolist() == result.token_ids, name
+
+
+def test_adapters_change_the_output(llama_llm, prompt_ids):
+    """Guards the equivalence test against a no-op LoRA path: each adapter moves the logits."""
+    prompt = prompt_ids(3, 9)
+    params = SamplingParams(max_tokens=2, temperature=0.0, return_logits=True)
+    names = [None, *llama_llm.engine.adapters.list()]
+    results = llama_llm.generate([prompt] * len(names), params, adapters=[n if n is None else n.name for n in names])
+    base = results[0].prompt_logits
+    for result in results[1:]:
+        assert (result.prompt_logits - base).abs().max() > 1e-2, result.adapter
+
+
+def test_batch_order_does_not_matter(llama_llm, greedy, prompt_ids):
+    prompts = [prompt_ids(i, 4 + 2 * i) for i in range(len(BATCH))]
+    first = llama_llm.generate(prompts, greedy, adapters=BATCH)
+    order = list(range(len(BATCH)))
+    random.Random(7).shuffle(order)
+    shuffled = llama_llm.generate([prompts[i] for i in order], greedy, adapters=[BATCH[i] for i in order])
+    for position, i in enumerate(order):
+        assert shuffled[position].token_ids == first[i].token_ids
+        assert (shuffled[position].logits - first[i].logits).abs().max() < 1e-5
+
+
+def test_chunked_prefill_equals_unchunked(llama, greedy, prompt_ids):
+    prompts = [prompt_ids(i, 20 + 9 * i) for i in range(4)]
+    names = [None, "r8-all", "r32-attn", "r4-qv"]
+    whole = run_engine(llama, prompts, names, greedy)
+    chunked = run_engine(llama, prompts, names, greedy, max_num_batched_tokens=7, kv_block_size=4)
+    for a, b in zip(whole, chunked):
+        assert a.token_ids == b.token_ids
+        assert (a.prompt_logits - b.prompt_logits).abs().max() < TOL
+        assert (a.logits - b.logits).abs().max() < TOL
+
+
+def test_sharded_checkpoint_loads_the_same(llama, tmp_path, greedy, prompt_ids):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(llama.model_dir).save_pretrained(sharded, max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(llama.model_dir).save_pretrained(sharded)
+    assert (sharded / "model.safetensors.index.json").exists()
+    prompts = [prompt_ids(0, 8)]
+    single = run_engine(llama, prompts, ["r8-all"], greedy)
+    llm = LLM(sharded, max_loras=1, max_lora_rank=32)
+    llm.load_adapter("r8-all", llama.adapters["r8-all"])
+    from_shards = llm.generate(prompts, greedy, adapters=["r8-all"])
+    assert from_shards[0].token_ids == single[0].token_ids
+    assert (from_shards[0].logits - single[0].logits).abs().max() < 1e-6
+
+
+def test_bfloat16_runs_close_to_float32(llama, prompt_ids):
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_logits=True)
+    prompts = [prompt_ids(i, 10) for i in range(3)]
+    names = [None, "r16-all-rs", "r4-qv"]
+    fp32 = run_engine(llama, prompts, names, params)
+    bf16 = run_engine(llama, prompts, names, params, dtype="bfloat16")
+    for a, b in zip(fp32, bf16):
+        scale = a.prompt_logits.abs().max()
+        assert (a.prompt_logits - b.prompt_logits).abs().max() < 0.05 * scale
