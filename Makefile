@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# constraints.txt pins the versions CI and the docs were verified with (pip freeze of a green venv).
 # -P / PYTHONSAFEPATH: the repo root never lands on sys.path, so `operator/` cannot shadow the stdlib.
 export PYTHONSAFEPATH := 1
 
@@ -9,10 +10,10 @@ export PYTHONSAFEPATH := 1
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip setuptools wheel
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -c constraints.txt -e '.[test]'
 	touch $@
 
 test: venv

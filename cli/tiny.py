@@ -8,6 +8,7 @@ PEFT's own `save_pretrained`. Both are deterministic for a seed.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -113,11 +114,21 @@ def _perturb_defaults(model: torch.nn.Module, generator: torch.Generator) -> Non
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
 
 
+def _quiet_transformers() -> None:
+    """Progress bars and deprecation chatter from transformers would drown the CLI's one-line output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+
+
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **sizes: int) -> Path:
     """Write a random tiny `arch` model with its tokenizer to `out_dir`; return the directory."""
     from transformers import AutoModelForCausalLM
 
     spec = TinyModelSpec(arch=arch, seed=seed, **sizes)
+    _quiet_transformers()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size)
@@ -165,6 +176,7 @@ def make_adapter(
 
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
+    _quiet_transformers()
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=parse_targets(targets), lora_dropout=0.0,
                         use_rslora=use_rslora, task_type="CAUSAL_LM")
