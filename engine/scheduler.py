@@ -273,15 +273,12 @@ class Scheduler:
     def _fail_failed_loads(self) -> None:
         """Requests waiting for an adapter whose on-demand load failed finish with that error."""
         errors: dict[object, str | None] = {}
-        for queue in self._waiting.values():
-            for seq in list(queue):
-                if seq.adapter is None:
-                    continue
-                if seq.adapter not in errors:
-                    errors[seq.adapter] = self._adapters.take_load_error(seq.adapter)
-                if errors[seq.adapter] is not None:
-                    self.finish(seq, SequenceStatus.FINISHED_ERROR, errors[seq.adapter])
-                    self._finished_between_steps.append(seq)
+        for seq in [s for queue in self._waiting.values() for s in queue if s.adapter is not None]:
+            if seq.adapter not in errors:
+                errors[seq.adapter] = self._adapters.take_load_error(seq.adapter)
+            if errors[seq.adapter] is not None:
+                self.finish(seq, SequenceStatus.FINISHED_ERROR, errors[seq.adapter])
+                self._finished_between_steps.append(seq)
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         if not seq.params.ignore_eos and token in self.config.eos_token_ids:
