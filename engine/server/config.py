@@ -27,6 +27,7 @@ class Setting:
     help: str
     default: object = None
     is_list: bool = False  # repeatable flag; comma-separated in the environment
+    is_switch: bool = False  # --flag / --no-flag; true/false in the environment
 
     @property
     def dest(self) -> str:
@@ -55,7 +56,7 @@ def _lora(text: str) -> tuple[str, str]:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("--model", str, "base model directory (Hugging Face layout, safetensors)"),
-    Setting("--served-model-name", str, "name clients use for the base model (default: --model as given)"),
+    Setting("--served-model-name", str, "name clients use for the base model (default: the model directory's name)"),
     Setting("--lora", _lora, "adapter to load at start, NAME=PATH (repeatable)", is_list=True),
     Setting("--max-loras", int, "distinct adapters in one batch (adapter slots on the device)"),
     Setting("--max-lora-rank", int, "largest adapter rank accepted"),
@@ -63,6 +64,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--max-model-len", int, "prompt plus completion tokens per request"),
     Setting("--max-num-seqs", int, "sequences in one batch", default=64),
     Setting("--max-waiting-requests", int, "queued requests before 429", default=1024),
+    Setting("--max-lora-pool-bytes", int, "device adapter pool budget (default: max-loras x max-lora-rank rows)"),
+    Setting("--strict-base-model", _bool, "refuse adapters whose base_model_name_or_path names another model",
+            default=False, is_switch=True),
     Setting("--device", str, "cpu or cuda", default="cpu"),
     Setting("--dtype", str, "weights dtype: auto, float32, float16, bfloat16", default="auto"),
     Setting("--host", str, "listen address", default="0.0.0.0"),
@@ -84,10 +88,12 @@ class ServerConfig:
     max_lora_rank: int
     max_cpu_loras: int
     max_model_len: int
-    served_model_name: str = ""
+    served_model_name: str | None = None  # None: the engine's name for the model (its directory's name)
     lora: tuple[tuple[str, str], ...] = ()
     max_num_seqs: int = 64
     max_waiting_requests: int = 1024
+    max_lora_pool_bytes: int | None = None
+    strict_base_model: bool = False
     device: str = "cpu"
     dtype: str = "auto"
     host: str = "0.0.0.0"
@@ -100,11 +106,9 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", self.model)
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "max_model_len", "max_num_seqs",
-                     "max_waiting_requests", "max_adapter_bytes"):
-            if getattr(self, name) < 1:
+                     "max_waiting_requests", "max_adapter_bytes", "max_lora_pool_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
@@ -127,9 +131,13 @@ class ServerConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag defaults to None, so `resolve_config` can tell 'not given' from 'given'."""
     for s in SETTINGS:
+        help_text = f"{s.help} [env {s.env}]"
+        if s.is_switch:
+            parser.add_argument(s.flag, dest=s.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+            continue
         action = "append" if s.is_list else "store"
-        parser.add_argument(s.flag, dest=s.dest, type=s.parse, action=action, default=None,
-                            help=f"{s.help} [env {s.env}]")
+        parser.add_argument(s.flag, dest=s.dest, type=s.parse, action=action, default=None, help=help_text)
 
 
 def _from_env(s: Setting, environ: Mapping[str, str]) -> object:
@@ -171,6 +179,4 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str] | None =
     if missing:
         raise ValueError(f"missing required settings: {', '.join(missing)}")
     values["admin_token"] = _read_token(values.pop("admin_token_file"), environ)
-    if values["served_model_name"] is None:
-        values["served_model_name"] = ""
     return ServerConfig(**values)

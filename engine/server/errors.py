@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+
+from kubelora.engine import errors as engine_errors
 
 log = logging.getLogger("kubelora.engine.server")
 
@@ -123,17 +126,32 @@ def _from_http_exception(exc: web.HTTPException) -> ApiError:
     return error
 
 
-# Other modules (the engine adapter) register translations of engine-core exceptions here, keeping this
-# module free of engine imports: {exception class: callable(exc) -> ApiError}.
-TRANSLATORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {}
+def _queue_full(exc: engine_errors.QueueFull) -> ApiError:
+    return Overloaded(str(exc), retry_after_s=max(1, math.ceil(exc.retry_after_s)))
+
+
+# Engine-core errors by class; the most derived class in an exception's MRO wins. `code` is the engine's
+# own stable `type` string, so clients can tell e.g. adapter_rank_too_large from adapter_shape_mismatch.
+_ENGINE_ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
+    engine_errors.EngineError: lambda e: InvalidRequest(str(e), code=e.type),
+    engine_errors.InvalidRequest: lambda e: InvalidRequest(str(e), param="prompt", code=e.type),
+    engine_errors.UnknownAdapter: lambda e: ModelNotFound(f"model {e.adapter!r} does not exist", param="model"),
+    engine_errors.AdapterUnloading: lambda e: ModelNotFound(str(e), param="model", code=e.type),
+    engine_errors.PromptTooLong: lambda e: PromptTooLong(str(e), param="prompt"),
+    engine_errors.QueueFull: _queue_full,
+    engine_errors.AdapterError: lambda e: AdapterLoadError(str(e), param="lora_path", code=e.type),
+    engine_errors.AdapterExists: lambda e: AdapterConflict(str(e), param="lora_name", code=e.type),
+    engine_errors.AdapterChanged: lambda e: AdapterConflict(str(e), param="lora_path", code=e.type),
+}
 
 
 def translate(exc: BaseException) -> ApiError | None:
+    """The ApiError an exception stands for, or None when it is a bug."""
     if isinstance(exc, ApiError):
         return exc
     for cls in type(exc).__mro__:
-        if cls in TRANSLATORS:
-            return TRANSLATORS[cls](exc)
+        if cls in _ENGINE_ERRORS:
+            return _ENGINE_ERRORS[cls](exc)
     return None
 
 

@@ -20,7 +20,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def test_flags_only():
     config = resolve_config(_parse(REQUIRED_FLAGS + ["--lora", "a=/x", "--lora", "b=/y", "--port", "0"]), {})
-    assert config.model == "/m" and config.served_model_name == "/m"
+    assert config.model == "/m" and config.served_model_name is None
     assert config.lora == (("a", "/x"), ("b", "/y"))
     assert config.port == 0 and config.max_num_seqs == 64 and config.admin_token is None
 

@@ -1,0 +1,168 @@
+"""The aiohttp application: routes, the error middleware, and the engine's start and stop.
+
+The HTTP server listens before the model is loaded, so `/health` answers at once; `/ready` turns 200 when
+the model is loaded, the startup adapters are loaded and the engine thread runs. Engine-backed routes answer
+503 until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from aiohttp import web
+
+from kubelora.engine.server.admin_api import AdminRoutes
+from kubelora.engine.server.async_engine import AsyncEngine
+from kubelora.engine.server.config import ServerConfig
+from kubelora.engine.server.errors import Unavailable, error_middleware
+from kubelora.engine.server.logs import log_event
+from kubelora.engine.server.metrics import EngineView, ServerMetrics
+from kubelora.engine.server.openai_api import OpenAIRoutes
+from kubelora.engine.server.serving import Serving
+from kubelora.engine.server.sources import SourceConfig, resolve_source
+
+log = logging.getLogger("kubelora.engine.server")
+MAX_BODY_BYTES = 16 << 20
+NUM_ADMIN_THREADS = 4
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_engine(config: ServerConfig):
+    """The default engine factory: an LLMEngine with this server's limits."""
+    from kubelora.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model_dir=config.model, device=config.device, dtype=config.dtype, max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras, max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs, max_waiting=config.max_waiting_requests,
+        served_model_name=config.served_model_name or None, is_base_model_strict=config.strict_base_model,
+        **({"max_lora_pool_bytes": config.max_lora_pool_bytes} if config.max_lora_pool_bytes else {}),
+    ))
+
+
+def source_config(config: ServerConfig) -> SourceConfig:
+    return SourceConfig(roots=tuple(Path(r) for r in config.adapter_root), allowed_hosts=config.adapter_url_host,
+                        cache_dir=Path(config.adapter_cache_dir), max_bytes=config.max_adapter_bytes)
+
+
+class Lifecycle:
+    """Starts the engine in the background and holds the `Serving` once it is up."""
+
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[ServerConfig], object]) -> None:
+        self.config = config
+        self._factory = engine_factory
+        self.serving: Serving | None = None
+        self.failure: BaseException | None = None
+        self.done = asyncio.Event()  # set when startup has finished, well or not
+
+    def get_serving(self) -> Serving:
+        if self.serving is None:
+            reason = "failed to start; see the engine log" if self.failure else "is still starting"
+            raise Unavailable(f"the engine {reason}", code="engine_not_ready")
+        return self.serving
+
+    async def start(self) -> None:
+        try:
+            self.serving = await self._start()
+            log_event(log, "engine_ready", model=self.serving.model_name, max_model_len=self.serving.max_model_len)
+        except Exception as exc:  # noqa: BLE001 - reported through /ready and the CLI's exit code
+            self.failure = exc
+            log_event(log, "engine_start_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.done.set()
+
+    async def _start(self) -> Serving:
+        from transformers import AutoTokenizer
+
+        loop = asyncio.get_running_loop()
+        started = time.time()
+        engine = await loop.run_in_executor(None, self._factory, self.config)
+        tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, self.config.model)
+        metrics = ServerMetrics(engine.model_name, self.config.max_loras)
+        async_engine = AsyncEngine(engine, metrics.observe_finished)
+        async_engine.start()
+        serving = Serving(async_engine, tokenizer, engine.model_name, engine.max_model_len, metrics,
+                          source_config(self.config), ThreadPoolExecutor(NUM_ADMIN_THREADS, "kubelora-admin"),
+                          started)
+        try:
+            for name, path in self.config.lora:
+                await loop.run_in_executor(serving.admin_pool, _load_startup_adapter, serving, name, path)
+        except BaseException:
+            await self._stop(serving)
+            raise
+        return serving
+
+    async def stop(self) -> None:
+        if self.serving is not None:
+            await self._stop(self.serving)
+
+    @staticmethod
+    async def _stop(serving: Serving) -> None:
+        await serving.engine.stop()
+        serving.admin_pool.shutdown(wait=False, cancel_futures=True)
+        serving.engine.engine.close()
+
+
+def _load_startup_adapter(serving: Serving, name: str, path: str) -> None:
+    """Adapters named on the command line are trusted: local paths need no root (URLs still need a host)."""
+    if name == serving.model_name:
+        raise ValueError(f"--lora name {name!r} is the base model's served name")
+    local = resolve_source(serving.sources, path).path if path.startswith(("http://", "https://")) else path
+    info = serving.adapters.load(name, local)
+    log_event(log, "adapter_loaded", adapter=name, revision=info.revision, residency=info.tier, source=path)
+
+
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
+
+
+async def health(request: web.Request) -> web.Response:
+    lifecycle = request.app[LIFECYCLE]
+    serving = lifecycle.serving
+    if serving is not None and serving.engine.failure is not None:
+        return web.json_response({"status": "engine_failed"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    lifecycle = request.app[LIFECYCLE]
+    if lifecycle.serving is not None and lifecycle.serving.engine.is_running:
+        return web.json_response({"status": "ready"})
+    status = "failed" if lifecycle.failure or lifecycle.serving else "starting"
+    return web.json_response({"status": status}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    serving = request.app[LIFECYCLE].serving
+    if serving is None:
+        return web.Response(body=b"", content_type="text/plain")
+    engine = serving.engine.engine
+    view = EngineView(engine.snapshot(), [a for a in engine.adapters.list() if not a.is_unloading])
+    return web.Response(body=serving.metrics.render(view), headers={"Content-Type": PROMETHEUS_TEXT})
+
+
+def build_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], object] = build_engine
+              ) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    lifecycle = Lifecycle(config, engine_factory)
+    app[LIFECYCLE] = lifecycle
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    OpenAIRoutes(lifecycle.get_serving).add_to(app)
+    AdminRoutes(lifecycle.get_serving, config.admin_token).add_to(app)
+    app.cleanup_ctx.append(_engine_context)
+    return app
+
+
+async def _engine_context(app: web.Application):
+    lifecycle = app[LIFECYCLE]
+    task = asyncio.create_task(lifecycle.start())
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await lifecycle.stop()

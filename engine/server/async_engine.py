@@ -1,0 +1,143 @@
+"""The bridge between the asyncio server and the engine: one engine thread, per-HTTP-request output queues.
+
+The engine thread calls `LLMEngine.step()` while work exists and hands each step's outputs to the event loop
+with `call_soon_threadsafe`; the loop routes them to the queue of the HTTP request that owns them. Adding and
+aborting happen on the loop (both take the engine's scheduler lock only briefly, never across a forward
+pass). Adapter I/O never happens here: the adapter manager's loader threads load `known` adapters on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kubelora.engine.outputs import RequestOutput
+from kubelora.engine.sampling_params import SamplingParams
+from kubelora.engine.server.errors import Unavailable
+from kubelora.engine.server.logs import log_event
+
+log = logging.getLogger("kubelora.engine.server")
+IDLE_WAIT_S = 0.5  # the engine thread re-checks for shutdown this often while idle
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+
+
+class EngineStopped(Exception):
+    """Put on every open queue when the engine thread ends (shutdown, or a bug inside `step()`)."""
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request; their outputs arrive on one queue, in step order."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue) -> None:
+        self._engine = engine
+        self.request_ids = request_ids
+        self._queue = queue
+        self._unfinished = set(request_ids)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, EngineStopped):
+                raise Unavailable("the engine stopped while serving this request", code="engine_stopped")
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+            yield item
+
+    def close(self) -> None:
+        """Abort what has not finished (client gone, handler cancelled); safe to call twice."""
+        for request_id in self._unfinished:
+            self._engine.abort(request_id)
+        self._unfinished.clear()
+
+
+class AsyncEngine:
+    def __init__(self, engine, on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+        self.engine = engine
+        self._on_finished = on_finished
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.failure: BaseException | None = None  # set when step() raised: the engine is dead
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kubelora-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the engine thread; open requests see EngineStopped."""
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._fail_all()
+
+    def submit(self, requests: list[EngineRequest]) -> RequestGroup:
+        """Add every request or none: an engine error (QueueFull, UnknownAdapter...) aborts the ones added."""
+        if not self.is_running:
+            raise Unavailable("the engine is not running", code="engine_not_ready")
+        queue: asyncio.Queue = asyncio.Queue()
+        added: list[str] = []
+        try:
+            for r in requests:
+                self._queues[r.request_id] = queue
+                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.adapter, time.time())
+                added.append(r.request_id)
+        except BaseException:
+            for r in requests:
+                self._queues.pop(r.request_id, None)
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return RequestGroup(self, added, queue)
+
+    def abort(self, request_id: str) -> None:
+        # The queue stays registered until the "abort" output arrives, so metrics still see it finish.
+        self.engine.abort_request(request_id)
+
+    def _run(self) -> None:
+        log_event(log, "engine_thread_started")
+        try:
+            while not self._stopping.is_set():
+                if not self.engine.wait_for_work(IDLE_WAIT_S):
+                    continue
+                outputs = self.engine.step()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as exc:  # noqa: BLE001 - a bug in step(): report it, fail open requests, stop
+            self.failure = exc
+            log.exception("engine step failed; the engine is stopped")
+            self._loop.call_soon_threadsafe(self._fail_all)
+        finally:
+            log_event(log, "engine_thread_stopped", is_failure=self.failure is not None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if output.finished:
+                self._queues.pop(output.request_id, None)
+                if self._on_finished is not None:
+                    self._on_finished(output)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _fail_all(self) -> None:
+        queues = {id(q): q for q in self._queues.values()}
+        self._queues.clear()
+        for queue in queues.values():
+            queue.put_nowait(EngineStopped())

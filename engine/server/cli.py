@@ -1,0 +1,68 @@
+"""`kubelora engine serve`: flags and environment -> ServerConfig -> the aiohttp server, until SIGTERM/SIGINT.
+
+Exit codes: 0 after a signal, 1 when the engine fails to start, 2 for bad settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from kubelora.engine.server import config as server_config
+from kubelora.engine.server.app import LIFECYCLE, build_app
+from kubelora.engine.server.logs import configure_logging, log_event
+
+log = logging.getLogger("kubelora.engine.server")
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    server_config.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = server_config.resolve_config(args)
+    except (ValueError, OSError) as exc:
+        configure_logging("info")
+        log_event(log, "invalid_settings", logging.ERROR, error=str(exc))
+        return 2
+    configure_logging(config.log_level)
+    log_event(log, "starting", config=repr(config))
+    return asyncio.run(serve(build_app(config), config.host, config.port))
+
+
+async def serve(app: web.Application, host: str, port: int, stop: asyncio.Event | None = None) -> int:
+    """Run `app` until `stop` is set or a signal arrives; 1 when the engine fails to start."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (RuntimeError, ValueError):  # not the main thread (tests): the caller sets `stop`
+            pass
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine requests.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log_event(log, "listening", addresses=[list(a)[:2] for a in runner.addresses])
+    lifecycle = app[LIFECYCLE]
+    stopped = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(_wait_failed(lifecycle))
+    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, failed):
+        task.cancel()
+    await runner.cleanup()
+    log_event(log, "stopped", is_failure=lifecycle.failure is not None)
+    return 1 if lifecycle.failure is not None else 0
+
+
+async def _wait_failed(lifecycle) -> None:
+    await lifecycle.done.wait()
+    if lifecycle.failure is None:
+        await asyncio.Event().wait()  # started well: wait for the stop signal only
