@@ -1,0 +1,189 @@
+"""Bad adapters fail their own load with a typed error naming the adapter, the field and the limit; the
+engine keeps its loaded adapters and keeps generating the same outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kubelora.engine import LLM, SamplingParams
+from kubelora.engine import errors
+
+GOOD = "r8-all"
+
+
+@pytest.fixture(scope="module")
+def before(llama_llm, prompt_ids):
+    """Reference outputs of the shared engine before any bad load."""
+    return _probe(llama_llm, prompt_ids)
+
+
+def _probe(llm, prompt_ids):
+    names = [None, "r4-qv", "r8-all", "r32-attn"]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    results = llm.generate([prompt_ids(i, 7) for i in range(len(names))], params, adapters=names)
+    return [r.token_ids for r in results], sorted(a.name for a in llm.list_adapters())
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(path: Path, **changes) -> Path:
+    config_file = path / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(changes)
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+def _edit_tensors(path: Path, edit) -> Path:
+    weights = path / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    edit(tensors)
+    save_file(tensors, str(weights))
+    return path
+
+
+def _rank_too_high(tmp: Path, llama) -> Path:
+    from kubelora.cli.tiny import make_adapter
+
+    return make_adapter(tmp / "r64", llama.model_dir, rank=64, alpha=16)
+
+
+def _unknown_target(tmp: Path, llama) -> Path:
+    return _edit_config(_copy(llama.adapters[GOOD], tmp / "c_attn"), target_modules=["q_proj", "c_attn"])
+
+
+def _lm_head_tensor(tmp: Path, llama) -> Path:
+    def add_lm_head(tensors):
+        tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
+        tensors["base_model.model.lm_head.lora_B.weight"] = torch.zeros(512, 8)
+
+    path = _edit_config(_copy(llama.adapters[GOOD], tmp / "lm_head"), target_modules=".*proj|lm_head")
+    return _edit_tensors(path, add_lm_head)
+
+
+def _wrong_shapes(tmp: Path, llama) -> Path:
+    from kubelora.cli.tiny import make_adapter, make_tiny_model
+
+    other = make_tiny_model(tmp / "wide-model", arch="llama", hidden_size=96, num_heads=4, num_kv_heads=2)
+    return make_adapter(tmp / "wide", other, rank=8, alpha=16)
+
+
+def _truncated_weights(tmp: Path, llama) -> Path:
+    path = _copy(llama.adapters[GOOD], tmp / "truncated")
+    weights = path / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return path
+
+
+def _garbage_weights(tmp: Path, llama) -> Path:
+    path = _copy(llama.adapters[GOOD], tmp / "garbage")
+    (path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!" * 4)
+    return path
+
+
+def _missing_weights(tmp: Path, llama) -> Path:
+    path = _copy(llama.adapters[GOOD], tmp / "no-weights")
+    (path / "adapter_model.safetensors").unlink()
+    return path
+
+
+def _config_not_json(tmp: Path, llama) -> Path:
+    path = _copy(llama.adapters[GOOD], tmp / "bad-json")
+    (path / "adapter_config.json").write_text("{'r': 8, oops")
+    return path
+
+
+def _missing_dir(tmp: Path, llama) -> Path:
+    return tmp / "does-not-exist"
+
+
+def _dora(tmp: Path, llama) -> Path:
+    return _edit_config(_copy(llama.adapters[GOOD], tmp / "dora"), use_dora=True)
+
+
+def _int_tensors(tmp: Path, llama) -> Path:
+    def to_int(tensors):
+        for key in tensors:
+            tensors[key] = tensors[key].to(torch.int32)
+
+    return _edit_tensors(_copy(llama.adapters[GOOD], tmp / "int"), to_int)
+
+
+def _rank_pattern_too_high(tmp: Path, llama) -> Path:
+    def widen_q(tensors):
+        for key in list(tensors):
+            if "q_proj.lora_A" in key:
+                tensors[key] = torch.randn(40, 64)
+            elif "q_proj.lora_B" in key:
+                tensors[key] = torch.randn(64, 40)
+
+    path = _edit_config(_copy(llama.adapters[GOOD], tmp / "pattern"), rank_pattern={"q_proj": 40})
+    return _edit_tensors(path, widen_q)
+
+
+# (case, expected exception, field, text the message must contain: the limit or what was expected)
+CASES = [
+    (_rank_too_high, errors.AdapterRankTooLarge, "r", "max_lora_rank 32"),
+    (_rank_pattern_too_high, errors.AdapterRankTooLarge, "rank_pattern", "max_lora_rank 32"),
+    (_unknown_target, errors.AdapterTargetUnsupported, "target_modules", "c_attn"),
+    (_lm_head_tensor, errors.AdapterTargetUnsupported, "target_modules", "lm_head"),
+    (_wrong_shapes, errors.AdapterShapeMismatch, None, "64"),
+    (_truncated_weights, errors.AdapterCorrupt, "adapter_model.safetensors", "corrupt"),
+    (_garbage_weights, errors.AdapterCorrupt, "adapter_model.safetensors", "corrupt"),
+    (_missing_weights, errors.AdapterNotFound, "adapter_model.safetensors", "does not exist"),
+    (_config_not_json, errors.AdapterCorrupt, "adapter_config.json", "not valid JSON"),
+    (_missing_dir, errors.AdapterNotFound, "path", "not a directory"),
+    (_dora, errors.InvalidAdapter, "use_dora", "not supported"),
+    (_int_tensors, errors.InvalidAdapter, "dtype", "I32"),
+]
+
+
+@pytest.mark.parametrize("make_bad, error_type, field, text", CASES, ids=[c[0].__name__[1:] for c in CASES])
+def test_bad_adapter_fails_alone(llama_llm, llama, before, tmp_path, prompt_ids, make_bad, error_type, field, text):
+    path = make_bad(tmp_path, llama)
+    with pytest.raises(error_type) as info:
+        llama_llm.load_adapter("bad-one", path)
+    exc = info.value
+    assert exc.adapter == "bad-one" and "'bad-one'" in str(exc)
+    if field is not None:
+        assert exc.field == field and field in str(exc)
+    assert text in str(exc)
+    assert llama_llm.engine.adapters.get("bad-one") is None
+    assert _probe(llama_llm, prompt_ids) == before
+
+
+def test_loading_a_different_path_under_a_loaded_name_is_refused(llama_llm, llama, before, prompt_ids):
+    with pytest.raises(errors.AdapterExists) as info:
+        llama_llm.load_adapter(GOOD, llama.adapters["r4-qv"])
+    assert GOOD in str(info.value) and "load_inplace" in str(info.value)
+    assert llama_llm.load_adapter(GOOD, llama.adapters[GOOD]).name == GOOD  # same revision: success
+    assert _probe(llama_llm, prompt_ids) == before
+
+
+def test_base_model_mismatch_warns_or_errors(llama, tmp_path):
+    path = _edit_config(_copy(llama.adapters[GOOD], tmp_path / "other-base"),
+                        base_model_name_or_path="meta-llama/Llama-3.1-8B")
+    lenient = LLM(llama.model_dir, max_loras=1, max_lora_rank=32)
+    assert lenient.load_adapter("x", path).base_model == "meta-llama/Llama-3.1-8B"
+    strict = LLM(llama.model_dir, max_loras=1, max_lora_rank=32, is_base_model_strict=True)
+    with pytest.raises(errors.AdapterBaseModelMismatch) as info:
+        strict.load_adapter("x", path)
+    assert info.value.field == "base_model_name_or_path" and "Llama-3.1-8B" in str(info.value)
+    assert strict.load_adapter("ok", llama.adapters[GOOD]).tier == "host"
+
+
+def test_adapter_larger_than_the_pool_is_refused(llama):
+    llm = LLM(llama.model_dir, max_loras=1, max_lora_rank=32, max_lora_pool_bytes=200_000)
+    with pytest.raises(errors.AdapterTooLarge) as info:
+        llm.load_adapter("big", llama.adapters["r32-attn"])
+    assert info.value.field == "max_lora_pool_bytes"
+    llm.load_adapter("small", llama.adapters["r4-qv"])

@@ -1,0 +1,92 @@
+"""Sampling: greedy/temperature/top-k/top-p, per-request seeds, stop strings and stop token ids, max_tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubelora.engine import SamplingParams
+from kubelora.engine.detokenizer import _stable_prefix
+from kubelora.engine.sampler import sample
+
+
+def _draws(logits: torch.Tensor, params: SamplingParams, num: int = 400) -> set[int]:
+    generators = [torch.Generator().manual_seed(i) for i in range(num)]
+    rows = logits.expand(num, -1)
+    return set(sample(rows, [params] * num, generators))
+
+
+def test_top_k_restricts_support_to_the_k_largest():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0, 2.9]])
+    assert _draws(logits, SamplingParams(temperature=5.0, top_k=3)) == {1, 3, 5}
+    assert _draws(logits, SamplingParams(temperature=5.0, top_k=1)) == {1}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    logits = probs.log()
+    assert _draws(logits, SamplingParams(temperature=1.0, top_p=0.7)) == {1, 3}
+    assert _draws(logits, SamplingParams(temperature=1.0, top_p=0.85)) == {1, 2, 3}
+    assert _draws(logits, SamplingParams(temperature=1.0, top_p=0.01)) == {1}
+
+
+def test_greedy_rows_ignore_sampling_rows():
+    logits = torch.tensor([[0.0, 1.0, 0.5], [3.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)]
+    assert sample(logits, params, [None, torch.Generator().manual_seed(3)])[0] == 1
+
+
+def test_sampling_params_validation():
+    for bad in ({"top_p": 0.0}, {"top_k": -1}, {"temperature": -1.0}, {"max_tokens": 0}, {"stop": ("",)}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    assert SamplingParams(stop="###").stop == ("###",)
+
+
+def test_seeded_requests_reproduce_whatever_shares_the_batch(llama_llm, prompt_ids):
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    prompt = prompt_ids(2, 8)
+    alone = llama_llm.generate([prompt], seeded, adapters=["r8-all"])[0]
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    crowd = llama_llm.generate([prompt_ids(i, 5 + i) for i in range(5)] + [prompt],
+                               [others] * 5 + [seeded], adapters=[None, "r4-qv", "r8-all", None, "r32-attn", "r8-all"])
+    assert crowd[-1].token_ids == alone.token_ids
+    other_seed = llama_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=99,
+                                                              ignore_eos=True), adapters=["r8-all"])[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stop_token_ids_and_max_tokens(llama_llm, prompt_ids):
+    prompt = prompt_ids(4, 6)
+    free = llama_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    stop_id = free.token_ids[4]
+    first = free.token_ids.index(stop_id)
+    stopped = llama_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                          stop_token_ids=(stop_id,)))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
+
+
+def test_stop_strings_cut_the_text(llama_llm, prompt_ids):
+    prompt = prompt_ids(5, 6)
+    free = llama_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                              adapters=["r4-qv"])[0]
+    text = free.text
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip() and "\ufffd" not in
+                text[i : i + 2])
+    cut = text.index(stop)
+    stopped = llama_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                          stop=(stop, "never-there")), adapters=["r4-qv"])[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[:cut]
+    assert len(stopped.token_ids) < len(free.token_ids)
+    kept = llama_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=stop,
+                                                       include_stop_str_in_output=True), adapters=["r4-qv"])[0]
+    assert kept.text == text[: cut + len(stop)]
+
+
+def test_stream_text_holds_back_partial_stop_strings_and_characters():
+    assert _stable_prefix("hello wor", ("world",)) == "hello "
+    assert _stable_prefix("hello w", ("xyz",)) == "hello w"
+    assert _stable_prefix("abc\ufffd", ()) == "abc"
+    assert _stable_prefix("a##", ("###", "#!")) == "a"
