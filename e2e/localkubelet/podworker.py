@@ -59,7 +59,7 @@ class PodWorker(threading.Thread):
         self._clock = ConditionClock()
         self._last_status = ""
         self._message = ""
-        self._stop = threading.Event()
+        self._stop_requested = threading.Event()
         self._grace_s = float(spec.get("terminationGracePeriodSeconds", 30))
         self._delete_from_api = False
 
@@ -67,7 +67,7 @@ class PodWorker(threading.Thread):
     def request_stop(self, grace_s: float, delete_from_api: bool) -> None:
         self._grace_s = min(self._grace_s, grace_s)
         self._delete_from_api |= delete_from_api
-        self._stop.set()
+        self._stop_requested.set()
 
     def find_runner(self, name: str) -> ContainerRunner | None:
         return next((r for r in (*self.init_runners, *self.runners) if r.name == name), None)
@@ -75,14 +75,14 @@ class PodWorker(threading.Thread):
     # -- thread body -------------------------------------------------------------------------
     def run(self) -> None:
         try:
-            while not self._stop.is_set() and not self._setup_sandbox():
+            while not self._stop_requested.is_set() and not self._setup_sandbox():
                 self._push_status()
-                self._stop.wait(RETRY_S)
-            while not self._stop.is_set():
+                self._stop_requested.wait(RETRY_S)
+            while not self._stop_requested.is_set():
                 if self._phase() not in (PodPhase.SUCCEEDED, PodPhase.FAILED):
                     self._tick()
                 self._push_status()
-                self._stop.wait(TICK_S)
+                self._stop_requested.wait(TICK_S)
         except Exception:  # noqa: BLE001 - a pod bug must not leak its processes
             log.exception("pod %s worker crashed", self.key)
         finally:
@@ -209,7 +209,7 @@ class PodWorker(threading.Thread):
             self._last_status = encoded
         except ApiError as error:
             if error.status == 404:
-                self._stop.set()
+                self._stop_requested.set()
             else:
                 log.warning("pod %s: status update failed: %s", self.key, error)
 
