@@ -21,7 +21,7 @@ from kubelora.engine.server.errors import Unavailable
 from kubelora.engine.server.logs import log_event
 
 log = logging.getLogger("kubelora.engine.server")
-IDLE_WAIT_S = 0.5  # the engine thread re-checks for shutdown this often while idle
+IDLE_WAIT_S = 0.2  # the engine thread re-checks for shutdown this often while idle
 
 
 @dataclass(frozen=True)

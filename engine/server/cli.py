@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -36,8 +37,12 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(serve(build_app(config), config.host, config.port))
 
 
-async def serve(app: web.Application, host: str, port: int, stop: asyncio.Event | None = None) -> int:
-    """Run `app` until `stop` is set or a signal arrives; 1 when the engine fails to start."""
+async def serve(app: web.Application, host: str, port: int, stop: asyncio.Event | None = None,
+                on_listening: Callable[[list], None] | None = None) -> int:
+    """Run `app` until `stop` is set or a signal arrives; 1 when the engine fails to start.
+
+    `on_listening` gets the bound addresses (port 0 binds a free port).
+    """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -51,6 +56,8 @@ async def serve(app: web.Application, host: str, port: int, stop: asyncio.Event 
     site = web.TCPSite(runner, host, port)
     await site.start()
     log_event(log, "listening", addresses=[list(a)[:2] for a in runner.addresses])
+    if on_listening is not None:
+        on_listening(list(runner.addresses))
     lifecycle = app[LIFECYCLE]
     stopped = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(_wait_failed(lifecycle))

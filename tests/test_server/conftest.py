@@ -1,0 +1,205 @@
+"""Server test material: one tiny model, adapters under one adapter root, a live server harness, references.
+
+The live server runs in a thread with its own event loop on a free loopback port (`serve` from the CLI
+module, the code path `kubelora engine serve` takes), so tests drive it with the openai SDK and may also look
+at the engine inside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+
+from kubelora.engine.server.config import ServerConfig
+
+# name -> (rank, alpha, targets, seed): mixed ranks and target sets.
+ADAPTERS = {
+    f"a{i}": (rank, 2 * rank, targets, 10 + i)
+    for i, (rank, targets) in enumerate([(4, "q_proj,v_proj"), (8, "all-linear"), (16, "q_proj,k_proj,v_proj,o_proj"),
+                                         (8, "q_proj,v_proj"), (4, "all-linear"), (16, "q_proj,v_proj"),
+                                         (8, "q_proj,k_proj,v_proj,o_proj"), (8, "all-linear")])
+}
+MAX_LORA_RANK = 16
+MAX_MODEL_LEN = 512
+
+
+@dataclass(frozen=True)
+class Material:
+    root: Path
+    model_dir: Path
+    adapter_root: Path
+    adapters: dict[str, Path]  # the eight served adapters
+    extra: dict[str, Path] = field(default_factory=dict)  # revisions and bad adapters, also under the root
+
+
+def _corrupt(path: Path, good: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
+    (path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def material(tmp_path_factory) -> Material:
+    from kubelora.cli.tiny import make_adapter, make_tiny_model
+
+    root = tmp_path_factory.mktemp("server")
+    model_dir = make_tiny_model(root / "model", arch="llama", seed=0)
+    other_model = make_tiny_model(root / "other-model", arch="llama", seed=1, hidden_size=32, num_heads=2,
+                                  num_kv_heads=1)
+    adapter_root = root / "adapters"
+    adapters = {name: make_adapter(adapter_root / name, model_dir, rank=rank, alpha=alpha, targets=targets, seed=seed)
+                for name, (rank, alpha, targets, seed) in ADAPTERS.items()}
+    extra = {
+        "rev1": make_adapter(adapter_root / "rev" / "v1", model_dir, rank=8, seed=101),
+        "rev2": make_adapter(adapter_root / "rev" / "v2", model_dir, rank=4, seed=102),
+        "late": make_adapter(adapter_root / "late", model_dir, rank=8, targets="all-linear", seed=103),
+        "rank32": make_adapter(adapter_root / "rank32", model_dir, rank=32, seed=104),
+        "wrong-base": make_adapter(adapter_root / "wrong-base", other_model, rank=8, seed=105),
+    }
+    extra["corrupt"] = _corrupt(adapter_root / "corrupt", adapters["a0"])
+    return Material(root, model_dir, adapter_root, adapters, extra)
+
+
+def server_config(material: Material, **overrides) -> ServerConfig:
+    base = ServerConfig(model=str(material.model_dir), max_loras=2, max_lora_rank=MAX_LORA_RANK, max_cpu_loras=4,
+                        max_model_len=MAX_MODEL_LEN, host="127.0.0.1", port=0,
+                        adapter_root=(str(material.adapter_root),),
+                        adapter_cache_dir=str(material.root / "cache"))
+    return replace(base, **overrides)
+
+
+class LiveServer:
+    """`serve(build_app(config))` in a thread; `url`, `lifecycle` (the engine inside) once started."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        from kubelora.engine.server.app import LIFECYCLE, build_app
+
+        self.app = build_app(config)
+        self.lifecycle = self.app[LIFECYCLE]
+        self.admin_token = config.admin_token
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._port: int | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.exit_code: int | None = None
+
+    def _run(self) -> None:
+        from kubelora.engine.server import cli
+
+        asyncio.set_event_loop(self._loop)
+        self._stop = asyncio.Event()
+        self.exit_code = self._loop.run_until_complete(
+            cli.serve(self.app, "127.0.0.1", 0, self._stop, on_listening=self._set_port))
+
+    def _set_port(self, addresses: list) -> None:
+        self._port = addresses[0][1]
+
+    def start(self, timeout_s: float = 60.0) -> LiveServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._port is not None and self.lifecycle.done.is_set():
+                if self.lifecycle.failure is not None:
+                    raise RuntimeError(f"server failed to start: {self.lifecycle.failure}")
+                return self
+            time.sleep(0.05)
+        raise TimeoutError("server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    @property
+    def serving(self):
+        return self.lifecycle.serving
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, **kwargs)
+
+    def async_client(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, **kwargs)
+
+    def post(self, path: str, body: dict | bytes, token: str | None = None) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        token = token if token is not None else self.admin_token
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        return _call(urllib.request.Request(self.url + path, data=data, headers=headers, method="POST"))
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def load(self, name: str, path: Path | str, **extra) -> dict:
+        status, body = self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), **extra})
+        assert status == 200, body
+        return body
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+
+
+def _call(request: urllib.request.Request) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture
+def live_server(material):
+    """A factory: `live_server(**config overrides)` starts one; all are stopped after the test."""
+    servers: list[LiveServer] = []
+
+    def start(**overrides) -> LiveServer:
+        server = LiveServer(server_config(material, **overrides)).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(material):
+    """Offline greedy texts: `reference(adapter_name_or_None, [prompt_token_ids, ...], max_tokens)` -> texts."""
+    from kubelora.engine import LLM, SamplingParams
+
+    llm = LLM(str(material.model_dir), max_loras=8, max_lora_rank=MAX_LORA_RANK, max_cpu_loras=16,
+              max_model_len=MAX_MODEL_LEN)
+    paths = {**material.adapters, **material.extra}
+    cache: dict[tuple, str] = {}
+
+    def run(adapter: str | None, prompts: list[list[int]], max_tokens: int) -> list[str]:
+        missing = [p for p in prompts if (adapter, tuple(p), max_tokens) not in cache]
+        if adapter is not None and llm.engine.adapters.get(adapter) is None:
+            llm.load_adapter(adapter, paths[adapter])
+        if missing:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            for p, result in zip(missing, llm.generate(missing, params, adapters=adapter)):
+                cache[(adapter, tuple(p), max_tokens)] = result.text
+        return [cache[(adapter, tuple(p), max_tokens)] for p in prompts]
+
+    yield run
+    llm.close()
