@@ -142,29 +142,16 @@ def bench_shape(shape: Shape, bandwidth: float, dtype: torch.dtype, with_baselin
     return row
 
 
+# label -> (KernelConfig changes, tile heights the step may choose from; None: the default policy)
 TUNE_VARIANTS = {
-    "block_k=64": dict(block_k=64), "block_k=256": dict(block_k=256),
-    "target=512": dict(target_programs=512), "target=2048": dict(target_programs=2048),
-    "block_n=128": dict(block_n=128), "block_n=512": dict(block_n=512),
-    "shrink_warps=8": dict(shrink_warps=8), "expand_warps=8": dict(expand_warps=8),
-    "stages=2": dict(num_stages=2), "stages=4": dict(num_stages=4),
+    "tiles=16": ({}, (16,)), "tiles=16,32": ({}, (16, 32)),
+    "block_k=64": (dict(block_k=64), None), "block_k=256": (dict(block_k=256), None),
+    "target=512": (dict(target_programs=512), None), "target=2048": (dict(target_programs=2048), None),
+    "max_split=8": (dict(max_split=8), None), "max_split=32": (dict(max_split=32), None),
+    "block_n=128": (dict(block_n=128), None), "block_n=512": (dict(block_n=512), None),
+    "expand_warps=8": (dict(expand_warps=8), None), "block_n=256,expand_warps=8": (dict(block_n=256, expand_warps=8), None),
+    "stages=2": (dict(num_stages=2), None), "stages=4": (dict(num_stages=4), None),
 }
-
-
-def split_times(sets: list[BenchSet], config: KernelConfig) -> dict[str, float]:
-    """The shrink and the expand timed alone (the expand on shrink outputs computed beforehand)."""
-    from kubelora.kernels.lora_expand import lora_expand
-    from kubelora.kernels.lora_shrink import lora_shrink
-
-    slices = list(range(len(WIDTHS)))
-    offsets = [sum(WIDTHS[:s]) for s in slices]
-    shrink_out = {id(st): lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config) for st in sets}
-    return {
-        "shrink only": time_graph(lambda st: lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config), sets),
-        "expand only": time_graph(
-            lambda st: lora_expand(st.y, shrink_out[id(st)], st.lora_b, st.proj, st.step, slices, offsets, config),
-            sets),
-    }
 
 
 def tune(shapes: list[Shape], dtype: torch.dtype) -> list[str]:
@@ -178,9 +165,17 @@ def tune(shapes: list[Shape], dtype: torch.dtype) -> list[str]:
         base = DEFAULT_CONFIGS[step.block_m]
         times = {"default": time_graph(ours(base), sets)}
         times.update(split_times(sets, base))
-        for label, change in TUNE_VARIANTS.items():
-            times[label] = time_graph(ours(replace(base, **change)), sets)
-        lines.append(f"{shape.name} (block_m {step.block_m}): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+        for label, (change, heights) in TUNE_VARIANTS.items():
+            try:
+                variant_step = prepare_lora_step(list(shape.slots), len(shape.ranks), "cuda", tile_heights=heights) \
+                    if heights else step
+                for st in sets:
+                    st.step = variant_step
+                config = replace(DEFAULT_CONFIGS[variant_step.block_m], **change)
+                times[label] = time_graph(ours(config), sets)
+            except Exception as err:  # a variant that does not compile (e.g. out of shared memory) is skipped
+                print(f"  {label}: {str(err).splitlines()[0][:120]}")
+        lines.append(f"{shape.name} (tile {step.block_m}): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
         print(lines[-1], flush=True)
         del sets
         torch.cuda.empty_cache()
@@ -197,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     tune_lines = tune([s for s in shapes if s.name in args.tune], dtype) if args.tune else []
     rows = []
     for shape in shapes:
+        if args.shapes and shape.name not in args.shapes:
+            continue
         rows.append(bench_shape(shape, bandwidth, dtype, not args.no_baselines))
         print(format_table(rows[-1:], header=not rows[:-1]), flush=True)
     env = {
@@ -217,6 +214,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--date", default=None, help="date written into the report (default: today)")
     parser.add_argument("--no-baselines", action="store_true", help="time only the Triton op")
     parser.add_argument("--tune", nargs="*", default=[], help="shape names whose config variations to time")
+    parser.add_argument("--shapes", nargs="*", default=[], help="bench only these shape names (default: all)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,12 +39,12 @@ class Row:
 
 
 def format_table(rows: list[Row], header: bool = True) -> str:
-    cols = ["shape (tokens x adapters x rank)", "floor us", "ours us", "ours GB/s", "% copy BW",
+    cols = ["shape (tokens x adapters x rank)", "tile", "floor us", "ours us", "ours GB/s", "% copy BW",
             *[f"{b} us" for b in BASELINES], "best torch / ours", "rel err", "targets"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] if header else []
     for r in rows:
         ours = r.times["ours"]
-        cells = [r.name, f"{r.floor_us:.1f}", f"{ours:.1f}", f"{r.nbytes / ours / 1e3:.0f}",
+        cells = [r.name, str(r.block_m), f"{r.floor_us:.1f}", f"{ours:.1f}", f"{r.nbytes / ours / 1e3:.0f}",
                  f"{100 * r.floor_us / ours:.0f}%",
                  *[f"{r.times[b]:.1f}" if b in r.times else "-" for b in BASELINES],
                  f"{r.best_baseline / ours:.1f}x", f"{r.error:.1e}", ", ".join(r.targets())]

@@ -62,19 +62,24 @@ class LoRAProj:
     max_rank: tuple[int, ...]  # per slice, max of rank[:, s]: sizes the shrink buffer; 0 skips the slice
 
 
-def _tile_height(max_group: int) -> int:
-    return next((h for h in TILE_HEIGHTS if max_group <= h), TILE_HEIGHTS[-1])
+def _tile_height(max_group: int, tile_heights: tuple[int, ...]) -> int:
+    return next((h for h in tile_heights if max_group <= h), tile_heights[-1])
 
 
-def prepare_lora_step(token_slots: list[int], num_slots: int, device: torch.device | str) -> LoRAStep:
-    """Pack the token -> slot map and its slot-sorted tile table into one host buffer, one copy to device."""
+def prepare_lora_step(
+    token_slots: list[int], num_slots: int, device: torch.device | str, *, tile_heights: tuple[int, ...] = TILE_HEIGHTS
+) -> LoRAStep:
+    """Pack the token -> slot map and its slot-sorted tile table into one host buffer, one copy to device.
+
+    tile_heights: the tile heights to choose from (each a power of two >= 16); the benchmark narrows it.
+    """
     slots = torch.tensor(token_slots, dtype=torch.int64)
     has_slot = slots >= 0
     num_lora_tokens = int(has_slot.sum())
     # Stable sort by slot with the no-adapter tokens (key num_slots) last, then cut them off.
     order = torch.argsort(torch.where(has_slot, slots, num_slots), stable=True)[:num_lora_tokens]
     counts = torch.bincount(slots[has_slot], minlength=num_slots).tolist() if num_lora_tokens else []
-    block_m = _tile_height(max(counts, default=0))
+    block_m = _tile_height(max(counts, default=0), tile_heights)
     tiles: list[int] = []
     start = 0
     for slot, count in enumerate(counts):

@@ -21,7 +21,7 @@ def _expand_kernel(
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
     y_stride, num_sorted, lanes, split_k,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     pid_n = tl.program_id(0)
@@ -59,25 +59,27 @@ def _expand_kernel(
     tok = tl.load(sorted_ptr + start + offs_m, mask=m_mask, other=0)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < width
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    t_rows = t_ptr + ((start + offs_m) * NUM_S + j)[:, None] * lanes
-    split_stride = num_sorted * NUM_S * lanes
-    # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
-    for r0 in range(0, rank, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        t_mask = m_mask[:, None] & r_mask[None, :]
-        t = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for ks in range(0, split_k):
-            t += tl.load(t_rows + ks * split_stride + offs_r[None, :], mask=t_mask, other=0.0)
-        b_mask = r_mask[:, None] & n_mask[None, :]
-        b = tl.load(b_ptr + (row + offs_r)[:, None] * width + offs_n[None, :], mask=b_mask, other=0.0)
-        acc = tl.dot((t * scale).to(b.dtype), b, acc, input_precision=PRECISION)
-    # A slice the adapter does not adapt (rank 0) leaves y untouched, as do rows past the tile's tokens.
+    # y is loaded first so that its bytes are in flight while t and B arrive. Rows past the tile's tokens
+    # and slices the adapter does not adapt (rank 0) are neither read nor written.
     y_rows = offs_m < tl.where(rank > 0, count, 0)
     y_mask = y_rows[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # t partials of all K splits in one load, [SPLIT, BLOCK_M, BLOCK_R], summed in registers.
+    offs_s = tl.arange(0, SPLIT)
+    t_rows = t_ptr + offs_s[:, None, None] * (num_sorted * NUM_S * lanes) \
+        + ((start + offs_m) * NUM_S + j)[None, :, None] * lanes
+    ms_mask = (offs_s < split_k)[:, None, None] & m_mask[None, :, None]
+    # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        t_parts = tl.load(t_rows + offs_r[None, None, :], mask=ms_mask & r_mask[None, None, :], other=0.0)
+        t = tl.sum(t_parts, axis=0)
+        b_mask = r_mask[:, None] & n_mask[None, :]
+        b = tl.load(b_ptr + (row + offs_r)[:, None] * width + offs_n[None, :], mask=b_mask, other=0.0)
+        acc = tl.dot((t * scale).to(b.dtype), b, acc, input_precision=PRECISION)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
 
 
@@ -109,7 +111,7 @@ def lora_expand(
         *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2],
         y.stride(0), t.shape[1], t.shape[3], t.shape[0],
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
-        PRECISION=dot_precision(lora_b[0].dtype), num_warps=config.expand_warps, num_stages=config.num_stages,
+        SPLIT=triton.next_power_of_2(t.shape[0]), PRECISION=dot_precision(lora_b[0].dtype), num_warps=config.expand_warps, num_stages=config.num_stages,
     )
 
 

@@ -37,7 +37,7 @@ def test_report_targets():
     slow = Row("16 x 8 x 16", 100, 1.7, 1e-3, 16, {"ours": 12.0, "gather+bmm": 30.0})
     assert fast.targets() == [">=50% BW met", ">=3x torch met"]
     assert slow.targets() == ["<=10us MISSED", ">=3x torch MISSED"]
-    assert "| 64 x 32 x 64 | 24.0 | 40.0 |" in format_table([fast, slow])
+    assert "| 64 x 32 x 64 | 16 | 24.0 | 40.0 |" in format_table([fast, slow])
     mixed = Row("64 x 32 x 8..64 mixed", 100, 14.0, 1e-3, 16, {"ours": 25.0})
     uniform = Row("64 x 32 x 36", 100, 14.0, 1e-3, 16, {"ours": 20.0})
     assert "ratio 1.25 (target <= 1.2: MISSED)" in mixed_rank_lines([mixed, uniform])[0]
