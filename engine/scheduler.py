@@ -210,36 +210,56 @@ class Scheduler:
         in_batch = {s.adapter for s in self._running if s.adapter is not None}
         refused: set[str] = set()
         has_slot_waiter = False
-        while budget[0] > 0 and len(self._running) < self.config.max_num_seqs:
+        while self._has_room(budget):
             key = self._next_key(refused)
             if key is None:
                 return
-            seq = self._waiting[key][0]
-            revision = seq.adapter
+            revision = self._waiting[key][0].adapter
+            is_new_slot = revision is not None and revision not in in_batch
+            if is_new_slot and len(in_batch) >= self.config.max_loras:
+                refused.add(key)  # needs a slot: keys behind it must not hold theirs longer
+                has_slot_waiter = True
+                continue
+            if revision is not None and not is_new_slot and has_slot_waiter:
+                refused.add(key)  # let this adapter drain so the slot waiter gets in
+                continue
+            if revision is not None and not self._adapters.ensure_device(revision, protected=set(in_batch)):
+                refused.add(key)  # loading or no room: wait without blocking the others
+                continue
+            # A new slot admits a group of the adapter's queued requests at once: they run together and the
+            # adapter is not swapped in again for each of them.
+            if not self._admit_from(key, budget, chunks, self._grant_size if is_new_slot else 1):
+                return  # out of KV blocks: nothing else fits either
             if revision is not None:
-                if revision not in in_batch and len(in_batch) >= self.config.max_loras:
-                    refused.add(key)  # needs a slot: keys behind it must not hold theirs longer
-                    has_slot_waiter = True
-                    continue
-                if revision in in_batch and has_slot_waiter:
-                    refused.add(key)  # let this adapter drain so the slot waiter gets in
-                    continue
-                if not self._adapters.ensure_device(revision, protected=set(in_batch)):
-                    refused.add(key)  # loading or no room: wait without blocking the others
-                    continue
+                in_batch.add(revision)
+
+    def _admit_from(self, key: str, budget: list[int], chunks: list[ScheduledChunk], limit: int) -> int:
+        """Admit up to `limit` requests from the head of one key's queue that share the head's revision."""
+        queue = self._waiting[key]
+        revision = queue[0].adapter
+        count = 0
+        while count < limit and queue and queue[0].adapter is revision and self._has_room(budget):
+            seq = queue[0]
             num_new = min(seq.num_uncomputed_tokens, budget[0])
             if not self._blocks.grow(seq.request_id, seq.num_computed_tokens + num_new):
-                return  # out of KV blocks: nothing else fits either
-            self._waiting[key].popleft()
+                break
+            queue.popleft()
             self._num_waiting -= 1
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
-            self._drop_empty(key)
-            if revision is not None:
-                in_batch.add(revision)
             chunks.append(self._chunk(seq, num_new, slot=-1))
             budget[0] -= num_new
             self._fair.charge(key, num_new)
+            count += 1
+        self._drop_empty(key)
+        return count
+
+    def _has_room(self, budget: list[int]) -> bool:
+        return budget[0] > 0 and len(self._running) < self.config.max_num_seqs
+
+    @property
+    def _grant_size(self) -> int:
+        return max(1, self.config.max_num_seqs // self.config.max_loras)
 
     def _next_key(self, refused: set[str]) -> str | None:
         candidates = [k for k, q in self._waiting.items() if q and k not in refused]
