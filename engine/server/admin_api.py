@@ -12,16 +12,19 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kubelora.engine.adapters.revision import AdapterInfo
 from kubelora.engine.server.errors import InvalidRequest, Unauthorized
 from kubelora.engine.server.fields import decode_json_object
 from kubelora.engine.server.logs import log_event
 from kubelora.engine.server.protocol import LoadAdapterRequest, parse_load_adapter, parse_unload_adapter
 from kubelora.engine.server.serving import Serving
 from kubelora.engine.server.sources import resolve_source
+
+if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
+    from kubelora.engine import AdapterInfo
 
 log = logging.getLogger("kubelora.engine.server")
 

@@ -14,11 +14,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kubelora.engine.outputs import RequestOutput
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.server.errors import Unavailable
 from kubelora.engine.server.logs import log_event
+
+if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
+    from kubelora.engine import RequestOutput
 
 log = logging.getLogger("kubelora.engine.server")
 IDLE_WAIT_S = 0.2  # the engine thread re-checks for shutdown this often while idle

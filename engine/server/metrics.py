@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kubelora.engine.adapters.revision import AdapterInfo
-from kubelora.engine.outputs import EngineSnapshot, RequestOutput
+if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
+    from kubelora.engine import AdapterInfo, EngineSnapshot, RequestOutput
 
 TIERS = ("known", "host", "device")
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kubelora.engine.outputs import RequestOutput
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.server.async_engine import EngineRequest, RequestGroup
 from kubelora.engine.server.errors import ApiError, Unavailable
@@ -21,6 +21,8 @@ from kubelora.engine.server.protocol import parse_chat, parse_completion
 from kubelora.engine.server.responses import SSE_DONE, Choice, Envelope, Usage, sse_event, start_sse
 from kubelora.engine.server.serving import Serving
 
+if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
+    from kubelora.engine import RequestOutput
 
 class AdapterUnavailable(Unavailable):
     """503: the adapter's on-demand load failed; the next request for it retries the load."""

@@ -166,6 +166,12 @@ def _call(request: urllib.request.Request) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
+@pytest.fixture(scope="session")
+def config_for(material):
+    """`config_for(**overrides)` -> the ServerConfig tests start from."""
+    return lambda **overrides: server_config(material, **overrides)
+
+
 @pytest.fixture
 def live_server(material):
     """A factory: `live_server(**config overrides)` starts one; all are stopped after the test."""

@@ -1,0 +1,73 @@
+"""/metrics after a known workload: per-adapter counters and histograms, residency of idle adapters, engine
+gauges, and vLLM's `vllm:lora_requests_info` for LoRA-affinity routers."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _value(samples, name: str, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_metrics_after_known_workload(material, live_server):
+    server = live_server(max_loras=2)
+    server.load("a0", material.adapters["a0"])
+    server.load("a1", material.adapters["a1"])
+    server.load("a2", material.adapters["a2"], preload=False)
+    base = server.serving.model_name
+    client = server.client()
+    prompt = "Colors of the garden:"
+    num_prompt = len(server.serving.tokenizer.encode(prompt))
+    for _ in range(3):
+        client.completions.create(model="a0", prompt=prompt, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    for _ in range(2):
+        list(client.completions.create(model=base, prompt=prompt, max_tokens=3, stream=True,
+                                       extra_body={"ignore_eos": True}))
+
+    status, body = server.get("/metrics")
+    assert status == 200
+    s = _samples(body.decode())
+    assert _value(s, "kubelora_requests_total", adapter="a0", finish_reason="length") == 3
+    assert _value(s, "kubelora_requests_total", adapter=base, finish_reason="length") == 2
+    assert _value(s, "kubelora_generation_tokens_total", adapter="a0") == 15
+    assert _value(s, "kubelora_generation_tokens_total", adapter=base) == 6
+    assert _value(s, "kubelora_prompt_tokens_total", adapter="a0") == 3 * num_prompt
+    assert _value(s, "kubelora_time_to_first_token_seconds_count", adapter="a0") == 3
+    assert _value(s, "kubelora_time_per_output_token_seconds_count", adapter=base) == 2
+    for name in ("a0", "a1", "a2"):
+        assert _value(s, "kubelora_adapter_load_seconds_count", adapter=name) == 1
+        assert _value(s, "kubelora_requests_running", adapter=name) == 0  # idle adapters are listed too
+        assert _value(s, "kubelora_requests_waiting", adapter=name) == 0
+    for name, tier in (("a0", "device"), ("a1", "host"), ("a2", "known")):
+        for t in ("known", "host", "device"):
+            assert _value(s, "kubelora_adapter_residency", adapter=name, tier=t) == (t == tier)
+    a0 = server.serving.adapters.get("a0")
+    assert _value(s, "kubelora_adapter_info", adapter="a0", revision=a0.revision, rank="4") == 1
+    assert _value(s, "kubelora_adapter_device_bytes", adapter="a0") == a0.bytes
+    assert _value(s, "kubelora_adapter_host_bytes", adapter="a2") == 0
+    assert _value(s, "kubelora_adapter_pool_bytes", state="used") == a0.bytes
+    snapshot = server.serving.engine.engine.snapshot()
+    assert _value(s, "kubelora_adapter_pool_bytes", state="free") == snapshot.adapter_pool_total_bytes - a0.bytes
+    assert _value(s, "kubelora_adapter_loads_total") == 2  # a0 and a1 staged in host memory; a2 only known
+    assert _value(s, "kubelora_adapter_host_load_seconds_count") == 2
+    assert _value(s, "kubelora_adapter_evictions_total", tier="device") == 0
+    assert _value(s, "kubelora_engine_steps_total") >= 3 * 5
+    assert _value(s, "kubelora_kv_cache_usage_ratio") == 0
+    assert _value(s, "vllm:lora_requests_info", max_lora="2", running_lora_adapters="a0",
+                  waiting_lora_adapters="") > 0
+    assert _value(s, "vllm:num_requests_running", model_name=base) == 0
+    assert _value(s, "vllm:num_requests_waiting", model_name=base) == 0
+
+    # A second scrape does not count the same host loads twice.
+    s = _samples(server.get("/metrics")[1].decode())
+    assert _value(s, "kubelora_adapter_host_load_seconds_count") == 2
