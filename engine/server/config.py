@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ENV_PREFIX = "KUBELORA_"
-DEVICES = ("cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Adapter names appear in URLs, metric labels and Kubernetes status: keep them to a safe alphabet.
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
@@ -67,7 +66,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--max-lora-pool-bytes", int, "device adapter pool budget (default: max-loras x max-lora-rank rows)"),
     Setting("--strict-base-model", _bool, "refuse adapters whose base_model_name_or_path names another model",
             default=False, is_switch=True),
-    Setting("--device", str, "cpu or cuda", default="cpu"),
+    Setting("--device", str, "cpu, cuda or cuda:N", default="cpu"),
     Setting("--dtype", str, "weights dtype: auto, float32, float16, bfloat16", default="auto"),
     Setting("--host", str, "listen address", default="0.0.0.0"),
     Setting("--port", int, "listen port", default=8000),
@@ -114,8 +113,8 @@ class ServerConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.admin_token is not None and not self.admin_token:

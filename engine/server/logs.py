@@ -47,3 +47,14 @@ def configure_logging(level: str) -> None:
     root.setLevel(level.upper())
     # aiohttp's access log duplicates our request events.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.captureWarnings(True)  # warnings.warn(...) becomes a JSON line too
+    _route_transformers_logs()
+
+
+def _route_transformers_logs() -> None:
+    """transformers has its own stderr handler and progress bars; send its records through ours instead."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()

@@ -59,7 +59,7 @@ def test_bad_env_value_names_variable():
 @pytest.mark.parametrize("change, match", [
     ({"max_loras": 0}, "max_loras must be >= 1"),
     ({"max_cpu_loras": 1}, "max_cpu_loras"),
-    ({"device": "tpu"}, "device must be one of"),
+    ({"device": "tpu"}, "device must be cpu, cuda or cuda:N"),
     ({"lora": (("a", "/x"), ("a", "/y"))}, "unique"),
     ({"lora": (("../x", "/x"),)}, "must match"),
     ({"port": 70000}, "port"),

@@ -115,3 +115,34 @@ def test_admin_token(material, live_server):
     assert server.post("/v1/load_lora_adapter", body)[0] == 200
     # Inference and listing stay open.
     assert "a3" in [m.id for m in server.client().models.list().data]
+
+
+def _wait_idle(server, timeout_s: float) -> float:
+    import time
+
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        snapshot = server.serving.engine.engine.snapshot()
+        if not snapshot.num_running and not snapshot.num_waiting:
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise AssertionError(f"requests still in flight after {timeout_s}s")
+
+
+def test_client_disconnect_aborts(live_server):
+    """450 tokens take seconds on CPU; a client that leaves frees its sequence within a step or two."""
+    import openai
+
+    server = live_server()
+    base = server.serving.model_name
+    stream = _stream(server.client(), base, max_tokens=450)
+    next(iter(stream))
+    stream.close()
+    _wait_idle(server, 1.5)
+    with pytest.raises(openai.APITimeoutError):
+        server.client(timeout=0.5).completions.create(model=base, prompt=PROMPT, max_tokens=450,
+                                                      extra_body={"ignore_eos": True})
+    _wait_idle(server, 1.5)
+    aborted = server.serving.metrics.registry.get_sample_value(
+        "kubelora_requests_total", {"adapter": base, "finish_reason": "abort"})
+    assert aborted == 2
