@@ -9,7 +9,7 @@ export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/device.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -q -x tests/test_kernels \
+  timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -q -x -n "${TEST_WORKERS:-8}" tests/test_kernels \
     -o addopts="" --import-mode=importlib 2>&1 | tail -n 30 | tee "$OUT/tests.txt"
 fi
 timeout "${BENCH_TIMEOUT:-300}" python3 -P bench/kernels.py --write "$OUT/benchmarks.md" --date 2026-11-30 "$@" \

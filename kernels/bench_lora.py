@@ -142,6 +142,22 @@ def bench_shape(shape: Shape, bandwidth: float, dtype: torch.dtype, with_baselin
     return row
 
 
+def split_times(sets: list[BenchSet], config: KernelConfig) -> dict[str, float]:
+    """The shrink and the expand timed alone (the expand on shrink outputs computed beforehand)."""
+    from kubelora.kernels.lora_expand import lora_expand
+    from kubelora.kernels.lora_shrink import lora_shrink
+
+    slices = list(range(len(WIDTHS)))
+    offsets = [sum(WIDTHS[:s]) for s in slices]
+    shrink_out = {id(st): lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config) for st in sets}
+    return {
+        "shrink only": time_graph(lambda st: lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config), sets),
+        "expand only": time_graph(
+            lambda st: lora_expand(st.y, shrink_out[id(st)], st.lora_b, st.proj, st.step, slices, offsets, config),
+            sets),
+    }
+
+
 # label -> (KernelConfig changes, tile heights the step may choose from; None: the default policy)
 TUNE_VARIANTS = {
     "tiles=16": ({}, (16,)), "tiles=16,32": ({}, (16, 32)),
@@ -149,8 +165,9 @@ TUNE_VARIANTS = {
     "target=512": (dict(target_programs=512), None), "target=2048": (dict(target_programs=2048), None),
     "max_split=8": (dict(max_split=8), None), "max_split=32": (dict(max_split=32), None),
     "block_n=128": (dict(block_n=128), None), "block_n=512": (dict(block_n=512), None),
-    "expand_warps=8": (dict(expand_warps=8), None), "block_n=256,expand_warps=8": (dict(block_n=256, expand_warps=8), None),
-    "stages=2": (dict(num_stages=2), None), "stages=4": (dict(num_stages=4), None),
+    "expand_warps=4": (dict(expand_warps=4), None), "block_n=256,expand_warps=4": (dict(block_n=256, expand_warps=4), None),
+    "shrink_stages=2": (dict(shrink_stages=2), None), "shrink_stages=4": (dict(shrink_stages=4), None),
+    "expand_stages=1": (dict(expand_stages=1), None), "expand_stages=3": (dict(expand_stages=3), None),
 }
 
 

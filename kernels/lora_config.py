@@ -13,6 +13,8 @@ from kubelora.kernels.lora import LoRAProj
 BLOCK_R = 16
 # Output slices fused into one launch pair (q/k/v); a projection with more runs several pairs.
 MAX_SLICES = 3
+# K splits of the shrink: the last split adds all partials in one [split, tile, 16] register load.
+MAX_SPLIT = 32
 
 
 @dataclass(frozen=True)
@@ -22,26 +24,28 @@ class KernelConfig:
     block_k: int = 128  # shrink: in_dim columns per loop step
     shrink_warps: int = 4
     target_programs: int = 1024  # shrink: split in_dim until about this many programs run
-    max_split: int = 16  # shrink: at most this many partial sums for the expand to add
+    max_split: int = 16  # shrink: at most this many partial sums (times the tile height: registers)
+    shrink_stages: int = 3  # software pipelining depth of the shrink's in_dim loop
     block_n: int = 256  # expand: output columns per program
-    expand_warps: int = 4
-    num_stages: int = 3
+    expand_warps: int = 8
+    expand_stages: int = 2  # the expand's rank loop is 1..8 steps: a shallow pipeline
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
-        if self.max_split < 1 or self.target_programs < 1:
-            raise ValueError("KernelConfig.max_split and target_programs must be >= 1")
+        if not 1 <= self.max_split <= MAX_SPLIT or self.target_programs < 1:
+            raise ValueError(f"KernelConfig.max_split must be in 1..{MAX_SPLIT}, target_programs >= 1")
 
 
-# Per tile height: decode (16) splits in_dim widely because it has few tiles; prefill (64) has many tiles,
-# and every extra split is one more partial sum that each expand program re-reads.
+# Per tile height: decode (16) splits in_dim widely because it has few tiles; taller tiles split less (the
+# final sum holds split x height x 16 floats in registers). Expand warps: 8 keeps the y tile's registers
+# near 60-85 per thread (4 warps at 64 x 128 took 166, i.e. 3 programs per multiprocessor).
 DEFAULT_CONFIGS = {
-    16: KernelConfig(),
-    32: KernelConfig(max_split=8),
-    64: KernelConfig(max_split=4, block_n=128),
+    16: KernelConfig(expand_warps=8),
+    32: KernelConfig(max_split=8, block_n=128, expand_warps=8),
+    64: KernelConfig(max_split=4, block_n=128, expand_warps=8),
 }
 
 

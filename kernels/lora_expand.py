@@ -19,9 +19,9 @@ from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_
 def _expand_kernel(
     y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, num_sorted, lanes, split_k,
+    y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     pid_n = tl.program_id(0)
@@ -66,17 +66,12 @@ def _expand_kernel(
     y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # t partials of all K splits in one load, [SPLIT, BLOCK_M, BLOCK_R], summed in registers.
-    offs_s = tl.arange(0, SPLIT)
-    t_rows = t_ptr + offs_s[:, None, None] * (num_sorted * NUM_S * lanes) \
-        + ((start + offs_m) * NUM_S + j)[None, :, None] * lanes
-    ms_mask = (offs_s < split_k)[:, None, None] & m_mask[None, :, None]
+    t_rows = t_ptr + ((start + offs_m) * NUM_S + j)[:, None] * lanes
     # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
-        t_parts = tl.load(t_rows + offs_r[None, None, :], mask=ms_mask & r_mask[None, None, :], other=0.0)
-        t = tl.sum(t_parts, axis=0)
+        t = tl.load(t_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         b_mask = r_mask[:, None] & n_mask[None, :]
         b = tl.load(b_ptr + (row + offs_r)[:, None] * width + offs_n[None, :], mask=b_mask, other=0.0)
         acc = tl.dot((t * scale).to(b.dtype), b, acc, input_precision=PRECISION)
@@ -93,9 +88,9 @@ def lora_expand(
     y_offsets: list[int],
     config: KernelConfig,
 ) -> None:
-    """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * (sum_k t[k, i, j, :r]) @ B_{a,s}^T, tok = sorted[i], s = slices[j].
+    """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * t[i, j, :r] @ B_{a,s}^T, tok = sorted[i], s = slices[j].
 
-    y: [num_tokens, total_width]; t: [split_k, num_lora_tokens, len(slices), lanes] from the shrink;
+    y: [num_tokens, total_width]; t: [num_lora_tokens, len(slices), lanes] from the shrink;
     lora_b[j]: [num_rows, d_j], the pool of slice slices[j]; y_offsets[j]: its first column in y.
     Rows of tokens without adapter and slices of rank 0 are not touched.
     """
@@ -109,9 +104,9 @@ def lora_expand(
         y, *(lora_b + [lora_b[0]] * pad), t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, proj.scale,
         *(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
         *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2],
-        y.stride(0), t.shape[1], t.shape[3], t.shape[0],
+        y.stride(0), t.shape[2],
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
-        SPLIT=triton.next_power_of_2(t.shape[0]), PRECISION=dot_precision(lora_b[0].dtype), num_warps=config.expand_warps, num_stages=config.num_stages,
+        PRECISION=dot_precision(lora_b[0].dtype), num_warps=config.expand_warps, num_stages=config.expand_stages,
     )
 
 
@@ -125,19 +120,18 @@ def lora_expand_torch(
     y_offsets: list[int],
     config: KernelConfig | None = None,
 ) -> None:
-    """Reference: y[tok, off_j:off_j+d_j] += scale[a,s] * (sum_k t[k, i, j, :r]) @ B_{a,s}^T, tok = sorted[i], s = slices[j].
+    """Reference: y[tok, off_j:off_j+d_j] += scale[a,s] * t[i, j, :r] @ B_{a,s}^T, tok = sorted[i], s = slices[j].
 
     Same arguments as `lora_expand` (config ignored); computes in float32, adds once into y.
     """
     tokens = step.sorted_tokens
     token_slot = step.token_slots[tokens]
-    t_sum = t.sum(0)
     for j, (s, b_pool, off) in enumerate(zip(slices, lora_b, y_offsets)):
         for slot in range(step.num_slots):
             rank, row = int(proj.rank[slot, s]), int(proj.row_start[slot, s])
             pos = torch.nonzero(token_slot == slot).flatten()
             if rank == 0 or pos.numel() == 0:
                 continue
-            delta = float(proj.scale[slot, s]) * (t_sum[pos, j, :rank] @ b_pool[row : row + rank].float())
+            delta = float(proj.scale[slot, s]) * (t[pos, j, :rank] @ b_pool[row : row + rank].float())
             cols = slice(off, off + b_pool.shape[1])
             y[tokens[pos], cols] = (y[tokens[pos], cols].float() + delta).to(y.dtype)

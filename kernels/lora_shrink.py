@@ -2,8 +2,8 @@
 
 The Triton kernel and its PyTorch reference share one signature. Both work on the slot-sorted view of the
 step (`LoRAStep.sorted_tokens`, `LoRAStep.tiles`) and write `t` in sorted order, so the expand reads one
-tile's rows contiguously. The kernel splits the reduction over in_dim into `split_k` partial sums (the
-expand adds them), because a decode step has too few (tile, rank chunk) pairs to fill the GPU on its own.
+tile's rows contiguously. The kernel splits the reduction over in_dim into `split_k` programs, because a decode step has too few
+(tile, rank chunk) pairs to fill the GPU on its own; the last of them to finish adds the partial sums.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
-from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes
+from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
 
 
 @triton.jit
@@ -25,11 +25,20 @@ def _shrink_dot(acc, x_tile, a_ptr, row_start, rank, offs_r, offs_k, k_mask, in_
 
 
 @triton.jit
+def _sum_splits(parts_ptr, rows, plane, split_k, mask, SPLIT: tl.constexpr):
+    # All partials in one load, [SPLIT, BLOCK_M, BLOCK_R], summed in registers in split order (deterministic).
+    offs_s = tl.arange(0, SPLIT)
+    ptrs = parts_ptr + offs_s[:, None, None] * plane + rows[None, :, :]
+    parts = tl.load(ptrs, mask=(offs_s < split_k)[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg")
+    return tl.sum(parts, axis=0)
+
+
+@triton.jit
 def _shrink_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
-    col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, k_per_split,
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
+    col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Program (tile, rank chunk of BLOCK_R lanes, K split): all slices at once, so x is read once per split.
     tile = tl.program_id(0) // num_chunks
@@ -71,17 +80,56 @@ def _shrink_kernel(
             acc1 = _shrink_dot(acc1, x_tile, a1_ptr, row1, rank1, offs_r, offs_k, k_mask, in_dim, PRECISION)
         if NUM_S > 2:
             acc2 = _shrink_dot(acc2, x_tile, a2_ptr, row2, rank2, offs_r, offs_k, k_mask, in_dim, PRECISION)
-    # t: [split_k, num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written.
-    t_rows = t_ptr + ((ks * num_sorted + start + offs_m) * NUM_S)[:, None] * lanes + offs_r[None, :]
-    tl.store(t_rows, acc0, mask=m_mask[:, None] & (offs_r < rank0)[None, :])
+    # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written.
+    rows = ((start + offs_m) * NUM_S)[:, None] * lanes + offs_r[None, :]
+    mask0 = m_mask[:, None] & (offs_r < rank0)[None, :]
+    mask1 = m_mask[:, None] & (offs_r < rank1)[None, :]
+    mask2 = m_mask[:, None] & (offs_r < rank2)[None, :]
+    if SPLIT > 1:
+        # Write this split's partial; the last split of the (tile, chunk) to arrive adds them all up. The
+        # barrier makes every thread's partial visible before the (release) atomic; the arrival counter
+        # is reset by that last program, ready for the next launch.
+        plane = num_sorted * NUM_S * lanes
+        tl.store(parts_ptr + ks * plane + rows, acc0, mask=mask0)
+        if NUM_S > 1:
+            tl.store(parts_ptr + ks * plane + rows + lanes, acc1, mask=mask1)
+        if NUM_S > 2:
+            tl.store(parts_ptr + ks * plane + rows + 2 * lanes, acc2, mask=mask2)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
+        is_last = arrived == split_k - 1
+        if is_last:
+            acc0 = _sum_splits(parts_ptr, rows, plane, split_k, mask0, SPLIT)
+            if NUM_S > 1:
+                acc1 = _sum_splits(parts_ptr, rows + lanes, plane, split_k, mask1, SPLIT)
+            if NUM_S > 2:
+                acc2 = _sum_splits(parts_ptr, rows + 2 * lanes, plane, split_k, mask2, SPLIT)
+            tl.store(arrivals_ptr + tl.program_id(0), 0)
+        # Only the last arrival writes t (a tile of no rows for the others).
+        m_mask = offs_m < tl.where(is_last, count, 0)
+    tl.store(t_ptr + rows, acc0, mask=m_mask[:, None] & (offs_r < rank0)[None, :])
     if NUM_S > 1:
-        tl.store(t_rows + lanes, acc1, mask=m_mask[:, None] & (offs_r < rank1)[None, :])
+        tl.store(t_ptr + rows + lanes, acc1, mask=m_mask[:, None] & (offs_r < rank1)[None, :])
     if NUM_S > 2:
-        tl.store(t_rows + 2 * lanes, acc2, mask=m_mask[:, None] & (offs_r < rank2)[None, :])
+        tl.store(t_ptr + rows + 2 * lanes, acc2, mask=m_mask[:, None] & (offs_r < rank2)[None, :])
+
+
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
+    """Per-device int32 counters, zero between launches (each launch's last arrivals reset theirs).
+
+    Allocated once per device and grown when a step needs more; one stream at a time may use them.
+    """
+    counters = _arrivals.get(device)
+    if counters is None or counters.numel() < size:
+        counters = _arrivals[device] = torch.zeros(max(size, 4096), device=device, dtype=torch.int32)
+    return counters
 
 
 def _new_workspace(*shape: int, device: torch.device) -> torch.Tensor:
-    # Uninitialised on purpose: the expand reads only what the shrink wrote (tests poison it through here).
+    # Uninitialised on purpose: every read is of something written before (tests poison it through here).
     return torch.empty(shape, device=device, dtype=torch.float32)
 
 
@@ -89,6 +137,7 @@ def plan_split(in_dim: int, num_programs: int, config: KernelConfig, split_k: in
     """(split_k, k_per_split): enough K splits to reach config.target_programs, each a multiple of BLOCK_K."""
     if split_k is None:
         split_k = max(1, min(config.max_split, config.target_programs // max(num_programs, 1)))
+    split_k = min(split_k, MAX_SPLIT)
     k_per_split = triton.cdiv(triton.cdiv(in_dim, split_k), config.block_k) * config.block_k
     return triton.cdiv(in_dim, k_per_split), k_per_split
 
@@ -102,11 +151,12 @@ def lora_shrink(
     config: KernelConfig,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """Triton: sum_k t[k, i, j, :r] = x[sorted[i]] @ A_{a,s}^T, a = slot of sorted[i], s = slices[j], r = rank[a, s].
+    """Triton: t[i, j, :r] = x[sorted[i]] @ A_{a,s}^T, a = slot of sorted[i], s = slices[j], r = rank[a, s].
 
     x: [num_tokens, in_dim]; lora_a[j]: [num_rows, in_dim], the pool of slice slices[j] (at most 3 slices);
-    returns t: [split_k, num_lora_tokens, len(slices), lanes] float32, lanes = max rank rounded up to
-    BLOCK_R. Lanes at or past a token's rank are not written (garbage); the expand never reads them.
+    returns t: [num_lora_tokens, len(slices), lanes] float32 in slot-sorted token order, lanes = the max
+    rank rounded up to BLOCK_R. Lanes at or past a token's rank are not written; the expand never reads
+    them. split_k (default: planned from config) splits the in_dim reduction over that many programs.
     """
     assert 1 <= len(slices) <= MAX_SLICES and len(lora_a) == len(slices)
     assert x.stride(1) == 1 and all(a.is_contiguous() and a.dtype == x.dtype for a in lora_a)
@@ -114,14 +164,18 @@ def lora_shrink(
     num_chunks = lanes // BLOCK_R
     in_dim = x.shape[1]
     split_k, k_per_split = plan_split(in_dim, step.num_tiles * num_chunks, config, split_k)
-    t = _new_workspace(split_k, step.sorted_tokens.numel(), len(slices), lanes, device=x.device)
+    num_sorted = step.sorted_tokens.numel()
+    t = _new_workspace(num_sorted, len(slices), lanes, device=x.device)
+    parts = _new_workspace(split_k if split_k > 1 else 0, num_sorted, len(slices), lanes, device=x.device)
+    arrivals = arrival_counters(x.device, step.num_tiles * num_chunks)
     pools = lora_a + [lora_a[0]] * (MAX_SLICES - len(lora_a))
     cols = slices + [slices[0]] * (MAX_SLICES - len(slices))
     _shrink_kernel[(step.num_tiles * num_chunks, split_k)](
-        x, *pools, t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
-        *cols, proj.rank.stride(0), in_dim, x.stride(0), t.shape[1], num_chunks, lanes, k_per_split,
+        x, *pools, t, parts, arrivals, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
+        *cols, proj.rank.stride(0), in_dim, x.stride(0), num_sorted, num_chunks, lanes, split_k, k_per_split,
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
-        PRECISION=dot_precision(x.dtype), num_warps=config.shrink_warps, num_stages=config.num_stages,
+        SPLIT=triton.next_power_of_2(split_k), PRECISION=dot_precision(x.dtype),
+        num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     return t
 
@@ -135,18 +189,18 @@ def lora_shrink_torch(
     config: KernelConfig | None = None,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """Reference: t[0, i, j, :r] = x[sorted[i]] @ A_{a,s}^T, a = slot of sorted[i], s = slices[j], r = rank[a, s].
+    """Reference: t[i, j, :r] = x[sorted[i]] @ A_{a,s}^T, a = slot of sorted[i], s = slices[j], r = rank[a, s].
 
     Same arguments as `lora_shrink` (config and split_k ignored); computes in float32, lanes past the
-    rank are zero, split_k is 1.
+    rank are zero.
     """
     lanes = num_lanes(proj, slices)
     tokens = step.sorted_tokens
-    t = torch.zeros(1, tokens.numel(), len(slices), lanes, device=x.device, dtype=torch.float32)
+    t = torch.zeros(tokens.numel(), len(slices), lanes, device=x.device, dtype=torch.float32)
     token_slot = step.token_slots[tokens]
     for j, (s, a_pool) in enumerate(zip(slices, lora_a)):
         for slot in range(step.num_slots):
             rank, row = int(proj.rank[slot, s]), int(proj.row_start[slot, s])
             pos = torch.nonzero(token_slot == slot).flatten()
-            t[0, pos, j, :rank] = x[tokens[pos]].float() @ a_pool[row : row + rank].float().T
+            t[pos, j, :rank] = x[tokens[pos]].float() @ a_pool[row : row + rank].float().T
     return t
