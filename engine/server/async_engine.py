@@ -134,6 +134,9 @@ class AsyncEngine:
             queue = self._queues.get(output.request_id)
             if output.finished:
                 self._queues.pop(output.request_id, None)
+                log_event(log, "request_finished", logging.DEBUG, request_id=output.request_id,
+                          adapter=output.adapter, finish_reason=output.finish_reason,
+                          num_prompt_tokens=output.num_prompt_tokens, num_generated_tokens=len(output.token_ids))
                 if self._on_finished is not None:
                     self._on_finished(output)
             if queue is not None:

@@ -181,3 +181,38 @@ async def test_bug_gives_500_without_details(aiohttp_client, config_for):
                          "server_error")
     assert "secret" not in error["message"]
     assert (await client.post("/v1/completions", json={"model": "model", "prompt": [8], "max_tokens": 2})).status == 200
+
+
+@pytest.fixture
+def served_archive(material, tmp_path):
+    """a4 as a .tar.gz on a loopback HTTP server: (url, sha256)."""
+    import hashlib
+    import http.server
+    import tarfile
+    import threading
+
+    archive = tmp_path / "www" / "a4.tar.gz"
+    archive.parent.mkdir()
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(material.adapters["a4"], arcname="a4")
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(archive.parent), **k)  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/a4.tar.gz", hashlib.sha256(archive.read_bytes()).hexdigest()
+    server.shutdown()
+    server.server_close()
+
+
+async def test_load_from_url(aiohttp_client, config_for, material, served_archive, tmp_path):
+    url, digest = served_archive
+    client = await _start(aiohttp_client, config_for(adapter_url_host=("127.0.0.1",),
+                                                     adapter_cache_dir=str(tmp_path / "cache")))
+    await _error(await client.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": "0" * 64}), 400,
+                 "adapter_source_error", "sha256", "sha256_mismatch")
+    response = await client.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": digest})
+    card = (await response.json())["adapter"]
+    assert response.status == 200 and card["root"].startswith(str(tmp_path / "cache"))
+    again = await client.post("/v1/load_lora_adapter", json=_load("web", url))
+    assert (await again.json())["was_loaded"]  # same bytes, same cache directory, same revision
+    ok = await client.post("/v1/completions", json={**COMPLETION, "model": "web"})
+    assert ok.status == 200
