@@ -1,8 +1,19 @@
-"""`kubelora demo`: a tiny model, several LoRA adapters, one mixed batch, each adapter's output printed."""
+"""`kubelora demo`: the engine server on a tiny built-in model, adapters hot-loaded over HTTP, tenants calling
+it with the openai SDK in one mixed batch. `--offline` runs the same adapters through the offline `LLM` API.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 # (name, rank, alpha, targets): different ranks and target sets, served together in one batch.
@@ -12,6 +23,8 @@ DEMO_ADAPTERS = (
     ("tenant-c", 16, 16, "all-linear"),
 )
 DEMO_PROMPTS = ("The operator watches the cluster", "Colors of the garden:", "Hello! How are you")
+MAX_TOKENS = 12
+READY_TIMEOUT_S = 120
 
 
 def build_demo_material(workdir: Path) -> tuple[Path, dict[str, Path]]:
@@ -29,19 +42,155 @@ def build_demo_material(workdir: Path) -> tuple[Path, dict[str, Path]]:
     return model_dir, adapters
 
 
-def run_demo(workdir: str | None = None, device: str = "cpu") -> int:
+def run_demo(workdir: str | None = None, device: str = "cpu", offline: bool = False) -> int:
+    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kubelora-demo-"))
+    print(f"== building a tiny Llama model and {len(DEMO_ADAPTERS)} PEFT adapters in {root}")
+    model_dir, adapters = build_demo_material(root)
+    if offline:
+        return _run_offline(model_dir, adapters, device)
+    return _run_served(root, model_dir, device)
+
+
+def _requests() -> list[tuple[str, str | None]]:
+    names: list[str | None] = [None, *(name for name, *_ in DEMO_ADAPTERS)]
+    return [(prompt, name) for prompt in DEMO_PROMPTS for name in names]
+
+
+def _run_offline(model_dir: Path, adapters: dict[str, Path], device: str) -> int:
     from kubelora.engine import LLM, SamplingParams
 
-    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kubelora-demo-"))
-    model_dir, adapters = build_demo_material(root)
     llm = LLM(str(model_dir), max_loras=len(adapters), max_lora_rank=16, max_cpu_loras=8, device=device)
     for name, path in adapters.items():
         llm.load_adapter(name, str(path))
-    names: list[str | None] = [None, *adapters]
-    prompts = [prompt for prompt in DEMO_PROMPTS for _ in names]
-    chosen = [name for _ in DEMO_PROMPTS for name in names]
-    results = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), adapters=chosen)
-    print(f"model: {model_dir}  ({len(prompts)} requests, {len(adapters)} adapters + base, one batch)")
-    for prompt, name, result in zip(prompts, chosen, results):
+    pairs = _requests()
+    results = llm.generate([p for p, _ in pairs], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+                           adapters=[a for _, a in pairs])
+    print(f"== {len(pairs)} requests, {len(adapters)} adapters + base, one batch (offline API)")
+    for (prompt, name), result in zip(pairs, results):
         print(f"[{name or 'base':>9}] {prompt!r} -> {result.text!r} ({result.finish_reason})")
     return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_server(root: Path, model_dir: Path, device: str, port: int) -> subprocess.Popen:
+    command = [
+        sys.executable, "-P", "-m", "kubelora.cli.main", "engine", "serve", "--model", str(model_dir),
+        "--served-model-name", "tiny-llama", "--max-loras", "2", "--max-lora-rank", "16", "--max-cpu-loras", "4",
+        "--max-model-len", "256", "--device", device, "--host", "127.0.0.1", "--port", str(port),
+        "--adapter-root", str(root / "adapters"), "--log-level", "warning",
+    ]
+    return subprocess.Popen(command, env={**os.environ, "PYTHONSAFEPATH": "1"})
+
+
+def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, raw = response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read().decode()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+def _wait_ready(base_url: str, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the engine server exited with code {server.returncode}")
+        try:
+            if _http("GET", f"{base_url}/ready")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the engine server was not ready after {READY_TIMEOUT_S} s")
+
+
+async def _complete_all(base_url: str) -> list[tuple[str, str | None, str]]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="demo")
+
+    async def one(prompt: str, adapter: str | None) -> tuple[str, str | None, str]:
+        response = await client.completions.create(model=adapter or "tiny-llama", prompt=prompt,
+                                                   max_tokens=MAX_TOKENS, temperature=0.0)
+        return prompt, adapter, response.choices[0].text
+
+    try:
+        return await asyncio.gather(*(one(p, a) for p, a in _requests()))
+    finally:
+        await client.close()
+
+
+async def _stream_chat(base_url: str, adapter: str) -> str:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="demo")
+    try:
+        stream = await client.chat.completions.create(
+            model=adapter, messages=[{"role": "user", "content": "Hello there"}], max_tokens=MAX_TOKENS,
+            temperature=0.0, stream=True)
+        return "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+    finally:
+        await client.close()
+
+
+def _show_models(base_url: str) -> None:
+    _, models = _http("GET", f"{base_url}/v1/models")
+    for card in models["data"]:
+        extra = f"parent={card.get('parent')} residency={card.get('residency')} revision={card.get('revision')}"
+        print(f"   {card['id']:<10} {extra if card.get('parent') else '(base model)'}")
+
+
+def _show_metrics(base_url: str) -> None:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith(("kubelora_requests_total", "vllm:lora_requests_info", "kubelora_adapter_pool_bytes")):
+            print(f"   {line}")
+
+
+def _run_served(root: Path, model_dir: Path, device: str) -> int:
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    print(f"== starting `kubelora engine serve` on {base_url} (max-loras 2: three adapters share two slots)")
+    server = _start_server(root, model_dir, device, port)
+    try:
+        _wait_ready(base_url, server)
+        _run_scenario(base_url)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return 0
+
+
+def _run_scenario(base_url: str) -> None:
+    print("== hot-loading adapters over HTTP (tenant-c registered only: it loads on its first request)")
+    for name, *_ in DEMO_ADAPTERS:
+        body = {"lora_name": name, "lora_path": name, "preload": name != "tenant-c"}
+        status, answer = _http("POST", f"{base_url}/v1/load_lora_adapter", body)
+        print(f"   load {name}: {status} {answer.get('message') if isinstance(answer, dict) else answer}")
+    _show_models(base_url)
+    print(f"== {len(_requests())} concurrent completions through the openai SDK, every adapter and the base model")
+    for prompt, adapter, text in asyncio.run(_complete_all(base_url)):
+        print(f"   [{adapter or 'base':>9}] {prompt!r} -> {text!r}")
+    print(f"== streamed chat with tenant-b: {asyncio.run(_stream_chat(base_url, 'tenant-b'))!r}")
+    print("== bad input gets a clear error, and the server keeps serving")
+    status, answer = _http("POST", f"{base_url}/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../../etc"})
+    print(f"   load ../../etc: {status} {answer['error']['message'] if isinstance(answer, dict) else answer}")
+    status, answer = _http("POST", f"{base_url}/v1/unload_lora_adapter", {"lora_name": "tenant-a"})
+    print(f"   unload tenant-a: {status}")
+    status, answer = _http("POST", f"{base_url}/v1/completions", {"model": "tenant-a", "prompt": "hi"})
+    print(f"   completion for the unloaded tenant-a: {status} {answer['error']['message']}")
+    _show_models(base_url)
+    print("== a few metrics from /metrics")
+    _show_metrics(base_url)

@@ -28,7 +28,7 @@ def _run_make_adapter(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from kubelora.cli.demo import run_demo
 
-    return run_demo(workdir=args.workdir, device=args.device)
+    return run_demo(workdir=args.workdir, device=args.device, offline=args.offline)
 
 
 def _run_engine_serve(args: argparse.Namespace) -> int:
@@ -74,6 +74,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the whole system on a tiny built-in model")
     p.add_argument("--workdir", default=None, help="where to build the tiny model and adapters")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--offline", action="store_true", help="use the offline LLM API instead of the HTTP server")
     p.set_defaults(func=_run_demo)
 
 
