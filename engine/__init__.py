@@ -17,7 +17,7 @@ _EXPORTS = {
     "GenerationResult": "kubelora.engine.outputs",
     "EngineSnapshot": "kubelora.engine.outputs",
     "AdapterManager": "kubelora.engine.adapters.manager",
-    "AdapterInfo": "kubelora.engine.adapters.revision",
+    "AdapterInfo": "kubelora.engine.adapters.types",
 }
 
 __all__ = sorted(_EXPORTS)

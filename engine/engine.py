@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from kubelora.engine.adapters.manager import AdapterManager, AdapterManagerConfig
+from kubelora.engine.adapters.manager import AdapterManager
+from kubelora.engine.adapters.types import AdapterManagerConfig
 from kubelora.engine.adapters.pool import DeviceLoRAPool
 from kubelora.engine.adapters.spec import AdapterLimits
 from kubelora.engine.block_manager import BlockManager, BlockManagerConfig

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 
-from kubelora.engine.adapters.revision import AdapterInfo
+from kubelora.engine.adapters.types import AdapterInfo
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.engine import LLMEngine
 from kubelora.engine.outputs import GenerationResult, RequestOutput

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubelora.engine.adapters.manager import AdapterStats
+from kubelora.engine.adapters.types import AdapterStats
 
 
 @dataclass(frozen=True)

@@ -15,56 +15,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
 
+from kubelora.engine.adapters.types import Residency
+from kubelora.engine.batch import AdapterPlacer, Batch, ScheduledChunk, SchedulerConfig
 from kubelora.engine.block_manager import BlockManager
 from kubelora.engine.errors import QueueFull
 from kubelora.engine.fairness import FairShare
 from kubelora.engine.sequence import Sequence, SequenceStatus
-
-
-class AdapterPlacer(Protocol):
-    """What the scheduler needs from the adapter manager (a fake in unit tests)."""
-
-    def ensure_device(self, revision: object, protected: set) -> bool: ...
-    def take_load_error(self, revision: object) -> str | None: ...
-    def release(self, revision: object) -> None: ...
-    def slot_view(self, revision: object) -> object: ...
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_loras: int
-    max_waiting: int
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        for field in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_waiting"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    seq: Sequence
-    token_ids: tuple[int, ...]  # the tokens fed this step
-    start_pos: int  # position of token_ids[0]
-    block_table: tuple[int, ...]  # the sequence's KV blocks, covering start_pos + len(token_ids) positions
-    slot: int  # index into Batch.slots; -1 = base model
-    is_sampled: bool  # the chunk reaches the end of the known tokens: sample the next one
-
-
-@dataclass(frozen=True)
-class Batch:
-    chunks: tuple[ScheduledChunk, ...]
-    slots: tuple[object, ...]  # per slot: the adapter's pool placement (SlotView), addresses valid this step
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
 
 
 class Scheduler:
@@ -223,8 +180,11 @@ class Scheduler:
             if revision is not None and not is_new_slot and has_slot_waiter:
                 refused.add(key)  # let this adapter drain so the slot waiter gets in
                 continue
-            if revision is not None and not self._adapters.ensure_device(revision, protected=set(in_batch)):
+            residency = Residency.RESIDENT if revision is None else \
+                self._adapters.ensure_device(revision, protected=set(in_batch))
+            if residency is not Residency.RESIDENT:
                 refused.add(key)  # loading or no room: wait without blocking the others
+                has_slot_waiter |= residency is Residency.NO_ROOM  # pool full of running adapters: drain them
                 continue
             # A new slot admits a group of the adapter's queued requests at once: they run together and the
             # adapter is not swapped in again for each of them.

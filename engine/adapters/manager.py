@@ -14,45 +14,20 @@ import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kubelora.engine.adapters.peft_reader import read_adapter_spec, read_adapter_weights
 from kubelora.engine.adapters.pool import DeviceLoRAPool, SlotView
-from kubelora.engine.adapters.revision import AdapterInfo, AdapterRevision, Tier
+from kubelora.engine.adapters.revision import AdapterRevision
+from kubelora.engine.adapters.types import AdapterInfo, AdapterManagerConfig, AdapterStats, Residency, Tier
 from kubelora.engine.adapters.spec import AdapterLimits, AdapterSpec
 from kubelora.engine.errors import AdapterError, AdapterExists, AdapterUnloading, InvalidAdapter, UnknownAdapter
 from kubelora.engine.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 MAX_NAME_LEN = 256
-
-
-@dataclass(frozen=True)
-class AdapterManagerConfig:
-    max_cpu_loras: int  # host tier LRU capacity (a soft limit: revisions with requests in flight stay)
-    num_loader_threads: int = 1
-    is_host_pinned: bool = False  # pin host copies (CUDA) so pool copies can be asynchronous
-
-    def __post_init__(self) -> None:
-        if self.max_cpu_loras < 1:
-            raise ValueError(f"max_cpu_loras must be >= 1, got {self.max_cpu_loras}")
-        if not 1 <= self.num_loader_threads <= 64:
-            raise ValueError(f"num_loader_threads must be in [1, 64], got {self.num_loader_threads}")
-
-
-@dataclass(frozen=True)
-class AdapterStats:
-    host_bytes: int
-    pool_used_bytes: int
-    pool_total_bytes: int
-    num_loads: int  # host loads completed (explicit and on demand)
-    num_load_failures: int
-    num_device_evictions: int
-    num_host_evictions: int
-    load_latencies_s: tuple[float, ...]  # most recent host loads (read + validate + stage), oldest first
 
 
 class _Entry:
@@ -168,25 +143,22 @@ class AdapterManager:
             if revision.num_refs == 0 and revision.is_retired:
                 self._free(revision)
 
-    def ensure_device(self, revision: AdapterRevision, protected: set[AdapterRevision]) -> bool:
-        """Engine thread: make `revision` resident in the pool, evicting only revisions outside `protected`.
-
-        False when it cannot be resident this step (still loading, failed, or no evictable room).
-        """
+    def ensure_device(self, revision: AdapterRevision, protected: set[AdapterRevision]) -> Residency:
+        """Engine thread: make `revision` resident in the pool, evicting only revisions outside `protected`."""
         with self._state:
             if revision.is_on_device:
                 self._touch(revision)
-                return True
+                return Residency.RESIDENT
             if revision.host is None:
                 if revision.load_error is None:
                     self._start_load(revision)
-                return False
+                return Residency.LOADING
             if not self._make_room(revision, protected | {revision}):
-                return False
+                return Residency.NO_ROOM
             self._device[revision.id] = revision
             revision.is_on_device = True
             self._touch(revision)
-            return True
+            return Residency.RESIDENT
 
     def take_load_error(self, revision: AdapterRevision) -> str | None:
         """The error of the last failed on-demand load (once); the next request for it retries."""

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 import itertools
-from dataclasses import dataclass
 
 from kubelora.engine.adapters.spec import AdapterSpec, HostAdapter
+from kubelora.engine.adapters.types import Tier
 
 _ids = itertools.count(1)
-
-
-class Tier(enum.Enum):
-    KNOWN = "known"  # validated metadata only; weights are read from the source when needed
-    HOST = "host"  # weights in host memory (pinned on CUDA)
-    DEVICE = "device"  # weights in the device adapter pool (a host copy may or may not remain)
 
 
 class AdapterRevision:
@@ -49,24 +42,3 @@ class AdapterRevision:
 
     def __repr__(self) -> str:
         return f"AdapterRevision({self.name!r}, {self.spec.revision}, {self.tier.value}, refs={self.num_refs})"
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """What `AdapterManager.list()` reports for one adapter name (its current revision)."""
-
-    name: str
-    revision: str
-    path: str
-    tier: str  # "device" | "host" | "known"
-    rank: int  # max over modules
-    ranks: dict[str, int]
-    targets: tuple[str, ...]
-    bytes: int  # device pool bytes at the adapter's own ranks
-    host_bytes: int  # 0 unless a host copy is resident
-    loaded_at: float  # time.time() of registration
-    base_model: str
-    num_refs: int  # requests in flight (waiting or running) on this revision
-    is_loading: bool
-    is_unloading: bool
-    last_error: str | None

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from kubelora.engine.adapters.manager import AdapterManager, AdapterManagerConfig
+from kubelora.engine.adapters.manager import AdapterManager
+from kubelora.engine.adapters.types import AdapterManagerConfig, Residency
 from kubelora.engine.adapters.pool import DeviceLoRAPool
 from kubelora.engine.adapters.spec import AdapterLimits
 from kubelora.engine.errors import AdapterExists, AdapterUnloading, UnknownAdapter
@@ -28,6 +29,10 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+def placed(manager, revision, protected) -> bool:
+    return manager.ensure_device(revision, protected) is Residency.RESIDENT
 
 
 def tiers(manager) -> dict[str, str]:
@@ -91,10 +96,10 @@ def test_device_eviction_never_removes_protected_adapters(llama):
         manager.load(name, llama.adapters[name])
         revisions[name] = manager.acquire(name)
     big, mid, new = revisions["r32-attn"], revisions["r8-all"], revisions["r16-all-rs"]
-    assert manager.ensure_device(big, set()) and manager.ensure_device(mid, {big})
-    assert not manager.ensure_device(new, {big, mid}), "both residents are in use: nothing may be evicted"
+    assert placed(manager, big, set()) and placed(manager, mid, {big})
+    assert manager.ensure_device(new, {big, mid}) is Residency.NO_ROOM, "both residents are in use"
     assert tiers(manager) == {"r32-attn": "device", "r8-all": "device", "r16-all-rs": "host"}
-    assert manager.ensure_device(new, {big})
+    assert placed(manager, new, {big})
     assert tiers(manager) == {"r32-attn": "device", "r8-all": "host", "r16-all-rs": "device"}
     assert manager.stats().num_device_evictions == 1
     assert_resident_weights(pool, big)
@@ -107,10 +112,10 @@ def test_device_eviction_prefers_idle_adapters(llama):
         manager.load(name, llama.adapters[name])
     busy = manager.acquire("r4-qv")  # a waiting request holds it (not running: not protected)
     idle = manager.acquire("r8-all")
-    assert manager.ensure_device(busy, set()) and manager.ensure_device(idle, set())
+    assert placed(manager, busy, set()) and placed(manager, idle, set())
     manager.release(idle)
     big = manager.acquire("r32-attn")
-    assert manager.ensure_device(big, set())
+    assert placed(manager, big, set())
     assert tiers(manager) == {"r32-attn": "device", "r4-qv": "device", "r8-all": "host"}
 
 
@@ -121,11 +126,11 @@ def test_compaction_keeps_resident_weights(llama, tmp_path):
              "r16-all-rs": llama.adapters["r16-all-rs"], "r16-copy": tmp_path / "r16-copy"}
     revisions = {name: (manager.load(name, path), manager.acquire(name))[1] for name, path in paths.items()}
     for name in ("r4-qv", "r8-all", "r16-all-rs"):
-        assert manager.ensure_device(revisions[name], set(revisions.values()) - {revisions["r8-all"]})
+        assert placed(manager, revisions[name], set(revisions.values()) - {revisions["r8-all"]})
     manager.release(revisions["r8-all"])
     manager.unload("r8-all")  # leaves an 8-row hole in q/v between r4 and r16: 16 rows free, not contiguous
     assert pool.free_rows("q_proj") == 16
-    assert manager.ensure_device(revisions["r16-copy"], set(revisions.values()))
+    assert placed(manager, revisions["r16-copy"], set(revisions.values()))
     for name in ("r4-qv", "r16-all-rs", "r16-copy"):
         assert_resident_weights(pool, revisions[name])
 
@@ -136,7 +141,7 @@ def test_in_place_reload_keeps_the_old_revision_for_in_flight_requests(llama, tm
     shutil.copytree(llama.adapters["r4-qv"], path)
     v1 = manager.load("tenant", path)
     old = manager.acquire("tenant")
-    assert manager.ensure_device(old, set())
+    assert placed(manager, old, set())
     shutil.rmtree(path)
     shutil.copytree(llama.adapters["r8-all"], path)  # new files at the same path: a new revision
     with pytest.raises(AdapterExists):
@@ -158,7 +163,7 @@ def test_unload_stops_admission_drains_then_frees(llama):
     baseline = manager.stats()
     manager.load("a", llama.adapters["r8-all"])
     revision = manager.acquire("a")
-    assert manager.ensure_device(revision, set())
+    assert placed(manager, revision, set())
     assert manager.unload("a")
     with pytest.raises(AdapterUnloading):
         manager.acquire("a")
@@ -180,7 +185,7 @@ def test_hundred_load_unload_cycles_return_memory_to_baseline(llama):
         name = names[i % len(names)]
         manager.load(f"cycle-{i % 3}", llama.adapters[name])
         revision = manager.acquire(f"cycle-{i % 3}")
-        assert manager.ensure_device(revision, set())
+        assert placed(manager, revision, set())
         if i % 2:
             manager.unload(f"cycle-{i % 3}")  # unload while in flight: freed on release
             manager.release(revision)
@@ -199,7 +204,7 @@ def test_known_adapter_is_loaded_on_demand_off_thread(llama):
     assert info.tier == "known" and info.host_bytes == 0 and info.rank == 16
     revision = manager.acquire("lazy")  # the request's arrival starts the load on the loader thread
     wait_until(lambda: manager.get("lazy").tier == "host")
-    assert manager.ensure_device(revision, set())
+    assert placed(manager, revision, set())
     assert manager.get("lazy").tier == "device"
     assert manager.stats().num_loads == 1
 
@@ -210,9 +215,9 @@ def test_adapter_evicted_from_host_is_reloaded_from_its_source(llama):
     manager.load("b", llama.adapters["r8-all"])
     assert tiers(manager) == {"a": "known", "b": "host"}
     revision = manager.acquire("a")
-    assert not manager.ensure_device(revision, set())  # not resident yet: the scheduler skips it this step
+    assert manager.ensure_device(revision, set()) is Residency.LOADING  # the scheduler skips it this step
     wait_until(lambda: revision.host is not None)
-    assert manager.ensure_device(revision, set())
+    assert placed(manager, revision, set())
 
 
 def test_failed_on_demand_load_is_reported_once_then_retried(llama, tmp_path):
@@ -229,9 +234,9 @@ def test_failed_on_demand_load_is_reported_once_then_retried(llama, tmp_path):
     assert manager.take_load_error(revision) is None
     assert manager.get("flaky").last_error == error
     (path / "adapter_model.safetensors").write_bytes(weights)
-    assert not manager.ensure_device(revision, set())  # retries
+    assert not placed(manager, revision, set())  # retries
     wait_until(lambda: manager.get("flaky").tier == "host")
-    assert manager.ensure_device(revision, set())
+    assert placed(manager, revision, set())
 
 
 def test_changed_files_fail_the_on_demand_load(llama, tmp_path):

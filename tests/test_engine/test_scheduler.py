@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from kubelora.engine.adapters.types import Residency
 from kubelora.engine.block_manager import BlockManager, BlockManagerConfig
 from kubelora.engine.errors import QueueFull
 from kubelora.engine.sampling_params import SamplingParams
@@ -24,8 +25,8 @@ class FakePlacer:
         self.errors: dict[str, str] = {}
         self.releases: Counter = Counter()
 
-    def ensure_device(self, revision, protected) -> bool:
-        return revision not in self.cold
+    def ensure_device(self, revision, protected) -> Residency:
+        return Residency.LOADING if revision in self.cold else Residency.RESIDENT
 
     def take_load_error(self, revision):
         return self.errors.pop(revision, None)
@@ -234,3 +235,37 @@ def test_failed_adapter_load_fails_only_its_waiting_requests():
     assert all(s.status is SequenceStatus.FINISHED_ERROR and "missing" in s.error for s in failed)
     assert "good-1" in {c.seq.request_id for c in batch.chunks}
     assert placer.releases["bad"] == 2
+
+
+class FakePool(FakePlacer):
+    """A device pool with room for `capacity` adapters; evicts only unprotected ones."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.resident: list = []
+
+    def ensure_device(self, revision, protected) -> Residency:
+        if revision in self.resident:
+            return Residency.RESIDENT
+        if len(self.resident) >= self.capacity:
+            victim = next((r for r in self.resident if r not in protected), None)
+            if victim is None:
+                return Residency.NO_ROOM
+            self.resident.remove(victim)
+        self.resident.append(revision)
+        return Residency.RESIDENT
+
+
+def test_adapter_blocked_by_a_full_pool_has_a_bounded_wait():
+    """The pool (not max_loras) is the limit: a flooding adapter fills it; the trickling one still gets in
+    within one request lifetime, because the flooder stops admitting while it waits."""
+    max_tokens = 5
+    pool = FakePool(capacity=1)
+    scheduler = make_scheduler(pool, max_loras=4, max_num_seqs=8)
+    for i in range(100):
+        scheduler.add(make_seq(f"flood-{i}", "flood", max_tokens=max_tokens))
+    run_step(scheduler)
+    scheduler.add(make_seq("trickle", "trickle", max_tokens=2))
+    assert _first_scheduled_step(scheduler, "trickle") <= max_tokens + 1
+    assert scheduler.get("flood-99") is not None
