@@ -39,13 +39,15 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.max_split must be in 1..{MAX_SPLIT}, target_programs >= 1")
 
 
-# Per tile height: decode (16) splits in_dim widely because it has few tiles; taller tiles split less (the
-# final sum holds split x height x 16 floats in registers). Expand warps: 8 keeps the y tile's registers
-# near 60-85 per thread (4 warps at 64 x 128 took 166, i.e. 3 programs per multiprocessor).
+# Per tile height, from the variations timed on the H200 (docs/kernels.md, run 6): decode (16) splits
+# in_dim because it has few tiles, but not so much that the split arrivals dominate (target 512, at most 8);
+# taller tiles split less (the final sum holds split x height x 16 floats in registers). Expand warps: 8
+# keeps a 16 x 256 y tile near 61 registers per thread; the prefill tile (64 x 256, 4 warps) spills a
+# little but measured fastest (57.9 us against 64.1 for 64 x 128 with 8 warps).
 DEFAULT_CONFIGS = {
-    16: KernelConfig(expand_warps=8),
+    16: KernelConfig(target_programs=512, max_split=8, expand_warps=8),
     32: KernelConfig(max_split=8, block_n=128, expand_warps=8),
-    64: KernelConfig(max_split=4, block_n=128, expand_warps=8),
+    64: KernelConfig(max_split=4, block_n=256, expand_warps=4),
 }
 
 
