@@ -30,10 +30,11 @@ log = logging.getLogger("kubelora.engine.server")
 
 
 def model_card(serving: Serving, info: AdapterInfo) -> dict:
+    source = serving.requested_sources.get((info.name, info.revision), info.path)
     return {"id": info.name, "object": "model", "created": int(info.loaded_at), "owned_by": "kubelora",
-            "root": info.path, "parent": serving.model_name, "revision": info.revision, "residency": info.tier,
-            "rank": info.rank, "targets": list(info.targets), "is_loading": info.is_loading,
-            "last_error": info.last_error}
+            "root": info.path, "source": source, "parent": serving.model_name, "revision": info.revision,
+            "residency": info.tier, "rank": info.rank, "targets": list(info.targets),
+            "is_loading": info.is_loading, "last_error": info.last_error}
 
 
 def base_card(serving: Serving) -> dict:
@@ -90,6 +91,7 @@ class AdminRoutes:
                       error=str(exc))
             raise
         seconds = time.monotonic() - started
+        serving.remember_source(req.lora_name, info.revision, req.lora_path)
         if not is_same:
             serving.metrics.observe_load(req.lora_name, seconds)
         log_event(log, "adapter_loaded", adapter=req.lora_name, revision=info.revision, residency=info.tier,
@@ -107,6 +109,7 @@ class AdminRoutes:
         # unload() waits for the name's lock, which a load of the same name holds while it reads files.
         was_loaded = await asyncio.get_running_loop().run_in_executor(serving.admin_pool, serving.adapters.unload,
                                                                       req.lora_name)
+        serving.forget_source(req.lora_name)
         log_event(log, "adapter_unloaded", adapter=req.lora_name, was_loaded=was_loaded)
         verb = "removed successfully" if was_loaded else "was not loaded"
         return web.json_response({"message": f"Success: LoRA adapter '{req.lora_name}' {verb}.",

@@ -6,7 +6,7 @@ A `Serving` exists only after the engine has started; until then every engine-ba
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, PromptTooLong
@@ -25,10 +25,22 @@ class Serving:
     sources: SourceConfig
     admin_pool: ThreadPoolExecutor  # adapter fetch + load: blocking I/O, never on the loop
     started_at: float
+    # (adapter name, revision) -> the lora_path it was loaded from, as the caller wrote it (a URL stays a URL):
+    # the operator compares it with the source it wants. Only touched on the event loop.
+    requested_sources: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @property
     def adapters(self):
         return self.engine.engine.adapters
+
+    def remember_source(self, name: str, revision: str, source: str) -> None:
+        for key in [k for k in self.requested_sources if k[0] == name]:
+            del self.requested_sources[key]
+        self.requested_sources[(name, revision)] = source
+
+    def forget_source(self, name: str) -> None:
+        for key in [k for k in self.requested_sources if k[0] == name]:
+            del self.requested_sources[key]
 
     def resolve_model(self, model: str) -> str | None:
         """The adapter name to run (None for the base model); 404 for a name nobody serves."""

@@ -53,7 +53,8 @@ def test_inplace_revision_during_stream(material, live_server, reference, prompt
     stream = _stream(client, "tenant")
     first = next(iter(stream)).choices[0].text
 
-    status, body = server.post("/v1/load_lora_adapter", {"lora_name": "tenant", "lora_path": str(material.extra["rev2"])})
+    rev2 = {"lora_name": "tenant", "lora_path": str(material.extra["rev2"])}
+    status, body = server.post("/v1/load_lora_adapter", rev2)
     assert status == 409 and body["error"]["type"] == "conflict_error" and body["error"]["code"] == "adapter_exists"
     v2 = server.load("tenant", material.extra["rev2"], load_inplace=True)["adapter"]["revision"]
     assert v2 != v1 and _running(server, "tenant") == 1  # the stream is still running, on v1
