@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+# Tiny tensors gain nothing from intra-op threads, and spinning OpenMP workers collapse on a busy 2-core box.
+torch.set_num_threads(1)
 
 # name -> (rank, alpha, targets, use_rslora): different ranks, alphas, scalings and target sets.
 ADAPTERS = {
