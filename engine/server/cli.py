@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable
@@ -33,8 +34,14 @@ def run(args: argparse.Namespace) -> int:
         log_event(log, "invalid_settings", logging.ERROR, error=str(exc))
         return 2
     configure_logging(config.log_level)
-    log_event(log, "starting", config=repr(config))
+    log_event(log, "starting", **_loggable(config))
     return asyncio.run(serve(build_app(config), config.host, config.port))
+
+
+def _loggable(config: server_config.ServerConfig) -> dict:
+    fields = dataclasses.asdict(config)
+    fields["admin_token"] = "<set>" if config.admin_token else None  # never the secret itself
+    return fields
 
 
 async def serve(app: web.Application, host: str, port: int, stop: asyncio.Event | None = None,

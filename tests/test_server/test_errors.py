@@ -161,10 +161,17 @@ async def test_not_ready_gives_503_and_health_is_up(aiohttp_client, config_for):
 
 
 class _BrokenEngine:
-    """Proxies a real engine; add_request raises a bug (not an engine error) for one prompt token."""
+    """Proxies a real engine; add_request raises a bug (not an engine error) for one prompt token, and step()
+    raises once `is_step_broken` is set."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
+        self.is_step_broken = False
+
+    def step(self):
+        if self.is_step_broken:
+            raise RuntimeError("bug inside the engine step")
+        return self._engine.step()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -216,3 +223,16 @@ async def test_load_from_url(aiohttp_client, config_for, material, served_archiv
     assert (await again.json())["was_loaded"]  # same bytes, same cache directory, same revision
     ok = await client.post("/v1/completions", json={**COMPLETION, "model": "web"})
     assert ok.status == 200
+
+
+async def test_engine_step_bug_fails_open_requests_and_health(aiohttp_client, config_for):
+    engines = []
+    client = await _start(aiohttp_client, config_for(), lambda c: engines.append(_BrokenEngine(build_engine(c)))
+                          or engines[-1])
+    assert (await client.get("/health")).status == 200
+    engines[0].is_step_broken = True
+    body = {"model": "model", "prompt": [8], "max_tokens": 2}
+    await _error(await client.post("/v1/completions", json=body), 503, "service_unavailable", code="engine_stopped")
+    assert (await client.get("/health")).status == 503 and (await client.get("/ready")).status == 503
+    await _error(await client.post("/v1/completions", json=body), 503, "service_unavailable",
+                 code="engine_not_ready")
