@@ -52,8 +52,11 @@ class LLMEngine:
         pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype),
                               self.dtype, self.device)
         self.adapters = AdapterManager(self._adapter_config(), self.model_config, pool, self._adapter_limits(pool))
-        self._runner = self._build_runner(hf_config, pool)
-        self._blocks = BlockManager(BlockManagerConfig(self._num_kv_blocks, config.kv_block_size))
+        weights = _to_device(load_weights(config.model_dir, self.model_config, self.dtype), self.device)
+        self.num_kv_blocks = setup.num_kv_blocks(config, self.model_config, self.dtype, self.max_model_len,
+                                                 self.device)
+        self._runner = self._build_runner(hf_config, weights, pool)
+        self._blocks = BlockManager(BlockManagerConfig(self.num_kv_blocks, config.kv_block_size))
         self._scheduler = Scheduler(self._scheduler_config(), self._blocks, self.adapters)
         self._detokenizer = Detokenizer(self.tokenizer)
         self._lock = threading.Lock()
@@ -73,13 +76,9 @@ class LLMEngine:
         return AdapterLimits(max_lora_rank=self.config.max_lora_rank, max_pool_rows=pool.num_rows,
                              model_names=names, is_base_model_strict=self.config.is_base_model_strict)
 
-    def _build_runner(self, hf_config, pool: DeviceLoRAPool) -> ModelRunner:
-        weights = load_weights(self.config.model_dir, self.model_config, self.dtype)
-        weights = _to_device(weights, self.device)
+    def _build_runner(self, hf_config, weights, pool: DeviceLoRAPool) -> ModelRunner:
         inv_freq, attention_scaling = rope_inv_freq(hf_config)
-        self._num_kv_blocks = setup.num_kv_blocks(self.config, self.model_config, self.dtype, self.max_model_len,
-                                                  self.device)
-        kv_cache = setup.allocate_kv_cache(self.config, self.model_config, self.dtype, self._num_kv_blocks,
+        kv_cache = setup.allocate_kv_cache(self.config, self.model_config, self.dtype, self.num_kv_blocks,
                                            self.device)
         model = DecoderModel(self.model_config, weights, RotaryEmbedding(inv_freq, attention_scaling, self.device),
                              kv_cache, pool.layer_buffers())
@@ -203,7 +202,7 @@ class LLMEngine:
             counts = self._scheduler.counts()
             kv_usage = self._blocks.usage
             last, steps, preemptions = self._last_batch, self._num_steps, self._scheduler.num_preemptions
-        return EngineSnapshot.build(counts, last, kv_usage, self._num_kv_blocks, self.adapters.stats(),
+        return EngineSnapshot.build(counts, last, kv_usage, self.num_kv_blocks, self.adapters.stats(),
                                     preemptions, steps)
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -116,12 +117,35 @@ def test_sharded_checkpoint_loads_the_same(llama, tmp_path, greedy, prompt_ids):
     assert (from_shards[0].logits - single[0].logits).abs().max() < 1e-6
 
 
-def test_bfloat16_runs_close_to_float32(llama, prompt_ids):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(llama, prompt_ids, dtype):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_logits=True)
     prompts = [prompt_ids(i, 10) for i in range(3)]
     names = [None, "r16-all-rs", "r4-qv"]
     fp32 = run_engine(llama, prompts, names, params)
-    bf16 = run_engine(llama, prompts, names, params, dtype="bfloat16")
-    for a, b in zip(fp32, bf16):
+    half = run_engine(llama, prompts, names, params, dtype=dtype)
+    for a, b in zip(fp32, half):
         scale = a.prompt_logits.abs().max()
         assert (a.prompt_logits - b.prompt_logits).abs().max() < 0.05 * scale
+
+
+def test_sliding_window_attention_matches_transformers(mistral, tmp_path, greedy, prompt_ids):
+    """Mistral with a window shorter than the sequences: the paged mask must equal transformers' one."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "windowed"
+    shutil.copytree(mistral.model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["sliding_window"] = 6
+    (model_dir / "config.json").write_text(json.dumps(config))
+    prompts = [prompt_ids(i, 9 + 5 * i) for i in range(3)]
+    llm = LLM(model_dir, max_loras=1, max_lora_rank=8, kv_block_size=4)
+    results = llm.generate(prompts, greedy)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, result in zip(prompts, results):
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt + result.token_ids[:-1]])).logits[0]
+        got = torch.cat([result.prompt_logits, result.logits[1:]])
+        assert (got - expected).abs().max() < TOL
