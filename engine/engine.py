@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +25,7 @@ from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
 from kubelora.engine.model.config import load_hf_config, model_config_from_hf, rope_inv_freq
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
-from kubelora.engine.model.weights import load_weights
+from kubelora.engine.model.weights import ModelWeights, load_weights
 from kubelora.engine.outputs import EngineSnapshot, RequestOutput
 from kubelora.engine.runner import ModelRunner, RunnerConfig, StepResult
 from kubelora.engine.sampling_params import SamplingParams
@@ -226,10 +227,10 @@ def _eos_ids(model_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _to_device(weights, device: torch.device):
-    from dataclasses import replace
+def _to_device(weights: ModelWeights, device: torch.device) -> ModelWeights:
+    def move(tensor):
+        return None if tensor is None else tensor.to(device)
 
-    move = lambda t: None if t is None else t.to(device)  # noqa: E731
     layers = [replace(layer, input_norm=move(layer.input_norm), post_attn_norm=move(layer.post_attn_norm),
                       weight={k: move(v) for k, v in layer.weight.items()},
                       bias={k: move(v) for k, v in layer.bias.items()}) for layer in weights.layers]

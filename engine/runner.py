@@ -12,7 +12,7 @@ from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
 from kubelora.engine.sampler import sample
 from kubelora.engine.scheduler import Batch
-from kubelora.kernels.lora import prepare_lora_proj, prepare_lora_step
+from kubelora.kernels.lora import LoRAProj, prepare_lora_proj, prepare_lora_step
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,10 @@ class ModelRunner:
         return [None if r is None else next(tokens) for r in plan.sample_rows]
 
 
-def _prepare_kind(slots: tuple[SlotView, ...], modules: tuple[str, ...], device: torch.device):
+def _prepare_kind(slots: tuple[SlotView, ...], modules: tuple[str, ...], device: torch.device) -> LoRAProj:
     row_start = [[view.row_start.get(m, 0) for m in modules] for view in slots]
     rank = [[view.rank.get(m, 0) for m in modules] for view in slots]
-    scale = [[view.scale.get(m, 0.0) if m in view.rank else 0.0 for m in modules] for view in slots]
+    scale = [[view.scale.get(m, 0.0) for m in modules] for view in slots]
     return prepare_lora_proj(row_start, rank, scale, device)
 
 
