@@ -92,7 +92,8 @@ def cluster() -> Iterator[LocalCluster]:
     if os.geteuid() != 0:
         pytest.skip("the local cluster needs root (network namespaces, bind mounts)")
     if shutil.which("ip") is None or shutil.which("openssl") is None:
-        pytest.fail("the local cluster needs iproute2 and openssl (apt-get install iproute2 openssl)")
+        pytest.fail("the local cluster needs iproute2 and openssl "
+                    "(apt-get install iproute2 openssl)")
     was_up = run_cluster("status").returncode == 0
     started = time.monotonic()
     up = run_cluster("up")

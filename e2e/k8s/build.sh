@@ -8,7 +8,7 @@ set -euo pipefail
 out="${1:?usage: build.sh BIN_DIR}"
 kube_version="${KUBE_VERSION:?KUBE_VERSION must be set}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-export PATH="/usr/local/go/bin:$PATH" CGO_ENABLED=0 GOFLAGS=-mod=mod
+export PATH="/usr/local/go/bin:$PATH" CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false"
 minor="${kube_version#v1.}"; minor="${minor%%.*}"
 # Without these stamps every binary reports v0.0.0-master and kubectl warns about skew.
 stamp=""

@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 def up(cfg: ClusterConfig) -> int:
     started = time.monotonic()
     bin_dir = build.ensure_binaries()
+    if not any(procs.running_pid(name, cfg.pid_dir) for name in STOP_ORDER):
+        # Nothing of ours runs (first start, reboot, crash): start from a clean slate so no
+        # stale certificate, address or etcd data from an earlier cluster is reused.
+        clean_up(cfg)
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     net = network.ensure_network(cfg.network_file)
     pki.ensure_pki(cfg.pki_dir, pki.build_cert_specs(cfg.node_name, net.bridge_ip,
@@ -66,12 +70,17 @@ def wait_for_daemon(cfg: ClusterConfig, name: str, pid: int, server: str, contex
 def down(cfg: ClusterConfig) -> int:
     for name in STOP_ORDER:
         procs.stop(name, cfg.pid_dir, grace_s=35.0 if name == "kubelet" else 10.0)
+    clean_up(cfg)
+    build.log("cluster down: processes stopped, pod namespaces, veths and bridge removed")
+    return 0
+
+
+def clean_up(cfg: ClusterConfig) -> None:
+    """Remove everything but the daemons: containers, pod networking, mountpoints, state."""
     kill_leftover_containers(cfg.state_dir / "kubelet")
     network.remove_pod_networking()
     remove_created_mountpoints(cfg.state_dir / "kubelet" / "mountpoints.txt")
     shutil.rmtree(cfg.state_dir, ignore_errors=True)
-    build.log("cluster down: processes stopped, pod namespaces, veths and bridge removed")
-    return 0
 
 
 def kill_leftover_containers(kubelet_dir: Path) -> None:
@@ -100,7 +109,8 @@ def status(cfg: ClusterConfig) -> int:
         pid = procs.running_pid(name, cfg.pid_dir)
         is_up &= pid is not None
         print(f"{name:24} {'running pid ' + str(pid) if pid else 'stopped'}")
-    print(f"{'bridge ' + network.BRIDGE:24} {'present' if network.link_exists(network.BRIDGE) else 'absent'}")
+    has_bridge = network.link_exists(network.BRIDGE)
+    print(f"{'bridge ' + network.BRIDGE:24} {'present' if has_bridge else 'absent'}")
     print(f"{'kubeconfig':24} {cfg.kubeconfig}")
     return 0 if is_up else 1
 

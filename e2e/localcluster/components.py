@@ -70,7 +70,8 @@ def build_apiserver(cfg: ClusterConfig, net: ClusterNetwork, bin_dir: Path) -> D
         # Endpoints and EndpointSlices reject loopback, so advertise the bridge address.
         f"--advertise-address={net.bridge_ip}", f"--bind-address={net.bridge_ip}",
         f"--secure-port={cfg.apiserver_port}",
-        f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+        f"--tls-cert-file={pki / 'apiserver.crt'}",
+        f"--tls-private-key-file={pki / 'apiserver.key'}",
         f"--client-ca-file={pki / 'ca.crt'}",
         f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
         f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",

@@ -37,8 +37,8 @@ class KubeletConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.num_fake_gpus < 0:
             raise ValueError(f"num_fake_gpus must be >= 0, got {self.num_fake_gpus}")
-        if self.restart_backoff_base_s <= 0 or self.restart_backoff_max_s < self.restart_backoff_base_s:
-            raise ValueError("restart back-off needs 0 < base <= max")
+        if not 0 < self.restart_backoff_base_s <= self.restart_backoff_max_s:
+            raise ValueError("restart_backoff_base_s must be in (0, restart_backoff_max_s]")
 
     @property
     def pods_dir(self) -> Path:

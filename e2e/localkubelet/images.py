@@ -1,18 +1,29 @@
 """Images map to the local Python environment: there is no container runtime here.
 
-Every image runs its container's `command`/`args` on this machine, with the project venv's
-`bin` first on PATH (so `python`, `kopf` and this project's entry points are the local
-install). A container without `command` needs its image's entrypoint, known only for the
-images listed here (matched on the repository name, any registry and tag).
+Every image runs its container's command on this machine, with the project venv's `bin`
+first on PATH (so `python`, `kopf` and this project's entry points are the local install).
+An image only contributes its ENTRYPOINT and CMD, known for the images listed here (matched
+on the repository name, any registry and tag); any other image counts as having no
+ENTRYPOINT and no CMD, like most base images' ENTRYPOINT, so it needs `command` or `args`.
 """
 from __future__ import annotations
 
-ENTRYPOINTS: dict[str, tuple[str, ...]] = {
-    "python": ("python",),
-    "kubelora-engine": ("python", "-m", "kubelora.engine"),
-    "kubelora-router": ("python", "-m", "kubelora.engine.router"),
-    "kubelora-operator": ("kopf", "run", "--all-namespaces", "-m", "kubelora.operator.main"),
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+
+
+IMAGES: dict[str, ImageConfig] = {
+    "python": ImageConfig(cmd=("python3",)),
 }
+# This project's images (`kubelora`, `kubelora-engine`, ...) have the `kubelora` CLI as
+# ENTRYPOINT: `args: [engine, serve, ...]` runs the local install's `kubelora engine serve`.
+PROJECT_IMAGE = ImageConfig(entrypoint=("kubelora",))
+PROJECT_PREFIX = "kubelora"
 
 
 class UnknownEntrypoint(Exception):
@@ -25,13 +36,20 @@ def repository_name(image: str) -> str:
     return name.split(":", 1)[0]
 
 
+def lookup_image(name: str) -> ImageConfig:
+    if name.startswith(PROJECT_PREFIX):
+        return PROJECT_IMAGE
+    return IMAGES.get(name, ImageConfig())
+
+
 def build_argv(container: dict) -> list[str]:
-    """Kubernetes semantics: `command` replaces the entrypoint, `args` replace its CMD."""
-    command = container.get("command")
-    if not command:
-        name = repository_name(container.get("image", ""))
-        if name not in ENTRYPOINTS:
-            raise UnknownEntrypoint(f"image {container.get('image')!r} has no known entrypoint; "
-                                    "set `command` (see e2e/localkubelet/images.py)")
-        command = list(ENTRYPOINTS[name])
-    return [*command, *container.get("args", [])]
+    """Kubernetes semantics: `command` replaces ENTRYPOINT (and drops CMD), `args` replace CMD."""
+    image = lookup_image(repository_name(container.get("image", "")))
+    command, args = container.get("command"), container.get("args")
+    if command:
+        return [*command, *(args or [])]
+    argv = [*image.entrypoint, *(args if args else image.cmd)]
+    if not argv:
+        raise UnknownEntrypoint(f"image {container.get('image')!r} has no known entrypoint; "
+                                "set `command` (see e2e/localkubelet/images.py)")
+    return argv

@@ -105,7 +105,8 @@ class NodeAgent:
                         STRATEGIC_PATCH)
 
     def renew_lease(self) -> None:
-        path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self._cfg.node_name}"
+        leases = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
+        path = f"{leases}/{self._cfg.node_name}"
         spec = {"holderIdentity": self._cfg.node_name, "renewTime": now_micro(),
                 "leaseDurationSeconds": self._cfg.lease_duration_s}
         try:
@@ -113,7 +114,7 @@ class NodeAgent:
         except ApiError as error:
             if error.status != 404:
                 raise
-            self._api.post(path.rsplit("/", 1)[0], {
+            self._api.post(leases, {
                 "metadata": {"name": self._cfg.node_name, "ownerReferences": [self.owner()]},
                 "spec": spec})
 

@@ -150,15 +150,17 @@ class PodWorker(threading.Thread):
             self._on_exit(runner, termination, is_init=False)
 
     def _on_exit(self, runner: ContainerRunner, termination: Termination, is_init: bool) -> None:
-        is_success = termination.exit_code == 0
-        if is_init and is_success:
-            self._finished.add(runner.name)
-        elif self._restart_policy == "Always" and not is_init or \
-                self._restart_policy in ("Always", "OnFailure") and not is_success:
+        if self._should_restart(termination.exit_code == 0, is_init):
             runner.schedule_restart(termination)
-        else:
-            self._finished.add(runner.name)
-            self._has_failed_init |= is_init
+            return
+        self._finished.add(runner.name)
+        self._has_failed_init |= is_init and termination.exit_code != 0
+
+    def _should_restart(self, is_success: bool, is_init: bool) -> bool:
+        """restartPolicy semantics; an init container that succeeded is done for good."""
+        if self._restart_policy == "Never" or (is_init and is_success):
+            return False
+        return self._restart_policy == "Always" or not is_success
 
     def _start(self, runner: ContainerRunner) -> None:
         try:
@@ -186,7 +188,8 @@ class PodWorker(threading.Thread):
     def _phase(self) -> PodPhase:
         if self._has_failed_init:
             return PodPhase.FAILED
-        if self._is_initialized and len(self._finished) == len(self.init_runners) + len(self.runners):
+        num_containers = len(self.init_runners) + len(self.runners)
+        if self._is_initialized and len(self._finished) == num_containers:
             is_success = all(r.last_termination and r.last_termination.exit_code == 0
                              for r in self.runners)
             return PodPhase.SUCCEEDED if is_success else PodPhase.FAILED

@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 from pytest_cluster import LocalCluster, wait_for
 
+# On a fresh machine the first test also pays for building the control plane (minutes):
+# allow for it beyond the suite-wide pytest-timeout (CI runs `e2e/cluster build` first).
+pytestmark = pytest.mark.timeout(1800)
+
 ECHO_SERVER = Path(__file__).with_name("echo_server.py")
 APP = "echo"
 PORT = 8080
@@ -120,7 +124,8 @@ def test_deployment_scales_serves_and_heals(cluster: LocalCluster, namespace: st
 
     pods = scale(cluster, namespace, 3)
     for pod in pods:  # same port in every pod, each reached on its own IP
-        assert get(f"http://{pod['status']['podIP']}:{PORT}/whoami")["pod"] == pod["metadata"]["name"]
+        answer = get(f"http://{pod['status']['podIP']}:{PORT}/whoami")
+        assert answer["pod"] == pod["metadata"]["name"]
 
     check_killed_process_restarts(cluster, namespace, pods[0])
     check_deleted_pod_is_replaced(cluster, namespace, pods[1])
