@@ -76,7 +76,8 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+                and self.failure is None)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -77,13 +77,34 @@ def server_config(material: Material, **overrides) -> ServerConfig:
     return replace(base, **overrides)
 
 
+class SlowEngine:
+    """A real engine whose steps take at least `step_s`: requests stay in flight long enough for a test to act
+    on them (load, unload, disconnect) however fast the machine is."""
+
+    def __init__(self, engine, step_s: float) -> None:
+        self._engine = engine
+        self._step_s = step_s
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        started = time.monotonic()
+        outputs = self._engine.step()
+        time.sleep(max(0.0, self._step_s - (time.monotonic() - started)))
+        return outputs
+
+
 class LiveServer:
     """`serve(build_app(config))` in a thread; `url`, `lifecycle` (the engine inside) once started."""
 
-    def __init__(self, config: ServerConfig) -> None:
-        from kubelora.engine.server.app import LIFECYCLE, build_app
+    def __init__(self, config: ServerConfig, min_step_s: float = 0.0) -> None:
+        from kubelora.engine.server.app import LIFECYCLE, build_app, build_engine
 
-        self.app = build_app(config)
+        factory = build_engine
+        if min_step_s:
+            factory = lambda c: SlowEngine(build_engine(c), min_step_s)  # noqa: E731
+        self.app = build_app(config, factory)
         self.lifecycle = self.app[LIFECYCLE]
         self.admin_token = config.admin_token
         self._loop = asyncio.new_event_loop()
@@ -174,11 +195,11 @@ def config_for(material):
 
 @pytest.fixture
 def live_server(material):
-    """A factory: `live_server(**config overrides)` starts one; all are stopped after the test."""
+    """A factory: `live_server(min_step_s=0, **config overrides)` starts one; all are stopped after the test."""
     servers: list[LiveServer] = []
 
-    def start(**overrides) -> LiveServer:
-        server = LiveServer(server_config(material, **overrides)).start()
+    def start(min_step_s: float = 0.0, **overrides) -> LiveServer:
+        server = LiveServer(server_config(material, **overrides), min_step_s).start()
         servers.append(server)
         return server
 

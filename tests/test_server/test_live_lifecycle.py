@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 LONG = 200  # tokens: a stream long enough to still be running while the admin call happens
+STEP_S = 0.005  # the engine's minimum step time in these tests: LONG tokens take at least one second
 PROMPT = "Once upon a time"
 
 
@@ -32,7 +33,7 @@ def prompt_tokens(live_server):
 
 
 def test_load_while_streaming(material, live_server, reference, prompt_tokens):
-    server = live_server()
+    server = live_server(min_step_s=STEP_S)
     server.load("a0", material.adapters["a0"])
     client = server.client()
     stream = _stream(client, "a0")
@@ -47,7 +48,7 @@ def test_load_while_streaming(material, live_server, reference, prompt_tokens):
 
 
 def test_inplace_revision_during_stream(material, live_server, reference, prompt_tokens):
-    server = live_server()
+    server = live_server(min_step_s=STEP_S)
     v1 = server.load("tenant", material.extra["rev1"])["adapter"]["revision"]
     client = server.client()
     stream = _stream(client, "tenant")
@@ -71,7 +72,7 @@ def test_inplace_revision_during_stream(material, live_server, reference, prompt
 
 
 def test_unload_during_stream(material, live_server, reference, prompt_tokens):
-    server = live_server()
+    server = live_server(min_step_s=STEP_S)
     server.load("a1", material.adapters["a1"])
     client = server.client()
     stream = _stream(client, "a1")
@@ -131,10 +132,10 @@ def _wait_idle(server, timeout_s: float) -> float:
 
 
 def test_client_disconnect_aborts(live_server):
-    """450 tokens take seconds on CPU; a client that leaves frees its sequence within a step or two."""
+    """450 tokens take over two seconds; a client that leaves frees its sequence within a step or two."""
     import openai
 
-    server = live_server()
+    server = live_server(min_step_s=STEP_S)
     base = server.serving.model_name
     stream = _stream(server.client(), base, max_tokens=450)
     next(iter(stream))
