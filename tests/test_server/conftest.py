@@ -188,6 +188,14 @@ def _call(request: urllib.request.Request) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="session")
+def slow_engine_factory():
+    """`slow_engine_factory(step_s)` -> an engine factory for build_app whose steps take at least step_s."""
+    from kubelora.engine.server.app import build_engine
+
+    return lambda step_s: (lambda config: SlowEngine(build_engine(config), step_s))
+
+
+@pytest.fixture(scope="session")
 def config_for(material):
     """`config_for(**overrides)` -> the ServerConfig tests start from."""
     return lambda **overrides: server_config(material, **overrides)
