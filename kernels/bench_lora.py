@@ -165,7 +165,8 @@ TUNE_VARIANTS = {
     "target=512": (dict(target_programs=512), None), "target=2048": (dict(target_programs=2048), None),
     "max_split=8": (dict(max_split=8), None), "max_split=32": (dict(max_split=32), None),
     "block_n=128": (dict(block_n=128), None), "block_n=512": (dict(block_n=512), None),
-    "expand_warps=4": (dict(expand_warps=4), None), "block_n=256,expand_warps=4": (dict(block_n=256, expand_warps=4), None),
+    "expand_warps=4": (dict(expand_warps=4), None),
+    "block_n=256,expand_warps=4": (dict(block_n=256, expand_warps=4), None),
     "shrink_stages=2": (dict(shrink_stages=2), None), "shrink_stages=4": (dict(shrink_stages=4), None),
     "expand_stages=1": (dict(expand_stages=1), None), "expand_stages=3": (dict(expand_stages=3), None),
 }
@@ -184,8 +185,8 @@ def tune(shapes: list[Shape], dtype: torch.dtype) -> list[str]:
         times.update(split_times(sets, base))
         for label, (change, heights) in TUNE_VARIANTS.items():
             try:
-                variant_step = prepare_lora_step(list(shape.slots), len(shape.ranks), "cuda", tile_heights=heights) \
-                    if heights else step
+                variant_step = step if heights is None else prepare_lora_step(
+                    list(shape.slots), len(shape.ranks), "cuda", tile_heights=heights)
                 for st in sets:
                     st.step = variant_step
                 config = replace(DEFAULT_CONFIGS[variant_step.block_m], **change)

@@ -1,9 +1,10 @@
 """LoRA shrink: each LoRA token's input row times its adapter's A, at that adapter's own rank.
 
-The Triton kernel and its PyTorch reference share one signature. Both work on the slot-sorted view of the
-step (`LoRAStep.sorted_tokens`, `LoRAStep.tiles`) and write `t` in sorted order, so the expand reads one
-tile's rows contiguously. The kernel splits the reduction over in_dim into `split_k` programs, because a decode step has too few
-(tile, rank chunk) pairs to fill the GPU on its own; the last of them to finish adds the partial sums.
+The Triton kernel and its PyTorch reference share one signature. Both work on the slot-sorted view of
+the step (`LoRAStep.sorted_tokens`, `LoRAStep.tiles`) and write `t` in sorted order, so the expand reads
+one tile's rows contiguously. The kernel splits the reduction over in_dim into `split_k` programs,
+because a decode step has too few (tile, rank chunk) pairs to fill the GPU on its own; the last of them
+to finish adds the partial sums.
 """
 
 from __future__ import annotations

@@ -10,7 +10,12 @@ import torch
 from kubelora.kernels.lora import BACKEND_ENV
 
 # name -> (rank, alpha, targets)
-ADAPTERS = {"r3-qv": (3, 6, "q_proj,v_proj"), "r12-all": (12, 24, "all-linear"), "r24-attn": (24, 16, "q_proj,k_proj,v_proj,o_proj")}
+ADAPTERS = {
+    "r3-qv": (3, 6, "q_proj,v_proj"),
+    "r12-all": (12, 24, "all-linear"),
+    "r24-attn": (24, 16, "q_proj,k_proj,v_proj,o_proj"),
+}
+PROMPT_LENGTHS = [4, 9, 70, 5, 20, 3, 12]  # 70: a slot group over 32 tokens, the 64-token (prefill) tiles
 BATCH = [None, "r3-qv", "r12-all", "r24-attn", "r12-all", None, "r3-qv"]
 
 
@@ -34,7 +39,7 @@ def generate(tiny, monkeypatch, backend: str):
     try:
         for name, path in adapters.items():
             llm.load_adapter(name, path)
-        prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(n)] for i, n in enumerate([4, 9, 70, 5, 20, 3, 12])]
+        prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, return_logits=True)
         return llm.generate(prompts, params, adapters=BATCH)
     finally:

@@ -45,7 +45,8 @@ def test_add_lora_matches_float64(triton_backend, device, dtype, case):
 def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch, split_k):
     from kubelora.kernels import lora_shrink
 
-    monkeypatch.setattr(lora_shrink, "_new_workspace", lambda *shape, device: torch.full(shape, math.nan, device=device))
+    poisoned = lambda *shape, device: torch.full(shape, math.nan, device=device)  # noqa: E731
+    monkeypatch.setattr(lora_shrink, "_new_workspace", poisoned)
     p = build_problem(30, ODD_RANKS, [24, 8, 8], 300, "zipf", torch.float32, seed=5, device=device, no_adapter=0.2)
     config = KernelConfig(block_k=16)
     slices = [0, 1, 2]
