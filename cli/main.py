@@ -37,6 +37,12 @@ def _run_engine_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _run_bench_kernels(args: argparse.Namespace) -> int:
+    from kubelora.kernels.bench_lora import run
+
+    return run(args)
+
+
 _SIZE_FLAGS = {
     "hidden_size": "--hidden",
     "num_layers": "--layers",
@@ -81,13 +87,20 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def _add_engine(sub: argparse._SubParsersAction) -> None:
     engine = sub.add_parser("engine", help="the data plane").add_subparsers(dest="engine_command", required=True)
     serve = engine.add_parser("serve", help="serve a model and its adapters over the OpenAI API")
-    try:
-        from kubelora.engine.server.cli import add_arguments
-    except ImportError:  # the server module is optional while the package is being built up
-        add_arguments = None
-    if add_arguments is not None:
-        add_arguments(serve)
+    from kubelora.engine.server.cli import add_arguments
+
+    add_arguments(serve)
     serve.set_defaults(func=_run_engine_serve)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (side by side with baselines, in one run)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    kernels = kinds.add_parser("kernels", help="LoRA kernels vs PyTorch baselines and the bytes floor (CUDA)")
+    from kubelora.kernels.bench_lora import add_arguments
+
+    add_arguments(kernels)
+    kernels.set_defaults(func=_run_bench_kernels)
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -95,6 +108,7 @@ _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_make_adapter,
     _add_demo,
     _add_engine,
+    _add_bench,
 )
 
 

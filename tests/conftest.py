@@ -1,7 +1,23 @@
 """Shared test settings."""
 
+import pytest
 import torch
 
 # CI machines have 2 cores and several suites start servers and subprocesses beside the pytest process:
 # one intra-op thread keeps tiny-model math from oversubscribing them (seen: 113 s -> 7 s for test_engine).
 torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; the GPU runs are separate commands (bench/h200.sh)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU-only tests are deselected, not skipped, where there is no GPU: the CPU suite covers the same code
+    paths on the PyTorch reference and the Triton interpreter, and the H200 runs are their own command."""
+    if torch.cuda.is_available():
+        return
+    gpu_only = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_only:
+        config.hook.pytest_deselected(items=gpu_only)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]

@@ -1,4 +1,4 @@
-"""CUDA smoke tests (skipped without a GPU): the same PEFT equivalence on the device with each LoRA backend,
+"""CUDA smoke tests (marker gpu: deselected without a GPU): the same PEFT equivalence on the device with each LoRA backend,
 and bf16 close to float32. Run on a GPU machine: `python -P -m pytest tests/test_engine/test_cuda.py -s`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from kubelora.engine import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 BATCH = [None, "r4-qv", "r8-all", None, "r16-all-rs", "r32-attn", "r8-all"]
 # float32 on the GPU: the torch backend matches to float32 rounding; Triton's tl.dot may use TF32.
 TOLERANCE = {"torch": 1e-3, "triton": 3e-2}
