@@ -59,7 +59,7 @@ class EngineSnapshot:
     num_adapter_load_failures: int
     num_device_evictions: int
     num_host_evictions: int
-    adapter_load_latencies_s: tuple[float, ...]
+    adapter_load_latencies_s: tuple[tuple[str, float], ...]  # (adapter name, seconds)
     num_preemptions: int
     num_steps: int
 

@@ -50,7 +50,7 @@ class AdapterManager:
         self._device: dict[int, AdapterRevision] = {}
         self._executor = ThreadPoolExecutor(config.num_loader_threads, thread_name_prefix="kubelora-adapter-load")
         self._counts = {"loads": 0, "failures": 0, "device_evictions": 0, "host_evictions": 0}
-        self._latencies: deque[float] = deque(maxlen=256)
+        self._latencies: deque[tuple[str, float]] = deque(maxlen=256)  # (adapter name, seconds)
 
     # ---- control API (any thread) ----
 
@@ -72,7 +72,7 @@ class AdapterManager:
                 if preload else None
             with self._state:
                 if host is not None:
-                    self._record_load(time.monotonic() - started)
+                    self._record_load(name, time.monotonic() - started)
                 if same is not None and same is self._current(name):
                     self._attach_host(same, host)
                 else:
@@ -248,12 +248,12 @@ class AdapterManager:
                 self._counts["failures"] += 1
                 log.warning("on-demand load failed: %s", error)
             elif not (revision.is_retired and revision.num_refs == 0):
-                self._record_load(time.monotonic() - started)
+                self._record_load(revision.name, time.monotonic() - started)
                 self._attach_host(revision, host)
 
-    def _record_load(self, seconds: float) -> None:
+    def _record_load(self, name: str, seconds: float) -> None:
         self._counts["loads"] += 1
-        self._latencies.append(seconds)
+        self._latencies.append((name, seconds))
 
     def _touch(self, revision: AdapterRevision) -> None:
         revision.last_used = time.monotonic()

@@ -64,4 +64,4 @@ class AdapterStats:
     num_load_failures: int
     num_device_evictions: int
     num_host_evictions: int
-    load_latencies_s: tuple[float, ...]  # most recent host loads (read + validate + stage), oldest first
+    load_latencies_s: tuple[tuple[str, float], ...]  # recent host loads (name, read + validate + stage s), oldest first

@@ -53,7 +53,7 @@ class ServerMetrics:
                                       buckets=LOAD_BUCKETS, **by_adapter)
         self.host_load_seconds = Histogram("kubelora_adapter_host_load_seconds",
                                            "Every host load in the engine (explicit and on demand)",
-                                           buckets=LOAD_BUCKETS, registry=self.registry)
+                                           buckets=LOAD_BUCKETS, **by_adapter)
         self._num_loads_seen = 0
 
     def label(self, adapter: str | None) -> str:
@@ -90,8 +90,8 @@ class ServerMetrics:
         new = snapshot.num_adapter_loads - self._num_loads_seen
         self._num_loads_seen = snapshot.num_adapter_loads
         recent = snapshot.adapter_load_latencies_s
-        for seconds in recent[max(0, len(recent) - new):]:
-            self.host_load_seconds.observe(seconds)
+        for name, seconds in recent[max(0, len(recent) - new):]:
+            self.host_load_seconds.labels(adapter=name).observe(seconds)
 
 
 class _EngineCollector(Collector):
