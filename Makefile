@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # -P / PYTHONSAFEPATH: the repo root never lands on sys.path, so `operator/` cannot shadow the stdlib.
 export PYTHONSAFEPATH := 1
 
-.PHONY: venv test demo clean
+.PHONY: venv k8s test demo clean
 
 venv: $(VENV)/.installed
 
@@ -16,7 +16,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -c constraints.txt -e '.[test]'
 	touch $@
 
-test: venv
+# The e2e control plane (Kubernetes from the official sources, via the Go module proxy), cached in
+# ~/.cache/kubelora/k8s: minutes on a fresh machine, instant afterwards. See docs/cluster.md.
+k8s:
+	e2e/cluster build
+
+test: venv k8s
 	$(PY) -P -m pytest $(PYTEST_ARGS)
 
 demo: venv
