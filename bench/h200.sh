@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine call: the GPU kernel test sweep (fp16, bf16), then the benchmark; logs under $OUT.
 # The package is not installed there: the repo folders are copied into a namespace layout on PYTHONPATH.
+# PDL=1 first probes programmatic dependent launch in its own process (a failed launch can leave the CUDA
+# context unusable); where it works, the sweep and the variant comparison (COMPARE=1) include it.
 set -uo pipefail
 OUT=${OUT:-/tmp/kubelora-out}
 mkdir -p "$OUT" /tmp/p/kubelora
@@ -8,9 +10,16 @@ for d in kernels engine cli; do cp -r "$d" /tmp/p/kubelora/; done
 export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/device.txt"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -q -x -n "${TEST_WORKERS:-8}" tests/test_kernels \
-    -o addopts="" --import-mode=importlib 2>&1 | tail -n 30 | tee "$OUT/tests.txt"
+extra=()
+if [ "${PDL:-0}" = 1 ] && timeout 90 python3 -P -c 'from kubelora.kernels.bench_variants import probe_pdl; probe_pdl()' \
+    2>&1 | tail -n 3 | tee -a "$OUT/device.txt"; then
+  export KUBELORA_TEST_PDL=1
+  extra+=(--pdl)
 fi
-timeout "${BENCH_TIMEOUT:-300}" python3 -P bench/kernels.py --write "$OUT/benchmarks.md" --date 2026-11-30 "$@" \
-  2>&1 | tee "$OUT/bench.txt"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -q -n "${TEST_WORKERS:-8}" tests/test_kernels \
+    -o addopts="" --import-mode=importlib -rfE 2>&1 | tee "$OUT/tests_full.txt" | tail -n 30 | tee "$OUT/tests.txt"
+fi
+[ "${COMPARE:-0}" = 1 ] && extra+=(--compare)
+timeout "${BENCH_TIMEOUT:-300}" python3 -P bench/kernels.py --write "$OUT/benchmarks.md" --date 2026-11-30 \
+  "${extra[@]}" "$@" 2>&1 | tee "$OUT/bench.txt"

@@ -13,16 +13,17 @@ import datetime
 import math
 import random
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from kubelora.kernels.bench_baselines import BenchSet, build_sets, gather_bmm, per_adapter_loop, torch_reference
 from kubelora.kernels.bench_report import Row, format_table, write_markdown
 from kubelora.kernels.lora import prepare_lora_step
-from kubelora.kernels.lora_config import DEFAULT_CONFIGS, KernelConfig
+from kubelora.kernels.lora_config import LaunchPlan
 
 L2_BYTES = 60 * 2**20
+DEVICE = "cuda"  # the CPU smoke test of the bench code sets "cpu" (Triton's interpreter)
 HIDDEN = 4096
 WIDTHS = [4096, 4096, 4096]  # q, k, v
 
@@ -105,17 +106,18 @@ def time_graph(fn, sets: list[BenchSet], trials: int = 7, min_ms: float = 10.0) 
     return statistics.median(times)
 
 
-def ours(config: KernelConfig | None = None):
+def ours(plan: LaunchPlan | None = None):
+    """Our op on a set; plan None: the launch the step chooses (add_lora's)."""
     from kubelora.kernels.lora_triton import add_lora_triton
 
-    return lambda st: add_lora_triton(st.y, st.x, st.lora_a, st.lora_b, st.proj, st.step, config)
+    return lambda st: add_lora_triton(st.y, st.x, st.lora_a, st.lora_b, st.proj, st.step, plan)
 
 
-def check_ours(sets: list[BenchSet]) -> float:
+def check_ours(sets: list[BenchSet], plan: LaunchPlan | None = None) -> float:
     """Relative error of our delta against the reference's, on set 0 (fresh copies of y)."""
     st = sets[0]
     y0 = st.y.clone()
-    ours()(st)
+    ours(plan)(st)
     delta = st.y.float() - y0.float()
     st.y.copy_(y0)
     torch_reference(st)
@@ -124,11 +126,18 @@ def check_ours(sets: list[BenchSet]) -> float:
     return float((delta - ref).norm() / ref.norm())
 
 
-def bench_shape(shape: Shape, bandwidth: float, dtype: torch.dtype, with_baselines: bool) -> Row:
+def shape_sets(shape: Shape, dtype: torch.dtype) -> tuple[int, list[BenchSet]]:
+    """(floor bytes, enough independent input sets that one replay of them all streams past the L2)."""
     nbytes = floor_bytes(shape, HIDDEN, WIDTHS, torch.finfo(dtype).bits // 8)
     num_sets = max(2, min(256, math.ceil(3 * L2_BYTES / nbytes)))
-    step = prepare_lora_step(list(shape.slots), len(shape.ranks), "cuda")
-    sets = build_sets(list(shape.slots), list(shape.ranks), WIDTHS, HIDDEN, num_sets, step, dtype)
+    step = prepare_lora_step(list(shape.slots), len(shape.ranks), DEVICE)
+    return nbytes, build_sets(list(shape.slots), list(shape.ranks), WIDTHS, HIDDEN, num_sets, step, dtype,
+                              device=DEVICE)
+
+
+def bench_shape(shape: Shape, bandwidth: float, dtype: torch.dtype, with_baselines: bool) -> Row:
+    nbytes, sets = shape_sets(shape, dtype)
+    step = sets[0].step
     row = Row(shape.name, nbytes, nbytes / bandwidth * 1e6, error=check_ours(sets), block_m=step.block_m)
     row.times["ours"] = time_graph(ours(), sets)
     if with_baselines:
@@ -142,64 +151,6 @@ def bench_shape(shape: Shape, bandwidth: float, dtype: torch.dtype, with_baselin
     return row
 
 
-def split_times(sets: list[BenchSet], config: KernelConfig) -> dict[str, float]:
-    """The shrink and the expand timed alone (the expand on shrink outputs computed beforehand)."""
-    from kubelora.kernels.lora_expand import lora_expand
-    from kubelora.kernels.lora_shrink import lora_shrink
-
-    slices = list(range(len(WIDTHS)))
-    offsets = [sum(WIDTHS[:s]) for s in slices]
-    shrink_out = {id(st): lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config) for st in sets}
-    return {
-        "shrink only": time_graph(lambda st: lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config), sets),
-        "expand only": time_graph(
-            lambda st: lora_expand(st.y, shrink_out[id(st)], st.lora_b, st.proj, st.step, slices, offsets, config),
-            sets),
-    }
-
-
-# label -> (KernelConfig changes, tile heights the step may choose from; None: the default policy)
-TUNE_VARIANTS = {
-    "tiles=16": ({}, (16,)), "tiles=16,32": ({}, (16, 32)),
-    "block_k=64": (dict(block_k=64), None), "block_k=256": (dict(block_k=256), None),
-    "target=512": (dict(target_programs=512), None), "target=2048": (dict(target_programs=2048), None),
-    "max_split=8": (dict(max_split=8), None), "max_split=32": (dict(max_split=32), None),
-    "block_n=128": (dict(block_n=128), None), "block_n=512": (dict(block_n=512), None),
-    "expand_warps=4": (dict(expand_warps=4), None),
-    "block_n=256,expand_warps=4": (dict(block_n=256, expand_warps=4), None),
-    "shrink_stages=2": (dict(shrink_stages=2), None), "shrink_stages=4": (dict(shrink_stages=4), None),
-    "expand_stages=1": (dict(expand_stages=1), None), "expand_stages=3": (dict(expand_stages=3), None),
-}
-
-
-def tune(shapes: list[Shape], dtype: torch.dtype) -> list[str]:
-    """Time one-at-a-time variations of each shape's default config (to choose DEFAULT_CONFIGS)."""
-    lines = []
-    for shape in shapes:
-        step = prepare_lora_step(list(shape.slots), len(shape.ranks), "cuda")
-        nbytes = floor_bytes(shape, HIDDEN, WIDTHS, 2)
-        sets = build_sets(list(shape.slots), list(shape.ranks), WIDTHS, HIDDEN,
-                          max(2, min(256, math.ceil(3 * L2_BYTES / nbytes))), step, dtype)
-        base = DEFAULT_CONFIGS[step.block_m]
-        times = {"default": time_graph(ours(base), sets)}
-        times.update(split_times(sets, base))
-        for label, (change, heights) in TUNE_VARIANTS.items():
-            try:
-                variant_step = step if heights is None else prepare_lora_step(
-                    list(shape.slots), len(shape.ranks), "cuda", tile_heights=heights)
-                for st in sets:
-                    st.step = variant_step
-                config = replace(DEFAULT_CONFIGS[variant_step.block_m], **change)
-                times[label] = time_graph(ours(config), sets)
-            except Exception as err:  # a variant that does not compile (e.g. out of shared memory) is skipped
-                print(f"  {label}: {str(err).splitlines()[0][:120]}")
-        lines.append(f"{shape.name} (tile {step.block_m}): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
-        print(lines[-1], flush=True)
-        del sets
-        torch.cuda.empty_cache()
-    return lines
-
-
 def run(args: argparse.Namespace) -> int:
     import triton
 
@@ -207,7 +158,11 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     shapes = default_shapes()
+    from kubelora.kernels.bench_variants import compare_paths, tune
+
     tune_lines = tune([s for s in shapes if s.name in args.tune], dtype) if args.tune else []
+    if args.compare:
+        tune_lines += compare_paths([s for s in shapes if not s.name.startswith("prefill")], dtype, args.pdl)
     rows = []
     for shape in shapes:
         if args.shapes and shape.name not in args.shapes:
@@ -232,6 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--date", default=None, help="date written into the report (default: today)")
     parser.add_argument("--no-baselines", action="store_true", help="time only the Triton op")
     parser.add_argument("--tune", nargs="*", default=[], help="shape names whose config variations to time")
+    parser.add_argument("--compare", action="store_true", help="time each launch path on every decode shape")
+    parser.add_argument("--pdl", action="store_true", help="with --compare: time the PDL variant too")
     parser.add_argument("--shapes", nargs="*", default=[], help="bench only these shape names (default: all)")
 
 

@@ -25,10 +25,14 @@ import torch
 
 BACKENDS = ("torch", "triton")
 BACKEND_ENV = "KUBELORA_LORA_BACKEND"
-# Token tile heights of the Triton kernels (tl.dot needs >= 16 rows). A step whose largest slot group fits
-# in 16 tokens launches the decode shape (one tile per adapter); bigger groups take taller tiles, up to the
-# prefill shape of 64 tokens per tile (a long segment is cut into several tiles of its slot).
+# Token tile heights of the Triton kernels (tl.dot needs >= 16 rows). A step takes the smallest height that
+# cuts its slot groups into at most MAX_TILES tiles (a long segment is cut into several tiles of its slot):
+# decode steps take 16 (one tile per adapter), one adapter with 64..512 tokens still 16 (more programs:
+# docs/kernels.md, v5), a prefill of 4 x 512 tokens 64.
 TILE_HEIGHTS = (16, 32, 64)
+MAX_TILES = 32
+# Columns of a tile table row before the tile's token ids: slot, start in sorted_tokens, number of tokens.
+TILE_HEAD = 3
 
 
 @dataclass(frozen=True)
@@ -36,16 +40,22 @@ class LoRAStep:
     """Per-step token -> adapter map, shared by all layers and projections.
 
     The kernels' view of the same map: the LoRA tokens grouped by slot (`sorted_tokens`), cut into tiles of
-    at most `block_m` tokens of one slot each (`tiles` rows: slot, first position in `sorted_tokens`,
-    number of tokens). Built by `prepare_lora_step`; left None by hand-made steps (then derived on demand).
+    at most `block_m` tokens of one slot each. A `tiles` row holds everything a kernel program needs before
+    it reads data (one dependent load): slot, first position in `sorted_tokens`, number of tokens, then the
+    tile's token ids. Built by `prepare_lora_step`; left None by hand-made steps (then derived on demand).
     """
 
     token_slots: torch.Tensor  # [num_tokens] int64: the token's slot in this step's adapter table; -1 = none
     num_slots: int  # number of distinct adapters in the step (slot table length)
     has_lora: bool  # any token with an adapter at all; False skips every LoRA op
     sorted_tokens: torch.Tensor | None = None  # [num_lora_tokens] int64: token ids grouped by slot, stable
-    tiles: torch.Tensor | None = None  # [num_tiles, 3] int64: (slot, start in sorted_tokens, num tokens)
+    # [num_tiles, TILE_HEAD + block_m] int64: (slot, start in sorted_tokens, num tokens, token ids padded with 0)
+    tiles: torch.Tensor | None = None
     block_m: int = TILE_HEIGHTS[0]  # tile height: 16 is the decode launch shape, 64 the prefill one
+    # Tile i is slot i (every slot fits one tile; slots without tokens have an empty tile): the kernels
+    # read the slot's rank and rows at once, in parallel with the tile row.
+    is_slot_tiles: bool = False
+    num_lora_tokens: int = 0
 
     @property
     def num_tiles(self) -> int:
@@ -62,16 +72,39 @@ class LoRAProj:
     max_rank: tuple[int, ...]  # per slice, max of rank[:, s]: sizes the shrink buffer; 0 skips the slice
 
 
-def _tile_height(max_group: int, tile_heights: tuple[int, ...]) -> int:
-    return next((h for h in tile_heights if max_group <= h), tile_heights[-1])
+def _tile_height(counts: list[int], tile_heights: tuple[int, ...], max_tiles: int) -> int:
+    """The smallest height that cuts the slot groups into at most max_tiles tiles (else the tallest)."""
+    for height in tile_heights:
+        if sum(-(-c // height) for c in counts) <= max_tiles or all(c <= height for c in counts):
+            return height
+    return tile_heights[-1]
+
+
+def _tile_rows(counts: list[int], order: list[int], block_m: int, is_slot_tiles: bool) -> list[int]:
+    rows: list[int] = []
+    start = 0
+    for slot, count in enumerate(counts):
+        firsts = range(0, count, block_m) if count or not is_slot_tiles else [0]
+        for first in firsts:
+            num = min(block_m, count - first)
+            tokens = order[start + first : start + first + num]
+            rows += [slot, start + first, num, *tokens, *[0] * (block_m - num)]
+        start += count
+    return rows
 
 
 def prepare_lora_step(
-    token_slots: list[int], num_slots: int, device: torch.device | str, *, tile_heights: tuple[int, ...] = TILE_HEIGHTS
+    token_slots: list[int],
+    num_slots: int,
+    device: torch.device | str,
+    *,
+    tile_heights: tuple[int, ...] = TILE_HEIGHTS,
+    max_tiles: int = MAX_TILES,
 ) -> LoRAStep:
     """Pack the token -> slot map and its slot-sorted tile table into one host buffer, one copy to device.
 
-    tile_heights: the tile heights to choose from (each a power of two >= 16); the benchmark narrows it.
+    tile_heights, max_tiles: the tile heights to choose from (each a power of two >= 16) and the tile count
+    a height may make; the benchmark varies them.
     """
     slots = torch.tensor(token_slots, dtype=torch.int64)
     has_slot = slots >= 0
@@ -79,22 +112,20 @@ def prepare_lora_step(
     # Stable sort by slot with the no-adapter tokens (key num_slots) last, then cut them off.
     order = torch.argsort(torch.where(has_slot, slots, num_slots), stable=True)[:num_lora_tokens]
     counts = torch.bincount(slots[has_slot], minlength=num_slots).tolist() if num_lora_tokens else []
-    block_m = _tile_height(max(counts, default=0), tile_heights)
-    tiles: list[int] = []
-    start = 0
-    for slot, count in enumerate(counts):
-        for first in range(0, count, block_m):
-            tiles += (slot, start + first, min(block_m, count - first))
-        start += count
-    packed = torch.cat([slots, order, torch.tensor(tiles, dtype=torch.int64)]).to(device)
+    block_m = _tile_height(counts, tile_heights, max_tiles)
+    is_slot_tiles = bool(counts) and max(counts) <= block_m
+    tiles = torch.tensor(_tile_rows(counts, order.tolist(), block_m, is_slot_tiles), dtype=torch.int64)
+    packed = torch.cat([slots, order, tiles]).to(device)
     num_tokens = slots.numel()
     return LoRAStep(
         token_slots=packed[:num_tokens],
         num_slots=num_slots,
         has_lora=num_lora_tokens > 0,
         sorted_tokens=packed[num_tokens : num_tokens + num_lora_tokens],
-        tiles=packed[num_tokens + num_lora_tokens :].view(-1, 3),
+        tiles=packed[num_tokens + num_lora_tokens :].view(-1, TILE_HEAD + block_m),
         block_m=block_m,
+        is_slot_tiles=is_slot_tiles,
+        num_lora_tokens=num_lora_tokens,
     )
 
 

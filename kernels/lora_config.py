@@ -1,12 +1,13 @@
-"""Launch parameters shared by the LoRA shrink and expand kernels."""
+"""Launch parameters of the LoRA kernels (shrink + expand, or the fused launch) and which one a step takes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, replace
 
 import torch
 
-from kubelora.kernels.lora import LoRAProj
+from kubelora.kernels.lora import LoRAProj, LoRAStep
 
 # Rank lanes per tl.dot: the instruction needs K and N >= 16. An adapter of rank r runs ceil(r / 16) chunks:
 # its own rank rounded up to the tile, never the step's maximum rank.
@@ -29,6 +30,8 @@ class KernelConfig:
     block_n: int = 256  # expand: output columns per program
     expand_warps: int = 8
     expand_stages: int = 2  # the expand's rank loop is 1..8 steps: a shallow pipeline
+    is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
+    is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n"):
@@ -37,6 +40,27 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
         if not 1 <= self.max_split <= MAX_SPLIT or self.target_programs < 1:
             raise ValueError(f"KernelConfig.max_split must be in 1..{MAX_SPLIT}, target_programs >= 1")
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Tile sizes of the fused launch."""
+
+    block_n: int = 256  # output columns per block (a program runs SUB blocks of one slice)
+    block_k: int = 256  # in_dim columns per shrink loop step
+    warps: int = 4
+    wide_warps: int = 8  # from 64 lanes on: the B block held through the shrink loop needs more threads
+    stages: int = 3  # software pipelining of the shrink loop
+    target_programs: int = 128  # more blocks per program while over this many programs (each re-reads A)
+    is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"FusedConfig.{name}={value}: must be a power of two >= 16")
+        if self.target_programs < 1:
+            raise ValueError(f"FusedConfig.target_programs={self.target_programs}: must be >= 1")
 
 
 # Per tile height, from the variations timed on the H200 (docs/kernels.md, run 6): decode (16) splits
@@ -60,3 +84,36 @@ def num_lanes(proj: LoRAProj, slices: list[int]) -> int:
     """Shrink output width: the largest rank among the slices, rounded up to BLOCK_R."""
     max_rank = max(proj.max_rank[s] for s in slices)
     return -(-max_rank // BLOCK_R) * BLOCK_R
+
+
+class LoRAPath(enum.Enum):
+    """How one projection call runs (per group of up to MAX_SLICES slices)."""
+
+    SPLIT = "split"  # shrink (in_dim split, last arrival sums) then expand: two launches
+    FUSED = "fused"  # one launch: each column program recomputes its tile's shrink
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    path: LoRAPath
+    split: KernelConfig
+    fused: FusedConfig
+
+
+# The fused launch runs while num_tiles x lanes is at most this: each of a (tile, slice)'s column programs
+# re-reads that adapter's A (lanes x in_dim), so the re-read bytes grow with both (docs/kernels.md, v5).
+FUSED_MAX_WORK = 1024
+DEFAULT_FUSED = FusedConfig()
+
+
+def choose_plan(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> LaunchPlan:
+    """The launch for one step and projection, from host-side sizes only (no device sync)."""
+    split = DEFAULT_CONFIGS[step.block_m]
+    is_fused = step.block_m == 16 and step.num_tiles * num_lanes(proj, slices) <= FUSED_MAX_WORK
+    return LaunchPlan(LoRAPath.FUSED if is_fused else LoRAPath.SPLIT, split, DEFAULT_FUSED)
+
+
+def forced_plan(step: LoRAStep, path: LoRAPath, *, is_folded: bool = True, is_pdl: bool = False) -> LaunchPlan:
+    """The default configs of the step's tile height on a given path (tests and the benchmark compare paths)."""
+    split = replace(DEFAULT_CONFIGS[step.block_m], is_folded=is_folded, is_pdl=is_pdl)
+    return LaunchPlan(path, split, replace(DEFAULT_FUSED, is_folded=is_folded))

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision
+from kubelora.kernels.lora_tile import gdc_wait, tile_meta
 
 
 @triton.jit
@@ -21,7 +22,7 @@ def _expand_kernel(
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
     y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     pid_n = tl.program_id(0)
@@ -48,15 +49,12 @@ def _expand_kernel(
         width = tl.where(in2, width2, width)
         y_off = tl.where(in2, y_off2, y_off)
         nb = tl.where(in2, pid_n - first_nb2, nb)
-    slot = tl.load(tiles_ptr + tile * 3)
-    start = tl.load(tiles_ptr + tile * 3 + 1)
-    count = tl.load(tiles_ptr + tile * 3 + 2)
+    slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
     rank = tl.load(rank_ptr + slot * meta_stride + col)
     row = tl.load(row_ptr + slot * meta_stride + col)
     scale = tl.load(scale_ptr + slot * meta_stride + col)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
-    tok = tl.load(sorted_ptr + start + offs_m, mask=m_mask, other=0)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < width
     # y is loaded first so that its bytes are in flight while t and B arrive. Rows past the tile's tokens
@@ -65,6 +63,8 @@ def _expand_kernel(
     y_mask = y_rows[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    if USE_PDL:  # launched early (programmatic dependent launch): t is complete only past this point
+        gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     t_rows = t_ptr + ((start + offs_m) * NUM_S + j)[:, None] * lanes
     # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
@@ -106,7 +106,9 @@ def lora_expand(
         *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2],
         y.stride(0), t.shape[2],
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
+        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, USE_PDL=config.is_pdl,
         PRECISION=dot_precision(lora_b[0].dtype), num_warps=config.expand_warps, num_stages=config.expand_stages,
+        **({"launch_pdl": True} if config.is_pdl else {}),
     )
 
 

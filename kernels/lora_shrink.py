@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
+from kubelora.kernels.lora_tile import gdc_launch_dependents, tile_meta
 
 
 @triton.jit
@@ -39,18 +40,18 @@ def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # Program (tile, rank chunk of BLOCK_R lanes, K split): all slices at once, so x is read once per split.
+    if USE_PDL:  # the expand may start now: it loads its y and B while this launch runs
+        gdc_launch_dependents()
     tile = tl.program_id(0) // num_chunks
     chunk = tl.program_id(0) % num_chunks
     ks = tl.program_id(1)
-    slot = tl.load(tiles_ptr + tile * 3)
-    start = tl.load(tiles_ptr + tile * 3 + 1)
-    count = tl.load(tiles_ptr + tile * 3 + 2)
+    slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
-    tok = tl.load(sorted_ptr + start + offs_m, mask=m_mask, other=0)
     offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
     rank0 = tl.load(rank_ptr + slot * meta_stride + col0)
     row0 = tl.load(row_ptr + slot * meta_stride + col0)
@@ -175,7 +176,8 @@ def lora_shrink(
         x, *pools, t, parts, arrivals, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
         *cols, proj.rank.stride(0), in_dim, x.stride(0), num_sorted, num_chunks, lanes, split_k, k_per_split,
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
-        SPLIT=triton.next_power_of_2(split_k), PRECISION=dot_precision(x.dtype),
+        SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
+        USE_PDL=config.is_pdl, PRECISION=dot_precision(x.dtype),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     return t

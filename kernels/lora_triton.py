@@ -1,12 +1,13 @@
-"""Triton path of `add_lora`: one shrink launch and one expand launch per projection (per 3 slices)."""
+"""Triton path of `add_lora`: per projection (per 3 slices), one fused launch or a shrink + expand pair."""
 
 from __future__ import annotations
 
 import torch
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
-from kubelora.kernels.lora_config import DEFAULT_CONFIGS, MAX_SLICES, KernelConfig
+from kubelora.kernels.lora_config import MAX_SLICES, LaunchPlan, LoRAPath, choose_plan
 from kubelora.kernels.lora_expand import _expand_kernel, lora_expand
+from kubelora.kernels.lora_fused import lora_fused
 from kubelora.kernels.lora_shrink import lora_shrink
 
 
@@ -29,22 +30,27 @@ def add_lora_triton(
     lora_b: list[torch.Tensor],
     proj: LoRAProj,
     step: LoRAStep,
-    config: KernelConfig | None = None,
+    plan: LaunchPlan | None = None,
 ) -> None:
     """Triton: y[t, off_s:off_s+d_s] += scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slot of t.
 
     Same arguments and semantics as `add_lora_torch`; slices of rank 0 everywhere are skipped entirely.
+    plan: the launch (default: `choose_plan` for the step); the benchmark and tests pass one to compare.
     """
     if not step.has_lora:
         return
     if x.device.type != "cuda" and not is_interpreted():
         raise RuntimeError("the triton LoRA backend off CUDA needs TRITON_INTERPRET=1 before kubelora.kernels loads")
     step = with_tiles(step)
-    config = config or DEFAULT_CONFIGS[step.block_m]
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:s]) for s in range(len(widths))]
     active = [s for s, r in enumerate(proj.max_rank) if r > 0]
     for first in range(0, len(active), MAX_SLICES):
         group = active[first : first + MAX_SLICES]
-        t = lora_shrink(x, [lora_a[s] for s in group], proj, step, group, config)
-        lora_expand(y, t, [lora_b[s] for s in group], proj, step, group, [offsets[s] for s in group], config)
+        group_plan = plan or choose_plan(step, proj, group)
+        a_group, b_group, y_offsets = [lora_a[s] for s in group], [lora_b[s] for s in group], [offsets[s] for s in group]
+        if group_plan.path is LoRAPath.FUSED:
+            lora_fused(y, x, a_group, b_group, proj, step, group, y_offsets, group_plan.fused)
+        else:
+            t = lora_shrink(x, a_group, proj, step, group, group_plan.split)
+            lora_expand(y, t, b_group, proj, step, group, y_offsets, group_plan.split)

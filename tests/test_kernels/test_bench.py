@@ -41,3 +41,25 @@ def test_report_targets():
     mixed = Row("64 x 32 x 8..64 mixed", 100, 14.0, 1e-3, 16, {"ours": 25.0})
     uniform = Row("64 x 32 x 36", 100, 14.0, 1e-3, 16, {"ours": 20.0})
     assert "ratio 1.25 (target <= 1.2: MISSED)" in mixed_rank_lines([mixed, uniform])[0]
+
+
+def test_variant_comparison_runs(triton_backend, monkeypatch):
+    """The bench's --compare and --tune code paths, on CPU at toy sizes with a stand-in timer."""
+    from kubelora.kernels import bench_lora, bench_variants
+
+    def fake_timer(fn, sets, **kwargs):
+        for st in sets:
+            fn(st)
+        return 1.0
+
+    for name, value in (("DEVICE", "cpu"), ("HIDDEN", 40), ("WIDTHS", [24, 8, 8]), ("L2_BYTES", 1)):
+        monkeypatch.setattr(bench_lora, name, value)
+    monkeypatch.setattr(bench_variants, "time_graph", fake_timer)
+    shape = bench_lora.decode_shape(20, 3, [8, 3, 17])
+    lines = bench_variants.compare_paths([shape], torch.float32, with_pdl=False)
+    assert "BAD" not in lines[0] and "auto 1.0" in lines[0] and "fused t64 1.0" in lines[0]
+    lines = bench_variants.tune([shape], torch.float32)
+    assert "default 1.0" in lines[0] and "tiles=16,32 1.0" in lines[0]
+    monkeypatch.setattr(bench_lora, "time_graph", fake_timer)
+    row = bench_lora.bench_shape(shape, 4e12, torch.float32, with_baselines=True)
+    assert row.error < 1e-4 and set(row.times) == {"ours", "gather+bmm", "loop", "torch ref"}

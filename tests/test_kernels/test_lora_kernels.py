@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kubelora.kernels.lora import LoRAStep, add_lora, prepare_lora_step
-from kubelora.kernels.lora_config import BLOCK_R, DEFAULT_CONFIGS, KernelConfig
+from kubelora.kernels.lora_config import BLOCK_R, DEFAULT_CONFIGS, KernelConfig, LoRAPath, forced_plan
 from kubelora.kernels.lora_problems import build_problem, check_y
 
 DTYPES = (torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
@@ -30,15 +30,36 @@ CASES = [
 ]
 
 
+PATHS = [None, LoRAPath.SPLIT, LoRAPath.FUSED]  # None: the step's own choice (add_lora)
+
+
+def run_path(triton_backend, p, path: LoRAPath | None, is_folded: bool = True) -> torch.Tensor:
+    y = p.y0.clone()
+    if path is None:
+        add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
+    else:
+        plan = forced_plan(p.step, path, is_folded=is_folded)
+        triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, plan)
+    return y
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: getattr(p, "value", "auto"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}tok-{len(c[1])}ad-{c[4]}")
-def test_add_lora_matches_float64(triton_backend, device, dtype, case):
+def test_add_lora_matches_float64(triton_backend, device, dtype, case, path):
     num_tokens, ranks, widths, in_dim, dist, no_adapter = case
     p = build_problem(num_tokens, ranks, widths, in_dim, dist, dtype, seed=num_tokens, device=device,
                       no_adapter=no_adapter)
-    y = p.y0.clone()
-    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
-    check_y(p, y)
+    check_y(p, run_path(triton_backend, p, path))
+
+
+@pytest.mark.parametrize("path", [LoRAPath.SPLIT, LoRAPath.FUSED], ids=lambda p: p.value)
+@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=lambda c: f"{c[0]}tok-{c[4]}")
+def test_unfolded_tile_table_reads(triton_backend, device, case, path):
+    num_tokens, ranks, widths, in_dim, dist, no_adapter = case
+    p = build_problem(num_tokens, ranks, widths, in_dim, dist, torch.float32, seed=3, device=device,
+                      no_adapter=no_adapter)
+    check_y(p, run_path(triton_backend, p, path, is_folded=False))
 
 
 @pytest.mark.parametrize("split_k", [1, 3, 32])
@@ -98,14 +119,13 @@ def test_no_lora_tokens_leave_y_alone(triton_backend, device):
     assert torch.equal(y, p.y0)
 
 
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: getattr(p, "value", "auto"))
 @pytest.mark.parametrize("block_m", sorted(DEFAULT_CONFIGS))
-def test_every_tile_height(triton_backend, device, block_m):
-    tokens_per_slot = {16: 5, 32: 30, 64: 100}[block_m]
-    slots = [a for a in range(3) for _ in range(tokens_per_slot)]
-    p = build_problem(len(slots), ODD_RANKS[:3], [24, 8, 8], 40, "one", torch.float32, seed=10, device=device)
+@pytest.mark.parametrize("tokens_per_slot", [5, 30, 100])
+def test_every_tile_height(triton_backend, device, block_m, tokens_per_slot, path):
+    slots = [a for a in range(3) for _ in range(tokens_per_slot)] + [-1]
+    p = build_problem(len(slots), ODD_RANKS, [24, 8, 8], 40, "one", torch.float32, seed=10, device=device)
     p.slots = slots
-    p.step = prepare_lora_step(slots, 3, device)
-    assert p.step.block_m == block_m
-    y = p.y0.clone()
-    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
-    check_y(p, y)
+    p.step = prepare_lora_step(slots, 4, device, tile_heights=(block_m,))  # slot 3: no tokens, an empty tile
+    assert p.step.block_m == block_m and p.step.is_slot_tiles == (tokens_per_slot <= block_m)
+    check_y(p, run_path(triton_backend, p, path))

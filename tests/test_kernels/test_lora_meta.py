@@ -7,6 +7,7 @@ import torch
 
 from kubelora.kernels.lora import (
     BACKEND_ENV,
+    MAX_TILES,
     add_lora,
     add_lora_torch,
     default_backend,
@@ -17,18 +18,34 @@ from kubelora.kernels.lora_problems import DISTRIBUTIONS, build_problem, check_y
 
 
 def test_step_groups_tokens_by_slot_in_tiles():
-    step = prepare_lora_step([2, 0, -1, 2, 1, 0, 2, -1], 3, "cpu")
-    assert step.has_lora and step.block_m == 16
+    step = prepare_lora_step([2, 0, -1, 2, 1, 0, 2, -1], 4, "cpu")
+    assert step.has_lora and step.block_m == 16 and step.is_slot_tiles
     assert step.token_slots.tolist() == [2, 0, -1, 2, 1, 0, 2, -1]
     assert step.sorted_tokens.tolist() == [1, 5, 4, 0, 3, 6]
-    assert step.tiles.tolist() == [[0, 0, 2], [1, 2, 1], [2, 3, 3]]
+    # Slot tiles: row i is slot i, slot 3 (no tokens) included; then the tile's token ids, padded with 0.
+    assert step.tiles.shape == (4, 3 + 16)
+    assert step.tiles[:, :6].tolist() == [[0, 0, 2, 1, 5, 0], [1, 2, 1, 4, 0, 0], [2, 3, 3, 0, 3, 6], [3, 6, 0, 0, 0, 0]]
+    assert not step.tiles[:, 6:].any()
 
 
-def test_long_segments_take_prefill_tiles():
-    step = prepare_lora_step([1] * 150 + [0] * 20 + [-1] * 5, 2, "cpu")
-    assert step.block_m == 64
-    assert step.tiles.tolist() == [[0, 0, 20], [1, 20, 64], [1, 84, 64], [1, 148, 22]]
+def test_long_segments_take_several_tiles():
+    step = prepare_lora_step([1] * 150 + [0] * 20 + [-1] * 5, 2, "cpu", tile_heights=(64,))
+    assert step.block_m == 64 and not step.is_slot_tiles
+    assert step.tiles[:, :3].tolist() == [[0, 0, 20], [1, 20, 64], [1, 84, 64], [1, 148, 22]]
     assert step.sorted_tokens.tolist() == list(range(150, 170)) + list(range(150))
+    assert step.tiles[1, 3:].tolist() == list(range(64))
+    assert step.tiles[3, 3:].tolist() == list(range(128, 150)) + [0] * 42
+
+
+@pytest.mark.parametrize(
+    ("groups", "block_m"),
+    [([16] * 40, 16), ([64], 16), ([512], 16), ([32] * 8, 16), ([20] * 64, 32), ([512] * 4, 64), ([2048], 64)],
+)
+def test_tile_height_keeps_the_tile_count_small(groups, block_m):
+    slots = [slot for slot, n in enumerate(groups) for _ in range(n)]
+    step = prepare_lora_step(slots, len(groups), "cpu")
+    assert step.block_m == block_m
+    assert step.num_tiles <= max(MAX_TILES, len(groups))
 
 
 @pytest.mark.parametrize("slots", [[], [-1, -1], [0, -1]])

@@ -3,18 +3,21 @@
     python -P -m pytest tests/test_kernels/test_lora_sweep.py
 
 fp16 and bf16; 1..4096 tokens; 1..64 adapters with ranks 1..128 mixed in one batch (some slices at rank 0);
-one adapter, all distinct, uniform, Zipf-skewed and prefill segments; tokens without adapter; slices of
+one adapter, all distinct, uniform, Zipf-skewed and prefill segments; the step's own launch and each path
+forced (split shrink + expand, fused); tokens without adapter; slices of
 unequal widths and dimensions that are not multiples of the block sizes. Skipped without CUDA.
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
 
 from kubelora.kernels.lora import add_lora
+from kubelora.kernels.lora_config import LoRAPath, forced_plan
 from kubelora.kernels.lora_problems import DISTRIBUTIONS, build_problem, check_y
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the full sweep needs a GPU")
@@ -50,12 +53,27 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
     return cases
 
 
+# (path, programmatic dependent launch); path None: the step's own launch (add_lora). The PDL path runs where
+# KUBELORA_TEST_PDL=1 (bench/h200.sh sets it once a probe process has launched it without error).
+LAUNCHES = [(None, False), (LoRAPath.SPLIT, False), (LoRAPath.FUSED, False)]
+if os.environ.get("KUBELORA_TEST_PDL") == "1":
+    LAUNCHES.append((LoRAPath.SPLIT, True))
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: getattr(c[0], "value", "auto") + ("-pdl" if c[1] else ""))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", sweep_cases(), ids=lambda c: f"{c[6]}-{c[0]}tok-{len(c[1])}ad-{c[4]}")
-def test_sweep(dtype, case):
+def test_sweep(dtype, case, launch):
+    """Every case on the step's own launch (add_lora) and on each path forced."""
+    from kubelora.kernels.lora_triton import add_lora_triton
+
+    path, is_pdl = launch
     num_tokens, ranks, widths, in_dim, dist, no_adapter, seed = case
     p = build_problem(num_tokens, ranks, widths, in_dim, dist, dtype, seed=seed, device="cuda", no_adapter=no_adapter)
     y = p.y0.clone()
-    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
+    if path is None:
+        add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
+    else:
+        add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, forced_plan(p.step, path, is_pdl=is_pdl))
     torch.cuda.synchronize()
     check_y(p, y)

@@ -1,0 +1,73 @@
+"""Registers, spills and shared memory of the LoRA kernels compiled offline for sm_90 (no GPU needed).
+
+`python -P bench/resources.py`: compiles each launch shape with Triton's bundled ptxas and reads
+`cuobjdump -res-usage` (the bundled cuobjdump). For checking a variant before spending device time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kubelora.kernels.lora_expand import _expand_kernel
+from kubelora.kernels.lora_fused import _fused_kernel
+from kubelora.kernels.lora_shrink import _shrink_kernel
+
+POINTERS = {"sorted_ptr": "*i64", "tiles_ptr": "*i64", "rank_ptr": "*i64", "row_ptr": "*i64", "scale_ptr": "*fp32",
+            "t_ptr": "*fp32", "parts_ptr": "*fp32", "arrivals_ptr": "*i32"}
+# Arguments the launcher sees as multiples of 16 at the benchmark's sizes (Triton specializes on that).
+DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
+             "k_per_split"}
+COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32")
+SHAPES = [
+    ("fused m16 r16 n256 k256", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=16, SUB=1), 4, 3),
+    ("fused m16 r16 n256 k256 sub4", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=16, SUB=4), 4, 3),
+    ("fused m16 r64 n256 k256 sub4", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=64, SUB=4), 4, 3),
+    ("fused m16 r64 n256 k256 w8", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=64, SUB=2), 8, 3),
+    ("fused m16 r128 n256 k128", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, R_PAD=128, SUB=1), 4, 3),
+    ("fused m16 r128 n256 k128 w8", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, R_PAD=128, SUB=4), 8, 3),
+    ("fused m16 r32 n256 k256 sub4", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=32, SUB=4), 4, 3),
+    ("fused m32 r16 n256 k256 sub4", _fused_kernel, dict(BLOCK_M=32, BLOCK_N=256, BLOCK_K=256, R_PAD=16, SUB=4), 4, 3),
+    ("fused m64 r16 n256 k256", _fused_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=256, R_PAD=16, SUB=1), 4, 3),
+    ("shrink m16 k128 split8", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=False), 4, 3),
+    ("shrink m16 pdl", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True), 4, 3),
+    ("expand m16 n256", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, USE_PDL=False), 8, 2),
+    ("expand m16 n256 pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, USE_PDL=True), 8, 2),
+    ("expand m64 n256", _expand_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_R=16, USE_PDL=False), 4, 2),
+]
+
+
+def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int):
+    constexprs = {k: v for k, v in {**COMMON, **constexprs}.items() if k in fn.arg_names}
+    signature = {name: "constexpr" if name in constexprs else POINTERS.get(name, "*bf16") if name.endswith("_ptr")
+                 else "i32" for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name not in constexprs and (name.endswith("_ptr") or name in DIVISIBLE)}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def res_usage(cubin: bytes) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return " ".join(re.findall(r"(REG:\d+|STACK:\d+|SHARED:\d+|LOCAL:\d+)", out))
+
+
+def main() -> None:
+    for label, fn, constexprs, warps, stages in SHAPES:
+        kernel = compile_sm90(fn, constexprs, warps, stages)
+        usage = res_usage(kernel.asm["cubin"])
+        print(f"{label:34s} warps {warps} stages {stages}: {usage} dynamic smem {kernel.metadata.shared}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Launch variants timed side by side on the benchmark's shapes (`kubelora bench kernels --compare/--tune`).
+
+For choosing the defaults in `kernels/lora_config.py` and `kernels/lora.py`; docs/kernels.md logs the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kubelora.kernels.bench_baselines import BenchSet
+from kubelora.kernels import bench_lora
+from kubelora.kernels.bench_lora import Shape, check_ours, ours, shape_sets, time_graph
+from kubelora.kernels.lora import LoRAStep, prepare_lora_step
+from kubelora.kernels.lora_config import DEFAULT_CONFIGS, LaunchPlan, LoRAPath, KernelConfig, forced_plan
+
+
+def _fused(**changes):
+    """A fused plan with FusedConfig changes."""
+
+    def plan_for(step: LoRAStep) -> LaunchPlan:
+        plan = forced_plan(step, LoRAPath.FUSED)
+        return replace(plan, fused=replace(plan.fused, **changes))
+
+    return plan_for
+
+
+# label -> (prepare_lora_step keyword changes, the plan for the step; None: the step's own choice).
+# max_tiles=0 is v4's tile height policy (the largest slot group decides).
+PATH_VARIANTS = {
+    "v4": (dict(max_tiles=0), lambda step: forced_plan(step, LoRAPath.SPLIT, is_folded=False)),
+    "split": ({}, lambda step: forced_plan(step, LoRAPath.SPLIT)),
+    "split+pdl": ({}, lambda step: forced_plan(step, LoRAPath.SPLIT, is_pdl=True)),
+    "fused": ({}, lambda step: forced_plan(step, LoRAPath.FUSED)),
+    "fused t64": ({}, _fused(target_programs=64)),
+    "fused t256": ({}, _fused(target_programs=256)),
+    "fused k128": ({}, _fused(block_k=128)),
+    "fused v4 tiles": (dict(max_tiles=0), lambda step: forced_plan(step, LoRAPath.FUSED)),
+    "auto": ({}, None),
+}
+PDL_VARIANTS = {"split+pdl"}  # timed only where the PDL probe passed (--pdl)
+
+
+def _with_step(sets: list[BenchSet], shape: Shape, step_changes: dict) -> LoRAStep:
+    step = prepare_lora_step(list(shape.slots), len(shape.ranks), bench_lora.DEVICE, **step_changes)
+    for st in sets:
+        st.step = step
+    return step
+
+
+def probe_pdl() -> None:
+    """Exit non-zero unless a split launch with programmatic dependent launch runs eagerly and in a CUDA graph.
+
+    Run in its own process first: a failed launch may leave the CUDA context unusable.
+    """
+    shape = Shape("probe", tuple(i % 4 for i in range(16)), (16,) * 4)
+    _, sets = shape_sets(shape, torch.bfloat16)
+    plan = forced_plan(sets[0].step, LoRAPath.SPLIT, is_pdl=True)
+    error = check_ours(sets, plan)
+    time_graph(ours(plan), sets, trials=1, min_ms=0.1)
+    torch.cuda.synchronize()
+    print(f"PDL probe: rel err {error:.1e}")
+    raise SystemExit(0 if error < 2e-2 else 1)
+
+
+def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool) -> list[str]:
+    """Us per call of each PATH_VARIANTS entry, one line per shape; a variant off the reference is marked BAD."""
+    lines = []
+    for shape in shapes:
+        _, sets = shape_sets(shape, dtype)
+        default_step = sets[0].step
+        times = {}
+        for label, (step_changes, plan_for) in PATH_VARIANTS.items():
+            if label in PDL_VARIANTS and not with_pdl:
+                continue
+            try:
+                step = _with_step(sets, shape, step_changes)
+                plan = None if plan_for is None else plan_for(step)
+                if check_ours(sets, plan) > 2e-2:
+                    label += " BAD"
+                times[label] = time_graph(ours(plan), sets, trials=5)
+            except Exception as err:  # a variant that fails (compile, capture) is reported, the others still run
+                print(f"  {shape.name} {label}: {type(err).__name__}: {str(err).splitlines()[0][:160]}", flush=True)
+        lines.append(f"{shape.name} (tile {default_step.block_m}): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+        print(lines[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return lines
+
+
+def split_times(sets: list[BenchSet], config: KernelConfig) -> dict[str, float]:
+    """The shrink and the expand timed alone (the expand on shrink outputs computed beforehand)."""
+    from kubelora.kernels.lora_expand import lora_expand
+    from kubelora.kernels.lora_shrink import lora_shrink
+
+    widths = bench_lora.WIDTHS
+    slices = list(range(len(widths)))
+    offsets = [sum(widths[:s]) for s in slices]
+    shrink_out = {id(st): lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config) for st in sets}
+    return {
+        "shrink only": time_graph(lambda st: lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config), sets),
+        "expand only": time_graph(
+            lambda st: lora_expand(st.y, shrink_out[id(st)], st.lora_b, st.proj, st.step, slices, offsets, config),
+            sets),
+    }
+
+
+# label -> (KernelConfig changes, tile heights the step may choose from; None: the default policy)
+TUNE_VARIANTS = {
+    "tiles=16": ({}, (16,)), "tiles=16,32": ({}, (16, 32)),
+    "block_k=64": (dict(block_k=64), None), "block_k=256": (dict(block_k=256), None),
+    "target=512": (dict(target_programs=512), None), "target=2048": (dict(target_programs=2048), None),
+    "max_split=8": (dict(max_split=8), None), "max_split=32": (dict(max_split=32), None),
+    "block_n=128": (dict(block_n=128), None), "block_n=512": (dict(block_n=512), None),
+    "expand_warps=4": (dict(expand_warps=4), None),
+    "block_n=256,expand_warps=4": (dict(block_n=256, expand_warps=4), None),
+    "shrink_stages=2": (dict(shrink_stages=2), None), "shrink_stages=4": (dict(shrink_stages=4), None),
+    "expand_stages=1": (dict(expand_stages=1), None), "expand_stages=3": (dict(expand_stages=3), None),
+}
+
+
+def tune(shapes: list[Shape], dtype: torch.dtype) -> list[str]:
+    """Time one-at-a-time variations of each shape's default split config (to choose DEFAULT_CONFIGS)."""
+    lines = []
+    for shape in shapes:
+        _, sets = shape_sets(shape, dtype)
+        step = sets[0].step
+        base = DEFAULT_CONFIGS[step.block_m]
+        times = {"default": time_graph(ours(forced_plan(step, LoRAPath.SPLIT)), sets)}
+        times.update(split_times(sets, base))
+        for label, (change, heights) in TUNE_VARIANTS.items():
+            try:
+                variant_step = _with_step(sets, shape, {} if heights is None else dict(tile_heights=heights))
+                split = replace(DEFAULT_CONFIGS[variant_step.block_m], **change)
+                times[label] = time_graph(ours(LaunchPlan(LoRAPath.SPLIT, split, forced_plan(step, LoRAPath.SPLIT).fused)),
+                                          sets)
+            except Exception as err:  # a variant that does not compile (e.g. out of shared memory) is skipped
+                print(f"  {label}: {str(err).splitlines()[0][:120]}")
+        lines.append(f"{shape.name} (tile {step.block_m}): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+        print(lines[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return lines
