@@ -36,7 +36,6 @@ PATH_VARIANTS = {
     "fused t64": ({}, _fused(target_programs=64)),
     "fused t256": ({}, _fused(target_programs=256)),
     "fused k128": ({}, _fused(block_k=128)),
-    "fused v4 tiles": (dict(max_tiles=0), lambda step: forced_plan(step, LoRAPath.FUSED)),
     "auto": ({}, None),
 }
 PDL_VARIANTS = {"split+pdl"}  # timed only where the PDL probe passed (--pdl)
