@@ -37,6 +37,18 @@ def _run_engine_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _run_operator(args: argparse.Namespace) -> int:
+    from kubelora.operator.cli import main as operator_main
+
+    return operator_main(args.rest)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from kubelora.engine.router.cli import main as router_main
+
+    return router_main(args.rest)
+
+
 def _run_bench_kernels(args: argparse.Namespace) -> int:
     from kubelora.kernels.bench_lora import run
 
@@ -93,6 +105,21 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_run_engine_serve)
 
 
+def _add_passthrough(sub: argparse._SubParsersAction, name: str, help_text: str, func) -> None:
+    """Subcommands whose module owns its own argument parser (`kubelora NAME --help` shows it)."""
+    p = sub.add_parser(name, help=help_text, add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=func)
+
+
+def _add_operator(sub: argparse._SubParsersAction) -> None:
+    _add_passthrough(sub, "operator", "run the kopf control plane (LoRAPool, LoRAAdapter)", _run_operator)
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    _add_passthrough(sub, "router", "run the adapter-affinity router of one pool", _run_router)
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (side by side with baselines, in one run)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -108,6 +135,8 @@ _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_make_adapter,
     _add_demo,
     _add_engine,
+    _add_operator,
+    _add_router,
     _add_bench,
 )
 
