@@ -2,7 +2,8 @@
 # One device-machine call: the GPU kernel test sweep (fp16, bf16), then the benchmark; logs under $OUT.
 # The package is not installed there: the repo folders are copied into a namespace layout on PYTHONPATH.
 # PDL=1 first probes programmatic dependent launch in its own process (a failed launch can leave the CUDA
-# context unusable); where it works, the sweep and the variant comparison (COMPARE=1) include it.
+# context unusable); where it works, the variant comparison (COMPARE=1, or --compare NAME...) times the PDL
+# variants too. The default decode launches use PDL on Hopper either way.
 set -uo pipefail
 OUT=${OUT:-/tmp/kubelora-out}
 mkdir -p "$OUT" /tmp/p/kubelora
@@ -13,7 +14,6 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 extra=()
 if [ "${PDL:-0}" = 1 ] && timeout 90 python3 -P -c 'from kubelora.kernels.bench_variants import probe_pdl; probe_pdl()' \
     2>&1 | tail -n 3 | tee -a "$OUT/device.txt"; then
-  export KUBELORA_TEST_PDL=1
   extra+=(--pdl)
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

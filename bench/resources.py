@@ -37,9 +37,10 @@ SHAPES = [
     ("fused m64 r16 n256 k256", _fused_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=256, R_PAD=16, SUB=1), 4, 3),
     ("shrink m16 k128 split8", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=False), 4, 3),
     ("shrink m16 pdl", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True), 4, 3),
-    ("expand m16 n256", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, USE_PDL=False), 8, 2),
-    ("expand m16 n256 pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, USE_PDL=True), 8, 2),
-    ("expand m64 n256", _expand_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_R=16, USE_PDL=False), 4, 2),
+    ("expand m16 n256", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=False, USE_PDL=False), 8, 2),
+    ("expand m16 n256 pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=True, USE_PDL=True), 8, 2),
+    ("expand m32 n128 pdl", _expand_kernel, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_R=16, B_FIRST=True, USE_PDL=True), 8, 2),
+    ("expand m64 n256", _expand_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_R=16, B_FIRST=False, USE_PDL=False), 4, 2),
 ]
 
 

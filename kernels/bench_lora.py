@@ -151,6 +151,17 @@ def bench_shape(shape: Shape, bandwidth: float, dtype: torch.dtype, with_baselin
     return row
 
 
+def variations(args: argparse.Namespace, shapes: list[Shape], dtype: torch.dtype) -> list[str]:
+    """--tune and --compare lines (config and launch variants timed side by side)."""
+    from kubelora.kernels.bench_variants import compare_paths, tune
+
+    lines = tune([s for s in shapes if s.name in args.tune], dtype) if args.tune else []
+    if args.compare is not None:
+        names = args.compare or [s.name for s in shapes if not s.name.startswith("prefill")]
+        lines += compare_paths([s for s in shapes if s.name in names], dtype, args.pdl)
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     import triton
 
@@ -158,11 +169,6 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     shapes = default_shapes()
-    from kubelora.kernels.bench_variants import compare_paths, tune
-
-    tune_lines = tune([s for s in shapes if s.name in args.tune], dtype) if args.tune else []
-    if args.compare:
-        tune_lines += compare_paths([s for s in shapes if not s.name.startswith("prefill")], dtype, args.pdl)
     rows = []
     for shape in shapes:
         if args.shapes and shape.name not in args.shapes:
@@ -175,10 +181,13 @@ def run(args: argparse.Namespace) -> int:
         "date": args.date or datetime.date.today().isoformat(),
     }
     table = format_table(rows)
-    if args.write:
-        write_markdown(args.write, env, table, rows, tune_lines)
     print("\n" + "\n".join(f"{k}: {v}" for k, v in env.items()))
-    print(table)
+    print(table, flush=True)
+    if args.write:  # written before the variations, so that a run cut short still leaves the table
+        write_markdown(args.write, env, table, rows, [])
+    variation_lines = variations(args, shapes, dtype)
+    if args.write and variation_lines:
+        write_markdown(args.write, env, table, rows, variation_lines)
     return 0
 
 
@@ -187,7 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--date", default=None, help="date written into the report (default: today)")
     parser.add_argument("--no-baselines", action="store_true", help="time only the Triton op")
     parser.add_argument("--tune", nargs="*", default=[], help="shape names whose config variations to time")
-    parser.add_argument("--compare", action="store_true", help="time each launch path on every decode shape")
+    parser.add_argument("--compare", nargs="*", default=None,
+                        help="shape names to time each launch variant on (none given: every decode shape)")
     parser.add_argument("--pdl", action="store_true", help="with --compare: time the PDL variant too")
     parser.add_argument("--shapes", nargs="*", default=[], help="bench only these shape names (default: all)")
 

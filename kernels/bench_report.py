@@ -72,11 +72,13 @@ def write_markdown(path: str, env: dict[str, str], table: str, rows: list[Row], 
         "GPU time per call, each call captured in a CUDA graph over independent input sets rotated past the",
         "60 MiB L2, median of 7 trials. Floor: the distinct adapters' weights at their own ranks + x + y read",
         "and written, over the copy bandwidth measured in the same run. Decode shapes interleave the adapters",
-        "(uniform, shuffled); `ours` is the Triton shrink + expand (2 launches per call); `gather+bmm` pads",
-        "every adapter to the batch's max rank and gathers per token; `loop` is one adapter at a time",
-        "(8 kernels per adapter); `torch ref` is kubelora's own reference path.", "",
+        "(uniform, shuffled); `ours` is the Triton shrink + expand (2 launches per call; on 16- and 32-token",
+        "tiles the expand is launched early, Hopper programmatic dependent launch); `gather+bmm` pads every",
+        "adapter to the batch's max rank and gathers per token; `loop` is one adapter at a time (8 kernels",
+        "per adapter); `torch ref` is kubelora's own reference path.", "",
         table, "", "Mixed ranks against the uniform batch at the mean rank:", "", *mixed_rank_lines(rows), "",
     ]
     if tune_lines:
-        text += ["Config variations (us per call, ours):", "", *[f"- {line}" for line in tune_lines], ""]
+        text += ["Variants timed in the same run (us per call, ours; `--compare` / `--tune`):", "",
+                 *[f"- {line}" for line in tune_lines], ""]
     Path(path).write_text("\n".join(text))

@@ -26,19 +26,31 @@ def _fused(**changes):
     return plan_for
 
 
+def _split(**changes):
+    """A split plan (with PDL) with KernelConfig changes."""
+
+    def plan_for(step: LoRAStep) -> LaunchPlan:
+        plan = forced_plan(step, LoRAPath.SPLIT, is_pdl=True)
+        return replace(plan, split=replace(plan.split, **changes))
+
+    return plan_for
+
+
 # label -> (prepare_lora_step keyword changes, the plan for the step; None: the step's own choice).
-# max_tiles=0 is v4's tile height policy (the largest slot group decides).
+# max_tiles=0 is v4's tile height policy (the largest slot group decides). Run 8 also timed "v4" (max_tiles=0,
+# is_folded=False, no PDL) and fused with target_programs 64 / 256 and block_k 128 (docs/kernels.md).
 PATH_VARIANTS = {
-    "v4": (dict(max_tiles=0), lambda step: forced_plan(step, LoRAPath.SPLIT, is_folded=False)),
-    "split": ({}, lambda step: forced_plan(step, LoRAPath.SPLIT)),
+    "split": ({}, lambda step: forced_plan(step, LoRAPath.SPLIT, is_pdl=False)),
     "split+pdl": ({}, lambda step: forced_plan(step, LoRAPath.SPLIT, is_pdl=True)),
+    "pdl max_split 16": ({}, _split(max_split=16)),
+    "pdl max_split 32": ({}, _split(max_split=32, target_programs=1024)),
+    "pdl block_k 256": ({}, _split(block_k=256)),
     "fused": ({}, lambda step: forced_plan(step, LoRAPath.FUSED)),
-    "fused t64": ({}, _fused(target_programs=64)),
-    "fused t256": ({}, _fused(target_programs=256)),
-    "fused k128": ({}, _fused(block_k=128)),
+    "fused k512": ({}, _fused(block_k=512)),
+    "fused k1024 s2": ({}, _fused(block_k=1024, stages=2)),
     "auto": ({}, None),
 }
-PDL_VARIANTS = {"split+pdl"}  # timed only where the PDL probe passed (--pdl)
+PDL_VARIANTS = {"split+pdl", "pdl max_split 16", "pdl max_split 32", "pdl block_k 256"}  # only with --pdl
 
 
 def _with_step(sets: list[BenchSet], shape: Shape, step_changes: dict) -> LoRAStep:
@@ -69,6 +81,7 @@ def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool) -> li
     for shape in shapes:
         _, sets = shape_sets(shape, dtype)
         default_step = sets[0].step
+        fresh_y = sets[0].y.clone()  # the check's delta is taken on a fresh y, not one grown by the replays
         times = {}
         for label, (step_changes, plan_for) in PATH_VARIANTS.items():
             if label in PDL_VARIANTS and not with_pdl:
@@ -76,6 +89,7 @@ def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool) -> li
             try:
                 step = _with_step(sets, shape, step_changes)
                 plan = None if plan_for is None else plan_for(step)
+                sets[0].y.copy_(fresh_y)
                 if check_ours(sets, plan) > 2e-2:
                     label += " BAD"
                 times[label] = time_graph(ours(plan), sets, trials=5)

@@ -67,10 +67,11 @@ class FusedConfig:
 # in_dim because it has few tiles, but not so much that the split arrivals dominate (target 512, at most 8);
 # taller tiles split less (the final sum holds split x height x 16 floats in registers). Expand warps: 8
 # keeps a 16 x 256 y tile near 61 registers per thread; the prefill tile (64 x 256, 4 warps) spills a
-# little but measured fastest (57.9 us against 64.1 for 64 x 128 with 8 warps).
+# little but measured fastest (57.9 us against 64.1 for 64 x 128 with 8 warps). PDL: 1..2 us off every
+# decode shape (run 8); the prefill shape keeps plain launches (not measured with PDL).
 DEFAULT_CONFIGS = {
-    16: KernelConfig(target_programs=512, max_split=8, expand_warps=8),
-    32: KernelConfig(max_split=8, block_n=128, expand_warps=8),
+    16: KernelConfig(target_programs=512, max_split=8, expand_warps=8, is_pdl=True),
+    32: KernelConfig(max_split=8, block_n=128, expand_warps=8, is_pdl=True),
     64: KernelConfig(max_split=4, block_n=256, expand_warps=4),
 }
 
@@ -100,20 +101,24 @@ class LaunchPlan:
     fused: FusedConfig
 
 
-# The fused launch runs while num_tiles x lanes is at most this: each of a (tile, slice)'s column programs
-# re-reads that adapter's A (lanes x in_dim), so the re-read bytes grow with both (docs/kernels.md, v5).
-FUSED_MAX_WORK = 1024
 DEFAULT_FUSED = FusedConfig()
 
 
 def choose_plan(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> LaunchPlan:
-    """The launch for one step and projection, from host-side sizes only (no device sync)."""
+    """The launch for one step and projection, from host-side sizes only (no device sync).
+
+    Always the split path with the tile height's config: the fused launch measured slower on every decode
+    shape of the benchmark (run 8, docs/kernels.md v5: its in_dim loop is one program's chain of dependent
+    loads), so it is only taken when a plan asks for it.
+    """
+    return LaunchPlan(LoRAPath.SPLIT, DEFAULT_CONFIGS[step.block_m], DEFAULT_FUSED)
+
+
+def forced_plan(step: LoRAStep, path: LoRAPath, *, is_folded: bool = True, is_pdl: bool | None = None) -> LaunchPlan:
+    """The default configs of the step's tile height on a given path (tests and the benchmark compare paths).
+
+    is_pdl None keeps the default config's.
+    """
     split = DEFAULT_CONFIGS[step.block_m]
-    is_fused = step.block_m == 16 and step.num_tiles * num_lanes(proj, slices) <= FUSED_MAX_WORK
-    return LaunchPlan(LoRAPath.FUSED if is_fused else LoRAPath.SPLIT, split, DEFAULT_FUSED)
-
-
-def forced_plan(step: LoRAStep, path: LoRAPath, *, is_folded: bool = True, is_pdl: bool = False) -> LaunchPlan:
-    """The default configs of the step's tile height on a given path (tests and the benchmark compare paths)."""
-    split = replace(DEFAULT_CONFIGS[step.block_m], is_folded=is_folded, is_pdl=is_pdl)
+    split = replace(split, is_folded=is_folded, is_pdl=split.is_pdl if is_pdl is None else is_pdl)
     return LaunchPlan(path, split, replace(DEFAULT_FUSED, is_folded=is_folded))

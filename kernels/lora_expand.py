@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision
-from kubelora.kernels.lora_tile import gdc_wait, tile_meta
+from kubelora.kernels.lora_tile import gdc_wait, tile_meta, uses_pdl
 
 
 @triton.jit
@@ -22,7 +22,8 @@ def _expand_kernel(
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
     y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
+    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     pid_n = tl.program_id(0)
@@ -63,12 +64,23 @@ def _expand_kernel(
     y_mask = y_rows[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    if USE_PDL:  # launched early (programmatic dependent launch): t is complete only past this point
-        gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     t_rows = t_ptr + ((start + offs_m) * NUM_S + j)[:, None] * lanes
+    r_first = 0
+    if B_FIRST:
+        # The first B chunk is requested before t. Launched early (programmatic dependent launch, USE_PDL
+        # implies B_FIRST): metadata, y and that chunk load while the shrink still runs; t is complete only
+        # past the wait.
+        lanes0 = tl.arange(0, BLOCK_R)
+        b0_mask = (lanes0 < rank)[:, None] & n_mask[None, :]
+        b0 = tl.load(b_ptr + (row + lanes0)[:, None] * width + offs_n[None, :], mask=b0_mask, other=0.0)
+        if USE_PDL:
+            gdc_wait()
+        t0 = tl.load(t_rows + lanes0[None, :], mask=m_mask[:, None] & (lanes0 < rank)[None, :], other=0.0)
+        acc = tl.dot((t0 * scale).to(b0.dtype), b0, acc, input_precision=PRECISION)
+        r_first = BLOCK_R
     # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in range(r_first, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
         t = tl.load(t_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
@@ -100,15 +112,16 @@ def lora_expand(
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
     pad = MAX_SLICES - len(slices)
+    use_pdl = uses_pdl(config.is_pdl, y.device)
     _expand_kernel[(sum(num_blocks), step.num_tiles)](
         y, *(lora_b + [lora_b[0]] * pad), t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, proj.scale,
         *(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
         *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2],
         y.stride(0), t.shape[2],
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
-        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, USE_PDL=config.is_pdl,
+        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=config.is_pdl, USE_PDL=use_pdl,
         PRECISION=dot_precision(lora_b[0].dtype), num_warps=config.expand_warps, num_stages=config.expand_stages,
-        **({"launch_pdl": True} if config.is_pdl else {}),
+        **({"launch_pdl": True} if use_pdl else {}),
     )
 
 

@@ -19,6 +19,8 @@ from kubelora.kernels.lora_expand import lora_expand_torch
 from kubelora.kernels.lora_shrink import lora_shrink_torch
 from kubelora.kernels.lora_tile import tile_meta
 
+SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program (H200: 227 KB of shared memory per block)
+
 
 @triton.jit
 def _fused_kernel(
@@ -130,12 +132,17 @@ def lora_fused(
     first_pb = [sum(programs[:j]) for j in range(MAX_SLICES)]
     pad = MAX_SLICES - len(slices)
     r_pad = triton.next_power_of_2(num_lanes(proj, slices))
+    # Each pipeline stage holds an x tile and an A tile: narrower in_dim steps keep tall tiles and high
+    # ranks within shared memory (run 8: 64 rows x 128 lanes x 256 columns x 3 stages asked 360 KB).
+    block_k = config.block_k
+    while block_k > 16 and (step.block_m + r_pad) * block_k * x.element_size() * config.stages > SMEM_BUDGET:
+        block_k //= 2
     _fused_kernel[(sum(programs), step.num_tiles)](
         y, x, *(lora_a + [lora_a[0]] * pad), *(lora_b + [lora_b[0]] * pad), step.sorted_tokens, step.tiles,
         proj.rank, proj.row_start, proj.scale, *(slices + [slices[0]] * pad), proj.rank.stride(0),
         *(widths + [widths[0]] * pad), *(y_offsets + [y_offsets[0]] * pad), first_pb[1], first_pb[2],
         x.shape[1], x.stride(0), y.stride(0),
-        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
         R_PAD=r_pad, SUB=sub, SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
         PRECISION=dot_precision(x.dtype), num_warps=config.warps if r_pad < 64 else config.wide_warps,
         num_stages=config.stages,

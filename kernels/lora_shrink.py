@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
-from kubelora.kernels.lora_tile import gdc_launch_dependents, tile_meta
+from kubelora.kernels.lora_tile import gdc_launch_dependents, tile_meta, uses_pdl
 
 
 @triton.jit
@@ -177,7 +177,7 @@ def lora_shrink(
         *cols, proj.rank.stride(0), in_dim, x.stride(0), num_sorted, num_chunks, lanes, split_k, k_per_split,
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        USE_PDL=config.is_pdl, PRECISION=dot_precision(x.dtype),
+        USE_PDL=uses_pdl(config.is_pdl, x.device), PRECISION=dot_precision(x.dtype),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     return t

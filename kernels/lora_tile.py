@@ -8,6 +8,9 @@ any data is read; the v4 chain (tile row -> slot's rank / token ids -> data) is 
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -29,6 +32,16 @@ except ImportError:  # pragma: no cover
     @triton.jit
     def gdc_wait():
         pass
+
+
+@functools.cache
+def _has_griddepcontrol(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def uses_pdl(is_pdl: bool, device: torch.device) -> bool:
+    """is_pdl where it can run: a CUDA device of compute capability >= 9 (not the CPU interpreter)."""
+    return is_pdl and HAS_PDL and _has_griddepcontrol(device)
 
 
 @triton.jit

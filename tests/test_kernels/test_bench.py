@@ -43,6 +43,7 @@ def test_report_targets():
     assert "ratio 1.25 (target <= 1.2: MISSED)" in mixed_rank_lines([mixed, uniform])[0]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke test (Triton's interpreter)")
 def test_variant_comparison_runs(triton_backend, monkeypatch):
     """The bench's --compare and --tune code paths, on CPU at toy sizes with a stand-in timer."""
     from kubelora.kernels import bench_lora, bench_variants
@@ -57,7 +58,7 @@ def test_variant_comparison_runs(triton_backend, monkeypatch):
     monkeypatch.setattr(bench_variants, "time_graph", fake_timer)
     shape = bench_lora.decode_shape(20, 3, [8, 3, 17])
     lines = bench_variants.compare_paths([shape], torch.float32, with_pdl=False)
-    assert "BAD" not in lines[0] and "auto 1.0" in lines[0] and "fused t64 1.0" in lines[0]
+    assert "BAD" not in lines[0] and "auto 1.0" in lines[0] and "fused k512 1.0" in lines[0]
     lines = bench_variants.tune([shape], torch.float32)
     assert "default 1.0" in lines[0] and "tiles=16,32 1.0" in lines[0]
     monkeypatch.setattr(bench_lora, "time_graph", fake_timer)

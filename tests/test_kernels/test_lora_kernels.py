@@ -129,3 +129,10 @@ def test_every_tile_height(triton_backend, device, block_m, tokens_per_slot, pat
     p.step = prepare_lora_step(slots, 4, device, tile_heights=(block_m,))  # slot 3: no tokens, an empty tile
     assert p.step.block_m == block_m and p.step.is_slot_tiles == (tokens_per_slot <= block_m)
     check_y(p, run_path(triton_backend, p, path))
+
+
+def test_pdl_only_where_it_can_run():
+    from kubelora.kernels.lora_tile import uses_pdl
+
+    assert not uses_pdl(True, torch.device("cpu"))
+    assert not uses_pdl(False, torch.device("cuda", 0))

@@ -10,7 +10,6 @@ unequal widths and dimensions that are not multiples of the block sizes. Skipped
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -53,14 +52,11 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
     return cases
 
 
-# (path, programmatic dependent launch); path None: the step's own launch (add_lora). The PDL path runs where
-# KUBELORA_TEST_PDL=1 (bench/h200.sh sets it once a probe process has launched it without error).
-LAUNCHES = [(None, False), (LoRAPath.SPLIT, False), (LoRAPath.FUSED, False)]
-if os.environ.get("KUBELORA_TEST_PDL") == "1":
-    LAUNCHES.append((LoRAPath.SPLIT, True))
+# (path, programmatic dependent launch); path None: the step's own launch (add_lora, PDL on decode steps).
+LAUNCHES = [(None, None), (LoRAPath.SPLIT, False), (LoRAPath.FUSED, None)]
 
 
-@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: getattr(c[0], "value", "auto") + ("-pdl" if c[1] else ""))
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: getattr(c[0], "value", "auto") + ("-no-pdl" if c[1] is False else ""))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", sweep_cases(), ids=lambda c: f"{c[6]}-{c[0]}tok-{len(c[1])}ad-{c[4]}")
 def test_sweep(dtype, case, launch):
