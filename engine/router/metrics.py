@@ -1,0 +1,61 @@
+"""Router metrics on a private registry (`GET /metrics`).
+
+Counters are incremented as requests pass; gauges (in-flight per replica, placement) are read from the router's
+state at scrape time, so a replica that left the placement disappears from the next scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kubelora.engine.router.placement import Placement
+
+
+class RouterMetrics:
+    def __init__(self, state: Callable[[], tuple[Placement | None, Mapping[str, int], int]]) -> None:
+        """`state()` -> (placement, in-flight per pod, placement read failures)."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kubelora_router_requests", "requests routed to a replica (retries not counted)",
+                                ["model", "pod", "decision"], registry=self.registry)
+        self.rejected = Counter("kubelora_router_rejected_requests", "requests answered by the router itself",
+                                ["code"], registry=self.registry)
+        self.upstream_errors = Counter("kubelora_router_upstream_errors",
+                                       "replica failures: connect (retried on the next replica) or broken (after "
+                                       "the first byte; the client sees the error)", ["pod", "kind"],
+                                       registry=self.registry)
+        self.retries = Counter("kubelora_router_retries", "requests sent again to the next replica",
+                               registry=self.registry)
+        self.duration = Histogram("kubelora_router_request_duration_seconds",
+                                  "from the request to the end of the replica's answer, by decision",
+                                  ["decision"], registry=self.registry,
+                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.registry.register(_StateCollector(state))
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: Callable[[], tuple[Placement | None, Mapping[str, int], int]]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        placement, in_flight, num_errors = self._state()
+        pods = {r.pod for r in placement.replicas} if placement else set()
+        busy = GaugeMetricFamily("kubelora_router_in_flight", "requests in flight per replica", labels=["pod"])
+        for pod in sorted(pods | {p for p, n in in_flight.items() if n}):
+            busy.add_metric([pod], in_flight.get(pod, 0))
+        yield busy
+        yield GaugeMetricFamily("kubelora_router_placement_revision", "revision of the placement routed on "
+                                "(-1: none loaded)", value=placement.revision if placement else -1)
+        replicas = GaugeMetricFamily("kubelora_router_placement_replicas", "replicas in the placement",
+                                     labels=["ready"])
+        num_ready = len(placement.ready_replicas()) if placement else 0
+        replicas.add_metric(["true"], num_ready)
+        replicas.add_metric(["false"], (len(placement.replicas) if placement else 0) - num_ready)
+        yield replicas
+        yield GaugeMetricFamily("kubelora_router_placement_adapters", "adapters in the placement",
+                                value=len(placement.adapters) if placement else 0)
+        yield CounterMetricFamily("kubelora_router_placement_read_failures",
+                                  "placement reads or parses that failed (one per outage)", value=num_errors)

@@ -1,0 +1,117 @@
+"""Forwarding one OpenAI request to a replica: headers in, bytes out chunk by chunk, one retry before any byte.
+
+The answer is relayed as it arrives (`iter_any`), so SSE streams pass through unbuffered. A client that goes
+away cancels the handler (the server runs with `handler_cancellation`); closing the upstream response then
+drops the replica connection, and the engine aborts the request. A replica that cannot be reached (connect
+error, reset before the answer's headers) is counted and the request goes once to the next candidate; a
+replica that breaks after the first byte ends an SSE stream with one `error` event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+
+import aiohttp
+from aiohttp import web
+
+from kubelora.engine.router.metrics import RouterMetrics
+from kubelora.engine.router.placement import Replica
+from kubelora.engine.router.routing import Route
+from kubelora.engine.server.errors import ApiError
+from kubelora.engine.server.logs import log_event
+
+log = logging.getLogger("kubelora.engine.router")
+
+# RFC 9110 hop-by-hop headers, and the ones aiohttp sets itself on each side.
+_HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                         "transfer-encoding", "upgrade", "host", "content-length", "date", "server"))
+REPLICA_HEADER = "X-Kubelora-Replica"  # which pod answered: for debugging and tests
+MAX_ATTEMPTS = 2  # the first choice and one retry on the next replica
+
+
+class BadGateway(ApiError):
+    status = 502
+    type = "upstream_error"
+    default_code = "replica_unreachable"
+
+
+class InFlight:
+    """Requests in flight per pod, as this router sees them (the bounded-load input)."""
+
+    def __init__(self) -> None:
+        self.counts: defaultdict[str, int] = defaultdict(int)
+
+    def snapshot(self) -> dict[str, int]:
+        return {pod: n for pod, n in self.counts.items() if n}
+
+
+async def forward(request: web.Request, body: bytes, route: Route, session: aiohttp.ClientSession,
+                  in_flight: InFlight, metrics: RouterMetrics) -> web.StreamResponse:
+    headers = _upstream_headers(request)
+    attempts = route.candidates[:MAX_ATTEMPTS]
+    for attempt, replica in enumerate(attempts):
+        in_flight.counts[replica.pod] += 1
+        try:
+            try:
+                upstream = await session.post(replica.url + request.path, data=body, headers=headers)
+            except aiohttp.ClientError as exc:  # nothing reached the client yet: the next replica may answer
+                metrics.upstream_errors.labels(replica.pod, "connect").inc()
+                log_event(log, "replica_unreachable", logging.WARNING, pod=replica.pod, url=replica.url,
+                          error=f"{type(exc).__name__}: {exc}", is_retried=attempt + 1 < len(attempts))
+                if attempt + 1 < len(attempts):
+                    metrics.retries.inc()
+                    continue
+                raise BadGateway(f"no replica of the pool could be reached (last: {replica.pod}: "
+                                 f"{type(exc).__name__})") from None
+            try:
+                response = await _relay(request, upstream, replica, metrics)
+            except BaseException:
+                upstream.close()  # cancelled or the client went away: drop the connection, the engine aborts
+                raise
+            upstream.release()
+            return response
+        finally:
+            in_flight.counts[replica.pod] -= 1
+    raise AssertionError("route without candidates")  # routing.route never returns one
+
+
+def _upstream_headers(request: web.Request) -> dict[str, str]:
+    headers = {name: value for name, value in request.headers.items() if name.lower() not in _HOP_BY_HOP}
+    headers.setdefault("Accept-Encoding", "identity")  # relay bytes as the replica sends them
+    forwarded = request.headers.get("X-Forwarded-For")
+    peer = request.remote or ""
+    headers["X-Forwarded-For"] = f"{forwarded}, {peer}" if forwarded else peer
+    return headers
+
+
+async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, replica: Replica,
+                 metrics: RouterMetrics) -> web.StreamResponse:
+    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    for name, value in upstream.headers.items():
+        if name.lower() not in _HOP_BY_HOP:
+            response.headers.add(name, value)
+    response.headers[REPLICA_HEADER] = replica.pod
+    if upstream.content_length is not None:
+        response.content_length = upstream.content_length
+    await response.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+    except aiohttp.ClientError as exc:
+        metrics.upstream_errors.labels(replica.pod, "broken").inc()
+        log_event(log, "replica_broke_answer", logging.WARNING, pod=replica.pod, error=f"{type(exc).__name__}: {exc}")
+        if upstream.content_type != "text/event-stream":
+            response.force_close()  # a truncated body: the client must see the connection end, not a short reply
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        await response.write(_sse_error(replica.pod))
+    await response.write_eof()
+    return response
+
+
+def _sse_error(pod: str) -> bytes:
+    error = BadGateway(f"replica {pod} failed while streaming the answer", code="replica_broke_stream")
+    return f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()

@@ -1,0 +1,79 @@
+"""Which replicas may serve a request for `model`, in the order to try them. Pure: no I/O, no clocks.
+
+- the base model: ready replicas by in-flight count, least loaded first (ties rotate with `tiebreak`);
+- an adapter some ready replicas hold: those holders by bounded-load consistent hashing (`hashring`);
+- an adapter of the pool no ready replica holds yet: its hashed home over all ready replicas, whose engine
+  loads it on demand (the operator registers every pool adapter on every replica with preload false);
+- anything else: `UnknownModel` (404). No placement yet: `PlacementNotLoaded`; none ready: `NoReadyReplica`
+  (both 503 with Retry-After).
+
+The retry order after the first candidate is the rest of the same walk: the holders first, then the home walk
+over the other ready replicas, so a retry of an adapter request still lands where the adapter can load.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kubelora.engine.router.hashring import bounded_walk
+from kubelora.engine.router.placement import Placement, Replica
+
+
+class Decision(enum.Enum):
+    BASE = "base"  # the base model: least loaded
+    HOLDER = "holder"  # a replica that holds the adapter
+    HOME = "home"  # the adapter's hashed home; it loads the adapter on demand
+
+
+@dataclass(frozen=True)
+class Route:
+    decision: Decision
+    candidates: tuple[Replica, ...]  # [first choice, retry, ...]; never empty
+
+
+class RoutingError(Exception):
+    pass
+
+
+class PlacementNotLoaded(RoutingError):
+    pass
+
+
+class NoReadyReplica(RoutingError):
+    pass
+
+
+class UnknownModel(RoutingError):
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.model = model
+
+
+def route(placement: Placement | None, model: str, in_flight: Mapping[str, int], load_factor: float,
+          tiebreak: int = 0) -> Route:
+    if placement is None:
+        raise PlacementNotLoaded()
+    ready = placement.ready_replicas()
+    if model != placement.base_model and model not in placement.adapters:
+        raise UnknownModel(model)
+    if not ready:
+        raise NoReadyReplica()
+    if model == placement.base_model:
+        return Route(Decision.BASE, tuple(ready[pod] for pod in least_loaded(list(ready), in_flight, tiebreak)))
+    holders = placement.holders(model)
+    if holders:
+        order = bounded_walk(model, holders, in_flight, load_factor)
+        rest = [pod for pod in bounded_walk(model, list(ready), in_flight, load_factor) if pod not in holders]
+        return Route(Decision.HOLDER, tuple(ready[pod] for pod in order + rest))
+    return Route(Decision.HOME, tuple(ready[pod] for pod in bounded_walk(model, list(ready), in_flight,
+                                                                           load_factor)))
+
+
+def least_loaded(pods: list[str], in_flight: Mapping[str, int], tiebreak: int) -> list[str]:
+    """Pods by in-flight count; among equals the order rotates by `tiebreak`, so idle replicas share the work."""
+    pods = sorted(pods)
+    shift = tiebreak % len(pods)
+    rotated = pods[shift:] + pods[:shift]
+    return sorted(rotated, key=lambda pod: in_flight.get(pod, 0))  # stable: keeps the rotation among ties
