@@ -38,8 +38,10 @@ SHAPES = [
     ("shrink m16 k128 split8", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=False), 4, 3),
     ("shrink m16 pdl", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True), 4, 3),
     ("expand m16 n256", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=False, USE_PDL=False), 8, 2),
-    ("expand m16 n256 pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=True, USE_PDL=True), 8, 2),
-    ("expand m32 n128 pdl", _expand_kernel, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_R=16, B_FIRST=True, USE_PDL=True), 8, 2),
+    ("expand m16 n256 pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=True, USE_PDL=True), 8,
+     2),
+    ("expand m32 n128 pdl", _expand_kernel, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_R=16, B_FIRST=True, USE_PDL=True), 8,
+     2),
     ("expand m64 n256", _expand_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_R=16, B_FIRST=False, USE_PDL=False), 4, 2),
 ]
 
@@ -51,7 +53,8 @@ def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int):
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name not in constexprs and (name.endswith("_ptr") or name in DIVISIBLE)}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def res_usage(cubin: bytes) -> str:

@@ -48,7 +48,8 @@ def add_lora_triton(
     for first in range(0, len(active), MAX_SLICES):
         group = active[first : first + MAX_SLICES]
         group_plan = plan or choose_plan(step, proj, group)
-        a_group, b_group, y_offsets = [lora_a[s] for s in group], [lora_b[s] for s in group], [offsets[s] for s in group]
+        a_group, b_group = [lora_a[s] for s in group], [lora_b[s] for s in group]
+        y_offsets = [offsets[s] for s in group]
         if group_plan.path is LoRAPath.FUSED:
             lora_fused(y, x, a_group, b_group, proj, step, group, y_offsets, group_plan.fused)
         else:

@@ -24,7 +24,8 @@ def test_step_groups_tokens_by_slot_in_tiles():
     assert step.sorted_tokens.tolist() == [1, 5, 4, 0, 3, 6]
     # Slot tiles: row i is slot i, slot 3 (no tokens) included; then the tile's token ids, padded with 0.
     assert step.tiles.shape == (4, 3 + 16)
-    assert step.tiles[:, :6].tolist() == [[0, 0, 2, 1, 5, 0], [1, 2, 1, 4, 0, 0], [2, 3, 3, 0, 3, 6], [3, 6, 0, 0, 0, 0]]
+    expected = [[0, 0, 2, 1, 5, 0], [1, 2, 1, 4, 0, 0], [2, 3, 3, 0, 3, 6], [3, 6, 0, 0, 0, 0]]
+    assert step.tiles[:, :6].tolist() == expected
     assert not step.tiles[:, 6:].any()
 
 

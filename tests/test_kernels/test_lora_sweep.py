@@ -56,7 +56,12 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
 LAUNCHES = [(None, None), (LoRAPath.SPLIT, False), (LoRAPath.FUSED, None)]
 
 
-@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: getattr(c[0], "value", "auto") + ("-no-pdl" if c[1] is False else ""))
+def launch_id(launch: tuple) -> str:
+    path, is_pdl = launch
+    return ("auto" if path is None else path.value) + ("-no-pdl" if is_pdl is False else "")
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=launch_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", sweep_cases(), ids=lambda c: f"{c[6]}-{c[0]}tok-{len(c[1])}ad-{c[4]}")
 def test_sweep(dtype, case, launch):
