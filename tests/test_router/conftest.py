@@ -1,0 +1,98 @@
+"""Router test material: fake engines (aiohttp test servers) and a router app in front of them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+
+from kubelora.engine.router.app import STATE, build_app
+from kubelora.engine.router.config import RouterConfig
+from kubelora.engine.router.placement import parse_placement
+from kubelora.engine.router.sources import PlacementStore
+
+
+@dataclass
+class FakeEngine:
+    """Answers completions like an engine: JSON, or SSE when `stream` is set. `gate` holds streams after the
+    first chunk until it is set; `seen` lists the models it was asked for; `cancelled` counts requests whose
+    client went away mid-answer."""
+
+    name: str
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    seen: list[str] = field(default_factory=list)
+    cancelled: int = 0
+    status: int = 200
+    url: str = ""
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        return app
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(body["model"])
+        if self.status != 200:
+            return web.json_response({"error": {"message": "busy", "type": "rate_limit_error", "param": None,
+                                                "code": "queue_full"}}, status=self.status,
+                                     headers={"Retry-After": "3"})
+        if not body.get("stream"):
+            await self.gate.wait()
+            return web.json_response({"object": "text_completion", "model": body["model"], "engine": self.name,
+                                      "choices": [{"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i in range(3):
+                chunk = {"object": "text_completion", "model": body["model"], "engine": self.name,
+                         "choices": [{"index": 0, "text": f"{i} ", "finish_reason": None}]}
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await self.gate.wait()
+            await response.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.cancelled += 1
+            raise
+        return response
+
+
+@pytest.fixture
+async def engines(aiohttp_server):
+    """Three fake engines p0, p1, p2, started."""
+    fakes = []
+    for i in range(3):
+        fake = FakeEngine(f"p{i}")
+        server = await aiohttp_server(fake.app())
+        fake.url = str(server.make_url("")).rstrip("/")
+        fakes.append(fake)
+    return fakes
+
+
+def placement_text(engines, *, ready=None, adapters=None, revision=1, extra_replicas=()) -> str:
+    ready = {e.name for e in engines} if ready is None else set(ready)
+    replicas = [{"pod": e.name, "url": e.url, "ready": e.name in ready} for e in engines]
+    return json.dumps({"pool": "p", "baseModel": "base", "revision": revision,
+                       "replicas": replicas + list(extra_replicas), "adapters": adapters or {}})
+
+
+@pytest.fixture
+async def router(aiohttp_client):
+    """`await router(placement_text_or_None, **config)` -> a test client of a router app with that placement."""
+
+    async def start(text: str | None, **overrides):
+        store = PlacementStore()
+        if text is not None:
+            store.set(parse_placement(text))
+        config = RouterConfig(**{"pool": "p", "placement_configmap": "p-placement", **overrides})
+        client = await aiohttp_client(build_app(config, store))  # test servers cancel handlers on disconnect
+        client.state = client.app[STATE]
+        return client
+
+    return start

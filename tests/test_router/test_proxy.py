@@ -1,0 +1,177 @@
+"""The router app in front of fake engines: where requests go, what passes through, errors and retries."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+from kubelora.engine.router.hashring import HashRing
+from kubelora.engine.router.placement import parse_placement
+from kubelora.engine.router.proxy import REPLICA_HEADER
+
+from .conftest import placement_text
+
+
+def completion(model: str, stream: bool = False) -> dict:
+    return {"model": model, "prompt": "hi", "max_tokens": 4, "stream": stream}
+
+
+async def test_held_adapter_goes_to_its_holder(engines, router):
+    client = await router(placement_text(engines, adapters={"a": ["p2"]}))
+    for _ in range(3):
+        response = await client.post("/v1/completions", json=completion("a"))
+        assert response.status == 200 and response.headers[REPLICA_HEADER] == "p2"
+        assert (await response.json())["engine"] == "p2"
+    assert engines[2].seen == ["a", "a", "a"] and not engines[0].seen and not engines[1].seen
+
+
+async def test_unheld_adapter_goes_to_its_hashed_home(engines, router):
+    client = await router(placement_text(engines, adapters={"fresh": []}))
+    home = HashRing(["p0", "p1", "p2"]).walk("fresh")[0]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = await client.post(path, json=completion("fresh"))
+        assert response.headers[REPLICA_HEADER] == home
+
+
+async def test_unknown_model_is_404_naming_it(engines, router):
+    client = await router(placement_text(engines, adapters={"a": []}))
+    response = await client.post("/v1/completions", json=completion("tenant-x"))
+    assert response.status == 404
+    error = (await response.json())["error"]
+    assert error["type"] == "not_found_error" and error["code"] == "model_not_found" and error["param"] == "model"
+    assert "tenant-x" in error["message"]
+    assert not any(e.seen for e in engines)
+
+
+async def test_no_placement_or_no_ready_replica_is_503_with_retry_after(engines, router):
+    client = await router(None)
+    response = await client.post("/v1/completions", json=completion("base"))
+    assert response.status == 503 and response.headers["Retry-After"] == "1"
+    assert (await response.json())["error"]["code"] == "placement_not_loaded"
+    assert (await client.get("/ready")).status == 503
+
+    client = await router(placement_text(engines, ready=()))
+    response = await client.post("/v1/completions", json=completion("base"))
+    assert response.status == 503 and (await response.json())["error"]["code"] == "no_ready_replica"
+    assert (await client.get("/ready")).status == 503
+
+
+async def test_malformed_bodies_are_400(engines, router):
+    client = await router(placement_text(engines))
+    for body, code in ((b"{not json", "invalid_json"), (b"[1]", "invalid_type"), (b'{"prompt": "x"}', "missing_field")):
+        response = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        assert response.status == 400 and (await response.json())["error"]["code"] == code
+    response = await client.get("/v1/nothing")
+    assert response.status == 404 and (await response.json())["error"]["type"] == "not_found_error"
+
+
+async def test_base_model_avoids_the_busy_replica(engines, router):
+    client = await router(placement_text(engines))
+    engines[0].gate.clear()
+    engines[1].gate.clear()
+    held = [asyncio.create_task(client.post("/v1/completions", json=completion("base"))) for _ in range(2)]
+    await _until(lambda: len(engines[0].seen) + len(engines[1].seen) + len(engines[2].seen) == 2)
+    busy = {e.name for e in engines if e.seen}
+    response = await client.post("/v1/completions", json=completion("base"))
+    assert response.headers[REPLICA_HEADER] not in busy
+    engines[0].gate.set()
+    engines[1].gate.set()
+    await asyncio.gather(*held)
+
+
+async def test_hot_adapter_spills_over_to_its_other_holder(engines, router):
+    client = await router(placement_text(engines, adapters={"hot": ["p0", "p1"]}), load_factor=1.0)
+    home, other = HashRing(["p0", "p1"]).walk("hot")
+    by_name = {e.name: e for e in engines}
+    by_name[home].gate.clear()
+    by_name[other].gate.clear()
+    tasks = [asyncio.create_task(client.post("/v1/completions", json=completion("hot"))) for _ in range(4)]
+    await _until(lambda: len(by_name[home].seen) + len(by_name[other].seen) == 4)
+    assert len(by_name[home].seen) == 2 and len(by_name[other].seen) == 2  # load factor 1: even split
+    assert not engines[2].seen  # never outside the holders while one of them has room
+    by_name[home].gate.set()
+    by_name[other].gate.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_stream_passes_chunk_by_chunk(engines, router):
+    client = await router(placement_text(engines, adapters={"a": ["p1"]}))
+    engines[1].gate.clear()  # the engine sends one chunk, then waits
+    response = await client.post("/v1/completions", json=completion("a", stream=True))
+    assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+    first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
+    assert json.loads(first[len(b"data: "):])["choices"][0]["text"] == "0 "
+    engines[1].gate.set()
+    rest = await response.read()
+    assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"data: ") == 3
+
+
+async def test_client_disconnect_cancels_the_upstream_request(engines, router):
+    client = await router(placement_text(engines, adapters={"a": ["p1"]}))
+    engines[1].gate.clear()
+    response = await client.post("/v1/completions", json=completion("a", stream=True))
+    await response.content.readuntil(b"\n\n")
+    assert client.state.in_flight.snapshot() == {"p1": 1}
+    response.close()
+    await _until(lambda: engines[1].cancelled == 1)
+    await _until(lambda: client.state.in_flight.snapshot() == {})
+
+
+async def test_unreachable_replica_is_retried_on_the_next(engines, router):
+    dead = {"pod": "dead", "url": f"http://127.0.0.1:{_closed_port()}", "ready": True}
+    text = placement_text(engines, ready=["p0"], adapters={"a": ["dead"]}, extra_replicas=[dead])
+    client = await router(text)
+    response = await client.post("/v1/completions", json=completion("a"))
+    assert response.status == 200 and response.headers[REPLICA_HEADER] == "p0"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kubelora_router_upstream_errors_total{kind="connect",pod="dead"} 1.0' in metrics
+    assert "kubelora_router_retries_total 1.0" in metrics
+
+    text = placement_text(engines, ready=[], extra_replicas=[dead, {**dead, "pod": "dead2"}])
+    client.state.store.set(parse_placement(text))
+    response = await client.post("/v1/completions", json=completion("base"))
+    assert response.status == 502 and (await response.json())["error"]["code"] == "replica_unreachable"
+
+
+async def test_replica_errors_pass_through(engines, router):
+    engines[0].status = 429
+    client = await router(placement_text(engines, ready=["p0"]))
+    response = await client.post("/v1/completions", json=completion("base"))
+    assert response.status == 429 and response.headers["Retry-After"] == "3"
+    assert (await response.json())["error"]["code"] == "queue_full"
+
+
+async def test_models_probes_and_metrics(engines, router):
+    client = await router(placement_text(engines, ready=["p0", "p1"], adapters={"b": [], "a": ["p1", "p2"]},
+                                         revision=7))
+    models = (await (await client.get("/v1/models")).json())["data"]
+    assert [m["id"] for m in models] == ["base", "a", "b"]
+    assert models[0]["parent"] is None and models[1]["parent"] == "base" and models[1]["replicas"] == ["p1"]
+    assert (await client.get("/health")).status == 200
+    ready = await client.get("/ready")
+    assert ready.status == 200 and (await ready.json())["revision"] == 7
+    await client.post("/v1/completions", json=completion("a"))
+    await client.post("/v1/completions", json=completion("nope"))
+    metrics = await (await client.get("/metrics")).text()
+    for line in ('kubelora_router_requests_total{decision="holder",model="a",pod="p1"} 1.0',
+                 'kubelora_router_rejected_requests_total{code="model_not_found"} 1.0',
+                 "kubelora_router_placement_revision 7.0",
+                 'kubelora_router_placement_replicas{ready="true"} 2.0',
+                 'kubelora_router_placement_replicas{ready="false"} 1.0',
+                 "kubelora_router_placement_adapters 2.0",
+                 'kubelora_router_in_flight{pod="p0"} 0.0'):
+        assert line in metrics, line
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
