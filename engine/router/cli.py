@@ -29,7 +29,8 @@ def main(argv: list[str]) -> int:
                                      description="Route OpenAI requests of a LoRAPool to the replicas holding "
                                                  "their adapter (docs/router.md).")
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    # `kubelora router -- --pool p`: the top-level parser hands "--" through when it cannot pass options on.
+    args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
     try:
         config = resolve_config(args)
     except ValueError as exc:
