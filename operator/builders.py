@@ -1,0 +1,187 @@
+"""Pure manifest builders: a PoolSpec (and its owner reference) in, Kubernetes objects out.
+
+Every object carries the pool's owner reference, so deleting the pool garbage-collects them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubelora.operator import names
+from kubelora.operator.specs import PoolSpec, Volume
+
+Manifest = dict[str, Any]
+
+
+def build_owner_reference(body: dict[str, Any]) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {"apiVersion": body.get("apiVersion", names.API_VERSION), "kind": body.get("kind", "LoRAPool"),
+            "name": meta["name"], "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(pool: PoolSpec, name: str, component: str, owner: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "namespace": pool.namespace, "labels": names.pool_labels(pool.name, component),
+            "ownerReferences": [owner]}
+
+
+def build_engine_args(pool: PoolSpec) -> list[str]:
+    """`kubelora engine serve` flags for the pool's settings (docs/server.md)."""
+    engine = pool.engine
+    args = ["engine", "serve", "--model", pool.model_path, "--served-model-name", pool.served_name,
+            "--max-loras", str(engine.max_loras), "--max-lora-rank", str(engine.max_lora_rank),
+            "--max-cpu-loras", str(engine.max_cpu_loras), "--max-model-len", str(engine.max_model_len),
+            "--device", engine.device, "--host", "0.0.0.0", "--port", str(names.ENGINE_PORT)]
+    if engine.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.dtype is not None:
+        args += ["--dtype", engine.dtype]
+    for root in pool.adapter_roots:
+        args += ["--adapter-root", root]
+    for host in pool.adapter_url_hosts:
+        args += ["--adapter-url-host", host]
+    return args + list(engine.extra_args)
+
+
+def _volume(name: str, volume: Volume) -> tuple[dict[str, Any], dict[str, Any]]:
+    if volume.host_path is not None:
+        source: dict[str, Any] = {"hostPath": {"path": volume.host_path, "type": "Directory"}}
+    else:
+        source = {"persistentVolumeClaim": {"claimName": volume.claim_name, "readOnly": volume.is_read_only}}
+    mount = {"name": name, "mountPath": volume.mount_path, "readOnly": volume.is_read_only}
+    return {"name": name, **source}, mount
+
+
+def _http_probe(path: str, period_s: int, failure_threshold: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": names.ENGINE_PORT}, "periodSeconds": period_s,
+            "timeoutSeconds": 5, "failureThreshold": failure_threshold}
+
+
+def build_engine_container(pool: PoolSpec) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "engine", "image": pool.image, "args": build_engine_args(pool),
+        "ports": [{"name": "http", "containerPort": names.ENGINE_PORT, "protocol": "TCP"}],
+        # /health answers while the model loads (liveness); /ready once it serves (readiness).
+        "livenessProbe": _http_probe("/health", period_s=10, failure_threshold=3),
+        "readinessProbe": _http_probe("/ready", period_s=2, failure_threshold=2),
+        "env": [{"name": "KUBELORA_LOG_LEVEL", "value": "info"}],
+    }
+    if pool.admin_token is not None:
+        container["env"].append({"name": "KUBELORA_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": pool.admin_token.name, "key": pool.admin_token.key}}})
+    if pool.resources:
+        container["resources"] = pool.resources
+    if pool.image_pull_policy:
+        container["imagePullPolicy"] = pool.image_pull_policy
+    return container
+
+
+def build_engine_deployment(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
+    container = build_engine_container(pool)
+    volumes, mounts = [], []
+    for name, volume in (("model", pool.model_volume), ("adapters", pool.adapter_volume)):
+        if volume is not None:
+            pod_volume, mount = _volume(name, volume)
+            volumes.append(pod_volume)
+            mounts.append(mount)
+    if mounts:
+        container["volumeMounts"] = mounts
+    selector = names.engine_selector(pool.name)
+    pod_spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 30}
+    if volumes:
+        pod_spec["volumes"] = volumes
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = pool.node_selector
+    if pool.tolerations:
+        pod_spec["tolerations"] = list(pool.tolerations)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(pool, names.engine_name(pool.name), "engine", owner),
+        "spec": {
+            "replicas": pool.replicas,
+            "selector": {"matchLabels": selector},
+            "template": {"metadata": {"labels": {**pool.pod_labels, **names.pool_labels(pool.name, "engine")}},
+                         "spec": pod_spec},
+        },
+    }
+
+
+def build_engine_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
+    """Headless: one address per engine pod (the router and the operator go by pod IP)."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(pool, names.engine_name(pool.name), "engine", owner),
+        "spec": {"clusterIP": "None", "selector": names.engine_selector(pool.name), "publishNotReadyAddresses": False,
+                 "ports": [{"name": "http", "port": names.ENGINE_PORT, "targetPort": names.ENGINE_PORT}]},
+    }
+
+
+def build_pool_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
+    """The address clients use: the router when enabled, else the engine pods directly."""
+    component = "router" if pool.router.is_enabled else "engine"
+    port = names.ROUTER_PORT if pool.router.is_enabled else names.ENGINE_PORT
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(pool, pool.name, "pool", owner),
+        "spec": {"selector": {names.LABEL_POOL: pool.name, names.LABEL_COMPONENT: component},
+                 "ports": [{"name": "http", "port": port, "targetPort": port}]},
+    }
+
+
+def build_router_rbac(pool: PoolSpec, owner: dict[str, Any]) -> list[Manifest]:
+    """The router reads its pool's placement ConfigMap (and nothing else)."""
+    name = names.router_name(pool.name)
+    rule = {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(pool, name, "router", owner)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": _metadata(pool, name, "router", owner), "rules": [rule]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _metadata(pool, name, "router", owner),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}]},
+    ]
+
+
+def build_router_deployment(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
+    name = names.router_name(pool.name)
+    labels = names.pool_labels(pool.name, "router")
+    container = {
+        "name": "router", "image": pool.router.image,
+        "args": ["router", "--pool", pool.name, "--namespace", pool.namespace, "--placement-configmap",
+                 names.placement_configmap_name(pool.name), "--port", str(names.ROUTER_PORT)],
+        "ports": [{"name": "http", "containerPort": names.ROUTER_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": names.ROUTER_PORT}, "periodSeconds": 5},
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(pool, name, "router", owner),
+        "spec": {"replicas": pool.router.replicas,
+                 "selector": {"matchLabels": {names.LABEL_POOL: pool.name, names.LABEL_COMPONENT: "router"}},
+                 "template": {"metadata": {"labels": labels},
+                              "spec": {"serviceAccountName": name, "containers": [container]}}},
+    }
+
+
+def build_pool_manifests(pool: PoolSpec, owner: dict[str, Any]) -> list[Manifest]:
+    """Everything a pool owns except the placement ConfigMap (written by the reconcile)."""
+    manifests = [build_engine_deployment(pool, owner), build_engine_service(pool, owner),
+                 build_pool_service(pool, owner)]
+    if pool.router.is_enabled:
+        manifests += build_router_rbac(pool, owner) + [build_router_deployment(pool, owner)]
+    return manifests
+
+
+def build_router_manifest_keys(pool: PoolSpec) -> list[tuple[str, str]]:
+    """(kind, name) of the router objects, deleted when the router is switched off."""
+    name = names.router_name(pool.name)
+    return [("Deployment", name), ("RoleBinding", name), ("Role", name), ("ServiceAccount", name)]
+
+
+def build_placement_configmap(pool: PoolSpec, owner: dict[str, Any], placement: dict[str, Any]) -> Manifest:
+    """The router's contract (docs/architecture.md): key placement.json, JSON written only here."""
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _metadata(pool, names.placement_configmap_name(pool.name), "placement", owner),
+        "data": {"placement.json": json.dumps(placement, sort_keys=True, separators=(",", ":"))},
+    }

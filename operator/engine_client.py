@@ -1,0 +1,74 @@
+"""The engine's admin API over HTTP (docs/server.md): list, load, unload. One client per reconcile."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+
+from kubelora.operator.plan import DesiredAdapter, ObservedAdapter
+
+
+class EngineError(Exception):
+    """A failed engine call. `is_permanent`: a 4xx about the adapter itself (retrying cannot help)."""
+
+    def __init__(self, status: int | None, code: str | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+    @property
+    def is_permanent(self) -> bool:
+        # 401 (token), 404/409 (races with unload or another revision) and 429 heal on retry.
+        return self.status == 400
+
+    @property
+    def reason(self) -> str:
+        """CamelCase condition reason from the engine's error code (adapter_rank_too_large -> AdapterRankTooLarge)."""
+        if self.code:
+            return "".join(part.capitalize() for part in self.code.split("_"))
+        return "EngineUnavailable" if self.status is None else f"EngineHttp{self.status}"
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    card: dict
+    was_loaded: bool
+
+
+class EngineClient:
+    def __init__(self, session: aiohttp.ClientSession, admin_token: str | None, timeout_s: float) -> None:
+        self._session = session
+        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def list_adapters(self, base_url: str) -> dict[str, ObservedAdapter]:
+        body = await self._call("GET", f"{base_url}/v1/models", None)
+        return {card["id"]: ObservedAdapter.from_card(card) for card in body.get("data", [])
+                if card.get("parent") is not None}
+
+    async def load(self, base_url: str, adapter: DesiredAdapter, *, is_preload: bool, is_inplace: bool) -> LoadResult:
+        payload = {"lora_name": adapter.name, "lora_path": adapter.lora_path, "load_inplace": is_inplace,
+                   "preload": is_preload}
+        if adapter.sha256:
+            payload["sha256"] = adapter.sha256
+        body = await self._call("POST", f"{base_url}/v1/load_lora_adapter", payload)
+        return LoadResult(card=body.get("adapter") or {}, was_loaded=bool(body.get("was_loaded")))
+
+    async def unload(self, base_url: str, name: str) -> bool:
+        body = await self._call("POST", f"{base_url}/v1/unload_lora_adapter", {"lora_name": name})
+        return bool(body.get("was_loaded", True))
+
+    async def _call(self, method: str, url: str, payload: dict | None) -> dict:
+        try:
+            async with self._session.request(method, url, json=payload, headers=self._headers,
+                                             timeout=self._timeout) as response:
+                body = await response.json(content_type=None)
+                if response.status >= 400:
+                    error = (body or {}).get("error") or {}
+                    raise EngineError(response.status, error.get("code") or error.get("type"),
+                                      error.get("message") or f"HTTP {response.status}")
+                return body or {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise EngineError(None, None, f"{method} {url}: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,181 @@
+"""kopf handlers: read the custom resource, call `build_*`, apply, write status; the reconcile does the rest.
+
+Handler ids are the function names (kopf stores progress under them): renaming one is a behaviour change.
+- LoRAPool create/update/resume: apply the engine Deployment, Services and the router (owned by the pool).
+- LoRAPool daemon: the pool's level-based reconcile, every `resync_s` and whenever triggered.
+- LoRAAdapter events and engine pod events: trigger their pool's reconcile.
+- LoRAAdapter deletion (finalizer): best-effort unload from the pool's ready pods, never hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import kopf
+
+from kubelora.operator import names
+from kubelora.operator.builders import build_owner_reference, build_pool_manifests, build_router_manifest_keys
+from kubelora.operator.conditions import make_condition, merge_conditions
+from kubelora.operator.engine_client import EngineClient, EngineError
+from kubelora.operator.kube import Kube, KubeError, load_connection
+from kubelora.operator.reconcile import PoolReconciler, is_pod_ready, pod_url
+from kubelora.operator.runtime import Runtime
+from kubelora.operator.settings import OperatorSettings
+from kubelora.operator.specs import InvalidSpec, PoolSpec
+
+FINALIZER = "kubelora.io/finalizer"
+UNLOAD_ON_DELETE_TIMEOUT_S = 5.0
+
+
+@kopf.on.startup()
+async def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubelora.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kubelora.io")
+    settings.posting.level = logging.WARNING  # our own events describe loads; kopf's would repeat them
+    operator_settings = memo.get("operator_settings") or OperatorSettings()
+    connection = await asyncio.to_thread(load_connection)
+    kube_session = aiohttp.ClientSession()
+    memo.runtime = Runtime(settings=operator_settings, kube=Kube(connection, kube_session),
+                           kube_session=kube_session, engine_session=aiohttp.ClientSession())
+
+
+@kopf.on.cleanup()
+async def on_cleanup(memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime is not None:
+        await runtime.close()
+
+
+# ---- LoRAPool ----
+
+@kopf.on.resume(names.GROUP, names.VERSION, names.POOL_PLURAL)
+@kopf.on.create(names.GROUP, names.VERSION, names.POOL_PLURAL)
+@kopf.on.update(names.GROUP, names.VERSION, names.POOL_PLURAL, field="spec")
+async def on_pool_spec(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    runtime: Runtime = memo.runtime
+    try:
+        pool = PoolSpec.from_body(body)
+    except InvalidSpec as exc:
+        await _write_pool_invalid(runtime, body, exc)
+        raise kopf.PermanentError(str(exc)) from exc
+    owner = build_owner_reference(body)
+    try:
+        for manifest in build_pool_manifests(pool, owner):
+            await runtime.kube.apply(manifest)
+        if not pool.router.is_enabled:
+            for kind, name in build_router_manifest_keys(pool):
+                await runtime.kube.delete(kind, pool.namespace, name)
+    except (KubeError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise kopf.TemporaryError(f"applying the pool's objects failed: {exc}", delay=5) from exc
+    logger.info("applied the engine Deployment (%d replicas) and Services", pool.replicas)
+    runtime.trigger(pool.namespace, pool.name)
+
+
+async def _write_pool_invalid(runtime: Runtime, body: kopf.Body, exc: InvalidSpec) -> None:
+    generation = int(body["metadata"].get("generation") or 0)
+    condition = make_condition("Ready", False, exc.reason, str(exc), generation)
+    old = (body.get("status") or {}).get("conditions")
+    status = {"observedGeneration": generation, "conditions": merge_conditions(old, [condition])}
+    await runtime.kube.patch_status(names.POOL_PLURAL, body["metadata"]["namespace"], body["metadata"]["name"],
+                                    status)
+
+
+@kopf.daemon(names.GROUP, names.VERSION, names.POOL_PLURAL, cancellation_timeout=2.0)
+async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+                      logger: logging.Logger, **_: Any) -> None:
+    runtime: Runtime = memo.runtime
+    reconciler = PoolReconciler(runtime.kube, runtime.engine_session, runtime.settings, namespace, name)
+    wake = runtime.trigger_for(namespace, name)
+    try:
+        while not stopped:
+            wake.clear()
+            try:
+                await reconciler.reconcile()
+            except (KubeError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                logger.warning("reconcile failed, retrying: %s", exc)
+            except Exception:  # noqa: BLE001 - a bug in one run must not stop the pool's reconcile for good
+                logger.exception("reconcile failed")
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=runtime.settings.resync_s)
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(runtime.settings.debounce_s)
+    finally:
+        runtime.forget(namespace, name)
+
+
+# ---- LoRAAdapter ----
+
+@kopf.on.event(names.GROUP, names.VERSION, names.ADAPTER_PLURAL)
+async def on_adapter_event(body: kopf.Body, event: dict, memo: kopf.Memo, **_: Any) -> None:
+    """Spec changes, creations and deletions reach the pool's reconcile at once; status writes do not."""
+    runtime: Runtime = memo.runtime
+    meta, status = body["metadata"], body.get("status") or {}
+    pool = (body.get("spec") or {}).get("pool", "")
+    is_settled = status.get("observedGeneration") == meta.get("generation") and not meta.get("deletionTimestamp")
+    if event.get("type") not in (None, "ADDED", "DELETED") and is_settled:
+        return
+    if runtime.has_pool(meta["namespace"], pool):
+        runtime.trigger(meta["namespace"], pool)
+    elif event.get("type") != "DELETED" and not meta.get("deletionTimestamp"):
+        await _write_pool_not_found(runtime, body, pool)
+
+
+async def _write_pool_not_found(runtime: Runtime, body: kopf.Body, pool: str) -> None:
+    meta = body["metadata"]
+    if await runtime.kube.get_custom(names.POOL_PLURAL, meta["namespace"], pool) is not None:
+        return  # its daemon is starting and will write the status
+    generation = int(meta.get("generation") or 0)
+    message = f"LoRAPool {pool!r} not found in namespace {meta['namespace']!r}"
+    old = body.get("status") or {}
+    conditions = [make_condition(t, False, "PoolNotFound", message, generation) for t in ("Loaded", "Ready")]
+    if old.get("phase") == "Pending" and old.get("observedGeneration") == generation:
+        return
+    await runtime.kube.patch_status(names.ADAPTER_PLURAL, meta["namespace"], meta["name"], {
+        "observedGeneration": generation, "phase": "Pending", "readyReplicas": 0, "desiredReplicas": 0,
+        "replicas": [], "conditions": merge_conditions(old.get("conditions"), conditions)})
+
+
+@kopf.on.delete(names.GROUP, names.VERSION, names.ADAPTER_PLURAL)
+async def on_adapter_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Best effort: unload from every ready pod now; pods that are gone or unreachable are skipped
+    (a pod that comes back is cleaned up by the pool's reconcile, which unloads what no adapter names)."""
+    runtime: Runtime = memo.runtime
+    meta, pool_name = body["metadata"], (body.get("spec") or {}).get("pool", "")
+    namespace = meta["namespace"]
+    try:
+        token = await _pool_admin_token(runtime, namespace, pool_name)
+        selector = names.selector_string(names.engine_selector(pool_name))
+        pods = [p for p in await runtime.kube.list_pods(namespace, selector) if is_pod_ready(p)]
+    except (KubeError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        logger.warning("not unloading %s: listing its pool's pods failed: %s", meta["name"], exc)
+        pods, token = [], None
+    client = EngineClient(runtime.engine_session, token, UNLOAD_ON_DELETE_TIMEOUT_S)
+    results = await asyncio.gather(*(client.unload(pod_url(p), meta["name"]) for p in pods), return_exceptions=True)
+    for pod, result in zip(pods, results):
+        if isinstance(result, EngineError):
+            logger.warning("unload from %s failed (ignored): %s", pod["metadata"]["name"], result)
+    runtime.trigger(namespace, pool_name)
+
+
+async def _pool_admin_token(runtime: Runtime, namespace: str, pool_name: str) -> str | None:
+    pool = await runtime.kube.get_custom(names.POOL_PLURAL, namespace, pool_name)
+    ref = ((pool or {}).get("spec") or {}).get("adminTokenSecretRef")
+    if not ref:
+        return None
+    return await runtime.kube.read_secret_key(namespace, ref["name"], ref.get("key", "token"))
+
+
+# ---- engine pods ----
+
+@kopf.on.event("", "v1", "pods", labels={names.LABEL_COMPONENT: "engine", names.LABEL_MANAGED_BY: names.MANAGED_BY})
+async def on_engine_pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """A pod that turns ready, restarts or goes away changes what the pool's reconcile must do."""
+    runtime: Runtime = memo.runtime
+    pool = labels.get(names.LABEL_POOL)
+    if pool:
+        runtime.trigger(namespace, pool)

@@ -1,0 +1,44 @@
+"""API coordinates, labels and the names of the objects the operator owns for a pool."""
+
+from __future__ import annotations
+
+GROUP = "kubelora.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+POOL_PLURAL = "lorapools"
+ADAPTER_PLURAL = "loraadapters"
+
+ENGINE_PORT = 8000
+ROUTER_PORT = 8080
+FIELD_MANAGER = "kubelora-operator"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_POOL = "kubelora.io/pool"
+MANAGED_BY = "kubelora-operator"
+
+
+def engine_name(pool: str) -> str:
+    return f"{pool}-engine"
+
+
+def router_name(pool: str) -> str:
+    return f"{pool}-router"
+
+
+def placement_configmap_name(pool: str) -> str:
+    return f"{pool}-placement"
+
+
+def pool_labels(pool: str, component: str) -> dict[str, str]:
+    return {LABEL_NAME: "kubelora", LABEL_COMPONENT: component, LABEL_POOL: pool, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def engine_selector(pool: str) -> dict[str, str]:
+    """Labels that select a pool's engine pods (immutable in the Deployment: never change them)."""
+    return {LABEL_POOL: pool, LABEL_COMPONENT: "engine"}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))

@@ -1,0 +1,85 @@
+"""Which engine pods preload which adapters: rendezvous hashing with capacity bounds and hysteresis.
+
+Pure: the reconcile hands in the ready pods, each adapter's wanted replica count and the placement it
+published last time; it gets back the new placement. Properties the tests pin down:
+- an adapter's current holders stay while they are ready and within capacity (no churn on scale-out or
+  when another adapter comes or goes);
+- new copies go to the pods with the highest rendezvous score for the adapter (stable, spread evenly);
+- no pod holds more than `capacity` placed adapters, except `replicas: all` adapters, which are on every
+  pod by definition (they count towards the capacity of the others);
+- when capacity runs out an adapter gets fewer copies than asked (reported as a shortage), never more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    adapter: str
+    replicas: int | None  # None: every pod
+
+
+@dataclass(frozen=True)
+class Placement:
+    pods_by_adapter: dict[str, tuple[str, ...]]
+    wanted_by_adapter: dict[str, int]  # copies asked for, bounded by the number of pods
+
+    def pods_of(self, adapter: str) -> tuple[str, ...]:
+        return self.pods_by_adapter.get(adapter, ())
+
+    def adapters_on(self, pod: str) -> list[str]:
+        return sorted(a for a, pods in self.pods_by_adapter.items() if pod in pods)
+
+    def shortage(self, adapter: str) -> int:
+        return self.wanted_by_adapter.get(adapter, 0) - len(self.pods_of(adapter))
+
+
+def rendezvous_score(adapter: str, pod: str) -> int:
+    digest = hashlib.sha256(f"{adapter}\x00{pod}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def rank_pods(adapter: str, pods: Iterable[str]) -> list[str]:
+    """Pods in the adapter's preference order (highest score first; ties cannot matter: names differ)."""
+    return sorted(pods, key=lambda pod: (-rendezvous_score(adapter, pod), pod))
+
+
+def place(requests: Iterable[PlacementRequest], pods: Iterable[str], capacity: int,
+          previous: Mapping[str, Iterable[str]] | None = None) -> Placement:
+    """Place every request on the given (ready) pods; `previous` maps adapter -> pods holding it now."""
+    pods = sorted(set(pods))
+    requests = sorted(requests, key=lambda r: r.adapter)
+    previous = previous or {}
+    load = dict.fromkeys(pods, 0)
+    chosen: dict[str, list[str]] = {}
+    wanted = {r.adapter: len(pods) if r.replicas is None else min(r.replicas, len(pods)) for r in requests}
+    for request in requests:
+        if request.replicas is None:
+            chosen[request.adapter] = list(pods)
+            for pod in pods:
+                load[pod] += 1
+    partial = [r for r in requests if r.replicas is not None]
+    for request in partial:  # hysteresis: keep current holders first, best-ranked when scaling in
+        holders = rank_pods(request.adapter, set(previous.get(request.adapter, ())) & set(pods))
+        chosen[request.adapter] = _take(holders, wanted[request.adapter], load, capacity, [])
+    for request in partial:
+        chosen[request.adapter] = _take(rank_pods(request.adapter, pods), wanted[request.adapter], load, capacity,
+                                        chosen[request.adapter])
+    ordered = {a: tuple(rank_pods(a, p)) for a, p in chosen.items()}
+    return Placement(pods_by_adapter=ordered, wanted_by_adapter=wanted)
+
+
+def _take(candidates: list[str], wanted: int, load: dict[str, int], capacity: int, taken: list[str]) -> list[str]:
+    taken = list(taken)
+    for pod in candidates:
+        if len(taken) >= wanted:
+            break
+        if pod in taken or load[pod] >= capacity:
+            continue
+        taken.append(pod)
+        load[pod] += 1
+    return taken

@@ -1,0 +1,90 @@
+"""Desired vs observed, per engine pod: the load and unload calls that close the difference. Pure.
+
+Level-based: the input is what a pod reports (`GET /v1/models`) now, so a restarted pod, a new pod, an
+engine that lost its adapters or a hand-made load all produce the same kind of plan.
+- placed adapters: loaded with `preload: true` (staged in memory), at the current source revision;
+- every other adapter of the pool: registered with `preload: false`, so any replica can serve it on demand;
+- anything else on the pod (deleted adapters, manual loads): unloaded;
+- `frozen` adapters (failed permanently for their current revision) are left exactly as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+RESIDENT = ("host", "device")
+
+
+@dataclass(frozen=True)
+class ObservedAdapter:
+    """One adapter card of `GET /v1/models`."""
+    name: str
+    source: str | None
+    content_revision: str | None
+    residency: str
+    loaded_at: float | None = None
+    last_error: str | None = None
+
+    @classmethod
+    def from_card(cls, card: dict) -> ObservedAdapter:
+        return cls(name=card["id"], source=card.get("source"), content_revision=card.get("revision"),
+                   residency=card.get("residency", "known"), loaded_at=card.get("created"),
+                   last_error=card.get("last_error"))
+
+    @property
+    def is_resident(self) -> bool:
+        return self.residency in RESIDENT
+
+
+@dataclass(frozen=True)
+class DesiredAdapter:
+    name: str
+    lora_path: str
+    sha256: str | None
+    source_revision: str
+
+
+@dataclass(frozen=True)
+class Load:
+    pod: str
+    adapter: DesiredAdapter
+    is_preload: bool
+    is_inplace: bool
+
+
+@dataclass(frozen=True)
+class Unload:
+    pod: str
+    adapter: str
+
+
+Action = Load | Unload
+
+
+def is_current(observed: ObservedAdapter | None, desired: DesiredAdapter, served_revision: str | None) -> bool:
+    """The pod has the desired source; `served_revision` (what the operator last loaded there, if known)
+    tells a changed sha256 under the same path or URL apart."""
+    if observed is None or observed.source != desired.lora_path:
+        return False
+    return served_revision is None or served_revision == desired.source_revision
+
+
+def plan_pod(pod: str, desired: Mapping[str, DesiredAdapter], placed: Collection[str],
+             observed: Mapping[str, ObservedAdapter], served_revisions: Mapping[str, str],
+             frozen: Collection[str] = ()) -> list[Action]:
+    actions: list[Action] = []
+    for name, want in sorted(desired.items()):
+        if name in frozen:
+            continue
+        have = observed.get(name)
+        current = is_current(have, want, served_revisions.get(name))
+        if name in placed:
+            if not current or not have.is_resident:  # type: ignore[union-attr]
+                actions.append(Load(pod, want, is_preload=True, is_inplace=have is not None))
+        elif not current:
+            actions.append(Load(pod, want, is_preload=False, is_inplace=have is not None))
+    for name in sorted(observed):
+        if name not in desired and name not in frozen:
+            actions.append(Unload(pod, name))
+    return actions

@@ -1,0 +1,29 @@
+"""The operator's own settings (flags and KUBELORA_OPERATOR_* env, parsed in cli.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    resync_s: float = 30.0  # full reconcile of each pool at least this often, besides event triggers
+    debounce_s: float = 0.2  # triggers within this window share one reconcile
+    max_concurrent_calls: int = 4  # engine load/unload calls in flight per pool
+    engine_timeout_s: float = 120.0  # one engine call (a load reads and validates the adapter)
+    backoff_initial_s: float = 1.0  # first retry after a transient engine failure; doubles per failure
+    backoff_max_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("resync_s", "engine_timeout_s", "backoff_initial_s", "backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.debounce_s < 0:
+            raise ValueError(f"debounce_s must be >= 0, got {self.debounce_s}")
+        if not 1 <= self.max_concurrent_calls <= 256:
+            raise ValueError(f"max_concurrent_calls must be in [1, 256], got {self.max_concurrent_calls}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("backoff_max_s must be >= backoff_initial_s")
+
+    def backoff_s(self, num_failures: int) -> float:
+        return min(self.backoff_initial_s * 2 ** max(num_failures - 1, 0), self.backoff_max_s)

@@ -1,0 +1,180 @@
+"""Typed views of the LoRAPool and LoRAAdapter specs (defaults as in crds/), parsed once at the edge.
+
+The API server applies the CRD defaults; the same defaults here keep the pure functions usable on
+partial specs (tests, objects created before a default existed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+ALL_REPLICAS = "all"
+
+
+class InvalidSpec(ValueError):
+    """A spec that no retry can fix; `reason` is the CamelCase condition reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Volume:
+    mount_path: str
+    host_path: str | None = None
+    claim_name: str | None = None
+    is_read_only: bool = True
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any] | None) -> Volume | None:
+        if not spec:
+            return None
+        return cls(mount_path=spec["mountPath"], host_path=spec.get("hostPath"), claim_name=spec.get("claimName"),
+                   is_read_only=spec.get("readOnly", True))
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 8
+    max_model_len: int = 2048
+    max_num_seqs: int | None = None
+    device: str = "cuda"
+    dtype: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras < self.max_loras:
+            raise InvalidSpec("InvalidSpec", f"spec.engine.maxCpuLoras ({self.max_cpu_loras}) must be >= "
+                                             f"spec.engine.maxLoras ({self.max_loras})")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    is_enabled: bool = False
+    replicas: int = 1
+    image: str = "kubelora-router:dev"
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    name: str
+    key: str = "token"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    namespace: str
+    model_path: str
+    served_name: str
+    replicas: int = 1
+    image: str = "kubelora-engine:dev"
+    image_pull_policy: str | None = None
+    engine: EngineSettings = EngineSettings()
+    model_volume: Volume | None = None
+    adapter_volume: Volume | None = None
+    resources: dict[str, Any] = field(default_factory=dict)
+    adapter_roots: tuple[str, ...] = ()
+    adapter_url_hosts: tuple[str, ...] = ()
+    admin_token: SecretRef | None = None
+    router: RouterSettings = RouterSettings()
+    pod_labels: dict[str, str] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> PoolSpec:
+        meta, spec = body["metadata"], body.get("spec") or {}
+        model = spec.get("model") or {}
+        if not model.get("path"):
+            raise InvalidSpec("InvalidSpec", "spec.model.path is required")
+        engine, router = spec.get("engine") or {}, spec.get("router") or {}
+        token = spec.get("adminTokenSecretRef")
+        return cls(
+            name=meta["name"], namespace=meta["namespace"], model_path=model["path"],
+            served_name=model.get("servedName") or model["path"].rstrip("/").rsplit("/", 1)[-1],
+            replicas=int(spec.get("replicas", 1)), image=spec.get("image") or cls.image,
+            image_pull_policy=spec.get("imagePullPolicy"),
+            engine=EngineSettings(
+                max_loras=engine.get("maxLoras", 4), max_lora_rank=engine.get("maxLoraRank", 16),
+                max_cpu_loras=engine.get("maxCpuLoras", 8), max_model_len=engine.get("maxModelLen", 2048),
+                max_num_seqs=engine.get("maxNumSeqs"), device=engine.get("device", "cuda"),
+                dtype=engine.get("dtype"), extra_args=tuple(engine.get("extraArgs") or ())),
+            model_volume=Volume.from_spec(spec.get("modelVolume")),
+            adapter_volume=Volume.from_spec(spec.get("adapterVolume")),
+            resources=dict(spec.get("resources") or {}),
+            adapter_roots=tuple(spec.get("adapterRoots") or ()),
+            adapter_url_hosts=tuple(spec.get("adapterUrlHosts") or ()),
+            admin_token=SecretRef(token["name"], token.get("key", "token")) if token else None,
+            router=RouterSettings(is_enabled=router.get("enabled", False), replicas=router.get("replicas", 1),
+                                  image=router.get("image") or RouterSettings.image),
+            pod_labels=dict(spec.get("podLabels") or {}), node_selector=dict(spec.get("nodeSelector") or {}),
+            tolerations=tuple(spec.get("tolerations") or ()),
+        )
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    path: str | None = None
+    url: str | None = None
+    sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.url is None):
+            raise InvalidSpec("InvalidSpec", "spec.source needs exactly one of path and url")
+
+    @property
+    def lora_path(self) -> str:
+        """What the engine's load call takes as `lora_path` (and reports back as `source`)."""
+        return self.path if self.path is not None else self.url  # type: ignore[return-value]
+
+    @property
+    def revision(self) -> str:
+        """A change of path, url or sha256 is a new revision; 10 hex digits of a hash of the canonical form."""
+        canonical = json.dumps({"path": self.path, "url": self.url, "sha256": self.sha256}, sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    namespace: str
+    pool: str
+    source: AdapterSource
+    replicas: int | None = 1  # None: "all"
+    rank: int | None = None
+    targets: tuple[str, ...] = ()
+    generation: int = 0
+    uid: str = ""
+
+    def __post_init__(self) -> None:
+        if self.replicas is not None and self.replicas < 1:
+            raise InvalidSpec("InvalidSpec", f"spec.replicas must be >= 1 or \"all\", got {self.replicas}")
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> AdapterSpec:
+        meta, spec = body["metadata"], body.get("spec") or {}
+        source = spec.get("source") or {}
+        return cls(
+            name=meta["name"], namespace=meta["namespace"], pool=spec.get("pool", ""),
+            source=AdapterSource(path=source.get("path"), url=source.get("url"), sha256=source.get("sha256")),
+            replicas=parse_replicas(spec.get("replicas", 1)), rank=spec.get("rank"),
+            targets=tuple(spec.get("targets") or ()), generation=int(meta.get("generation") or 0),
+            uid=meta.get("uid", ""),
+        )
+
+
+def parse_replicas(value: int | str) -> int | None:
+    """`replicas` is an int-or-string: an integer (also as a digit string) or "all" (None)."""
+    if value == ALL_REPLICAS:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InvalidSpec("InvalidSpec", f"spec.replicas must be an integer >= 1 or \"all\", got {value!r}") from None

@@ -1,0 +1,70 @@
+"""Checks of a LoRAAdapter against its pool that need no engine: rank, targets, source confinement.
+
+The engine repeats them (and checks what only the files tell: real rank, shapes, base model); checking here
+first gives a clear reason without touching any pod, and keeps a bad manifest from reaching a pod at all.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+from urllib.parse import urlsplit
+
+from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
+
+SUPPORTED_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+def validate_adapter(adapter: AdapterSpec, pool: PoolSpec) -> None:
+    """Raise InvalidSpec (with a CamelCase reason) when `adapter` cannot be served by `pool`."""
+    if adapter.rank is not None and adapter.rank > pool.engine.max_lora_rank:
+        raise InvalidSpec("RankTooHigh", f"spec.rank {adapter.rank} exceeds the pool's engine.maxLoraRank "
+                                         f"{pool.engine.max_lora_rank}")
+    unsupported = sorted(set(adapter.targets) - SUPPORTED_TARGETS)
+    if unsupported:
+        raise InvalidSpec("TargetUnsupported", f"spec.targets {unsupported} are not supported; allowed: "
+                                               f"{sorted(SUPPORTED_TARGETS)}")
+    if adapter.source.path is not None:
+        check_path_allowed(adapter.source.path, pool.adapter_roots)
+    else:
+        check_url_allowed(adapter.source.url or "", pool.adapter_url_hosts)
+
+
+def check_path_allowed(path: str, roots: tuple[str, ...]) -> None:
+    """Bare absolute paths, `file://` paths and paths relative to a root, confined to the roots lexically.
+
+    The engine resolves symlinks as well; this check only has the manifest to go by.
+    """
+    if not roots:
+        raise InvalidSpec("PathNotAllowed", "spec.source.path needs the pool to list spec.adapterRoots")
+    local = path[len("file://"):] if path.startswith("file://") else path
+    if ".." in local.split("/"):
+        raise InvalidSpec("PathNotAllowed", f"spec.source.path {path!r} must not contain '..'")
+    if not local.startswith("/"):
+        return  # relative paths are resolved under each root by the engine
+    normalized = posixpath.normpath(local)
+    for root in roots:
+        root_norm = posixpath.normpath(root)
+        if normalized == root_norm or normalized.startswith(root_norm.rstrip("/") + "/"):
+            return
+    raise InvalidSpec("PathNotAllowed", f"spec.source.path {path!r} is not under the pool's adapterRoots "
+                                        f"{list(roots)}")
+
+
+def check_url_allowed(url: str, hosts: tuple[str, ...]) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidSpec("UrlNotAllowed", f"spec.source.url {url!r} must be an http(s) URL")
+    if parts.username or parts.password:
+        raise InvalidSpec("UrlNotAllowed", "spec.source.url must not carry credentials")
+    if not any(host_matches(parts.hostname, parts.port, pattern) for pattern in hosts):
+        raise InvalidSpec("UrlNotAllowed", f"spec.source.url host {parts.hostname!r} is not in the pool's "
+                                           f"adapterUrlHosts {list(hosts)}")
+
+
+def host_matches(host: str, port: int | None, pattern: str) -> bool:
+    """`host` (any port), `host:port` or `*.example.com`, as the engine's --adapter-url-host."""
+    pattern_host, _, pattern_port = pattern.partition(":")
+    if pattern_port and str(port) != pattern_port:
+        return False
+    return fnmatch.fnmatchcase(host.lower(), pattern_host.lower())
