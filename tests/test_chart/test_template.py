@@ -1,0 +1,125 @@
+"""`helm template` with each ci values file: what the manifests say (image, args, env, probes, RBAC, toggles)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import CHART, CI_VALUES
+
+CI = {p.stem: p for p in CI_VALUES}
+NS = "kubelora-system"
+
+
+def container(rendered: dict) -> dict:
+    [deployment] = [m for (kind, _, _), m in rendered.items() if kind == "Deployment"]
+    [operator] = deployment["spec"]["template"]["spec"]["containers"]
+    return operator
+
+
+def env(rendered: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container(rendered)["env"]}
+
+
+def rules(rendered: dict, name: str) -> dict[tuple[str, str], set[str]]:
+    """(apiGroup, resource) -> verbs of one ClusterRole."""
+    table: dict[tuple[str, str], set[str]] = {}
+    for rule in rendered[("ClusterRole", name, None)]["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                table.setdefault((group, resource), set()).update(rule["verbs"])
+    return table
+
+
+def test_defaults_render_a_cluster_wide_operator(render):
+    rendered = render(CI["default-values"])
+    assert {(kind, name) for kind, name, _ in rendered} == {
+        ("ServiceAccount", "rel-kubelora"), ("Deployment", "rel-kubelora"),
+        ("ClusterRole", "rel-kubelora-discovery"), ("ClusterRoleBinding", "rel-kubelora-discovery"),
+        ("ClusterRole", "rel-kubelora-pools"), ("ClusterRoleBinding", "rel-kubelora-pools")}
+    operator = container(rendered)
+    assert operator["image"] == "kubelora/operator:0.1.0"  # appVersion
+    assert operator["args"] == ["operator"]
+    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081"}  # unset settings keep operator defaults
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert operator["ports"] == [{"name": "healthz", "containerPort": 8081, "protocol": "TCP"}]
+    deployment = rendered[("Deployment", "rel-kubelora", NS)]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "rel-kubelora"
+    binding = rendered[("ClusterRoleBinding", "rel-kubelora-pools", None)]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kubelora", "namespace": NS}]
+
+
+def test_rbac_is_least_privilege(render):
+    pools = rules(render(CI["default-values"]), "rel-kubelora-pools")
+    assert pools[("kubelora.io", "lorapools")] == pools[("kubelora.io", "loraadapters")] == {
+        "get", "list", "watch", "patch"}
+    assert pools[("kubelora.io", "lorapools/status")] == {"get", "patch"}
+    assert pools[("kubelora.io", "lorapools/finalizers")] == {"update"}
+    owned = {"get", "create", "update", "patch", "delete"}
+    for key in (("apps", "deployments"), ("", "services"), ("", "serviceaccounts"),
+                ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings")):
+        assert pools[key] == owned, key
+    assert pools[("", "configmaps")] == owned | {"list", "watch"}
+    assert pools[("", "pods")] == {"get", "list", "watch"}
+    assert pools[("", "events")] == {"create", "patch"}
+    assert pools[("", "secrets")] == {"get"}
+    everything = {verb for verbs in pools.values() for verb in verbs}
+    assert not everything & {"*", "escalate", "bind", "impersonate", "deletecollection"}
+    assert not any("*" in key for key in pools)
+    discovery = rules(render(CI["default-values"]), "rel-kubelora-discovery")
+    assert discovery == {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+                         ("", "namespaces"): {"get", "list", "watch"}}
+
+
+def test_watched_namespaces_get_role_bindings_and_settings_become_env(render):
+    rendered = render(CI["namespaced-values"], namespace="ops")
+    assert ("ClusterRoleBinding", "rel-kubelora-pools", None) not in rendered
+    for namespace in ("team-a", "team-b"):
+        binding = rendered[("RoleBinding", "rel-kubelora-pools", namespace)]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                      "name": "rel-kubelora-pools"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kubelora", "namespace": "ops"}]
+    operator = container(rendered)
+    assert operator["image"] == "registry.example.com/kubelora/operator:v0.1.0-test"
+    assert operator["args"] == ["operator", "--engine-timeout-seconds", "60"]
+    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081",
+                             "KUBELORA_OPERATOR_NAMESPACES": "team-a,team-b", "KUBELORA_OPERATOR_RESYNC_S": "15",
+                             "KUBELORA_OPERATOR_MAX_CONCURRENT_CALLS": "8", "KUBELORA_OPERATOR_VERBOSE": "true",
+                             "EXTRA": "1"}
+
+
+def test_service_monitor_is_off_by_default_and_on_when_asked(render):
+    assert not [key for key in render(CI["default-values"]) if key[0] == "ServiceMonitor"]
+    rendered = render(CI["servicemonitor-values"])
+    monitor = rendered[("ServiceMonitor", "rel-kubelora-engines", NS)]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "kubelora-operator",
+                                                          "app.kubernetes.io/component": "engine"}
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    scoped = render(CI["servicemonitor-values"], "watchNamespaces={team-a}")
+    assert scoped[("ServiceMonitor", "rel-kubelora-engines", NS)]["spec"]["namespaceSelector"] == {
+        "matchNames": ["team-a"]}
+
+
+def test_existing_service_account_without_rbac(render):
+    rendered = render(CI["existing-serviceaccount-values"])
+    assert {kind for kind, _, _ in rendered} == {"Deployment"}
+    deployment = rendered[("Deployment", "rel-kubelora", NS)]
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "platform-kubelora"
+
+
+def test_crds_are_not_templated(render):
+    """Helm installs crds/ itself, before the templates; rendering never includes them."""
+    assert not [key for key in render() if key[0] == "CustomResourceDefinition"]
+    assert sorted(p.name for p in (CHART / "crds").glob("*.yaml")) == ["loraadapters.yaml", "lorapools.yaml"]
+
+
+@pytest.mark.parametrize("name", sorted(CI))
+def test_every_object_is_labelled_by_the_release(render, name):
+    for (kind, obj, _), manifest in render(CI[name]).items():
+        labels = manifest["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "rel" and labels["app.kubernetes.io/managed-by"] == "Helm", \
+            (kind, obj)
