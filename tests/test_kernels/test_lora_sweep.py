@@ -19,7 +19,7 @@ from kubelora.kernels.lora import add_lora
 from kubelora.kernels.lora_config import LoRAPath, forced_plan
 from kubelora.kernels.lora_problems import DISTRIBUTIONS, build_problem, check_y
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the full sweep needs a GPU")
+pytestmark = pytest.mark.gpu  # the full sweep: deselected without a GPU (tests/conftest.py)
 
 # (slice widths, in_dim): q/k/v with and without GQA, gate/up, single projections, odd sizes.
 SHAPES = [
