@@ -1,0 +1,81 @@
+"""Fixtures for the operator's end-to-end tests on the local cluster (docs/cluster.md).
+
+The operator runs in the cluster as a Deployment (image `kubelora-operator:dev`: the local kubelet runs the
+local `kubelora` command), watching one test namespace, with the test's RBAC. Tiny model and adapters are
+written to a temporary directory that engine pods mount as hostPath volumes.
+"""
+from __future__ import annotations
+
+import string
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# --import-mode=importlib and -P: neither the repo root nor e2e/ is on sys.path by default.
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "e2e"))
+
+from pytest_cluster import LocalCluster, cluster, wait_for  # noqa: E402,F401  (cluster: a fixture)
+
+MANIFESTS = Path(__file__).resolve().parent / "manifests"
+
+
+@dataclass(frozen=True)
+class Material:
+    root: Path
+    model_dir: Path
+    adapters_dir: Path
+
+
+@pytest.fixture(scope="session")
+def material(tmp_path_factory: pytest.TempPathFactory) -> Material:
+    from kubelora.cli.tiny import make_adapter, make_tiny_model
+
+    root = tmp_path_factory.mktemp("operator-e2e")
+    root.chmod(0o755)
+    model_dir = make_tiny_model(root / "models" / "tiny")
+    adapters = root / "adapters"
+    for name, rank, seed in (("a1", 4, 1), ("a2", 8, 2), ("a2v2", 8, 22), ("big", 16, 3)):
+        make_adapter(adapters / name, model_dir, rank=rank, seed=seed)
+    return Material(root=root, model_dir=model_dir, adapters_dir=adapters)
+
+
+@dataclass(frozen=True)
+class OperatorEnv:
+    cluster: LocalCluster
+    namespace: str  # where pools and adapters live
+    operator_namespace: str
+
+
+def _delete_kubelora_objects(cluster: LocalCluster, namespace: str) -> None:
+    """Adapters and pools first, while the operator still runs to remove its finalizers."""
+    for kind in ("loraadapters", "lorapools"):
+        cluster.kubectl("delete", kind, "--all", "-n", namespace, "--wait=true", "--timeout=60s", check=False,
+                        timeout_s=90)
+
+
+@pytest.fixture(scope="module")
+def operator_env(cluster: LocalCluster) -> Iterator[OperatorEnv]:
+    suffix = uuid.uuid4().hex[:6]
+    env = OperatorEnv(cluster, f"kl-e2e-{suffix}", f"kl-op-{suffix}")
+    cluster.kubectl("apply", "-f", str(REPO / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/lorapools.kubelora.io",
+                    "crd/loraadapters.kubelora.io", "--timeout=30s")
+    for namespace in (env.namespace, env.operator_namespace):
+        cluster.kubectl("create", "namespace", namespace)
+    manifest = string.Template((MANIFESTS / "operator.yaml").read_text()).substitute(
+        NAMESPACE=env.operator_namespace, WATCH_NAMESPACE=env.namespace)
+    cluster.apply(manifest)
+    try:
+        cluster.kubectl("rollout", "status", "-n", env.operator_namespace, "deployment/kubelora-operator",
+                        "--timeout=90s", timeout_s=100)
+        yield env
+    finally:
+        _delete_kubelora_objects(cluster, env.namespace)
+        cluster.kubectl("delete", "namespace", env.namespace, env.operator_namespace, "--wait=true",
+                        "--timeout=90s", check=False, timeout_s=120)
+        cluster.kubectl("delete", "clusterrolebinding,clusterrole", "kubelora-operator-e2e", check=False)

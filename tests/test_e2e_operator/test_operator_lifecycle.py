@@ -1,0 +1,190 @@
+"""The operator end to end on a real API server: apply, infer, kill, scale, update, fail, delete.
+
+One scenario in steps (each step starts from the state the previous one left), against engine pods
+reached by pod IP with the openai SDK. Every wait polls with a timeout; nothing sleeps as an assertion.
+"""
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import openai
+import pytest
+
+from pytest_cluster import wait_for
+
+PROMPT = "The operator watches the cluster"
+MAX_TOKENS = 8
+ENGINE_SELECTOR = "kubelora.io/pool=pool1,app.kubernetes.io/component=engine"
+POOL = """
+apiVersion: kubelora.io/v1alpha1
+kind: LoRAPool
+metadata: {{name: pool1}}
+spec:
+  model: {{path: /models/tiny, servedName: tiny}}
+  modelVolume: {{hostPath: {models}, mountPath: /models}}
+  adapterVolume: {{hostPath: {adapters}, mountPath: /adapters}}
+  adapterRoots: [/adapters]
+  replicas: 1
+  engine: {{device: cpu, maxLoras: 2, maxLoraRank: 8, maxCpuLoras: 4, maxModelLen: 256, maxNumSeqs: 8}}
+"""
+ADAPTER = """
+apiVersion: kubelora.io/v1alpha1
+kind: LoRAAdapter
+metadata: {{name: {name}}}
+spec: {{pool: pool1, source: {{path: {path}}}, replicas: {replicas}}}
+"""
+ENGINE_OPTIONS = dict(device="cpu", max_loras=2, max_lora_rank=8, max_cpu_loras=4, max_model_len=256)
+
+
+def apply_adapter(env, name: str, path: str, replicas: str = "1") -> None:
+    env.cluster.apply(ADAPTER.format(name=name, path=path, replicas=replicas), namespace=env.namespace)
+
+
+def adapter(env, name: str) -> dict:
+    return env.cluster.get_json("loraadapter", name, "-n", env.namespace)
+
+
+def wait_phase(env, name: str, phase: str, timeout_s: float = 90) -> dict:
+    env.cluster.kubectl("wait", "-n", env.namespace, f"loraadapter/{name}", f"--for=jsonpath={{.status.phase}}={phase}",
+                        f"--timeout={int(timeout_s)}s", timeout_s=timeout_s + 10)
+    return adapter(env, name)
+
+
+def ready_engine_pods(env) -> dict[str, str]:
+    """name -> pod IP of the pool's ready engine pods."""
+    pods = env.cluster.get_json("pods", "-n", env.namespace, "-l", ENGINE_SELECTOR)["items"]
+    ready = {}
+    for pod in pods:
+        conditions = pod.get("status", {}).get("conditions") or []
+        if pod["metadata"].get("deletionTimestamp") is None and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+            ready[pod["metadata"]["name"]] = pod["status"]["podIP"]
+    return ready
+
+
+def served_adapters(ip: str) -> dict[str, dict]:
+    with urllib.request.urlopen(f"http://{ip}:8000/v1/models", timeout=10) as response:
+        cards = json.load(response)["data"]
+    return {card["id"]: card for card in cards if card.get("parent")}
+
+
+def complete(ip: str, model: str) -> str:
+    client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", timeout=60, max_retries=0)
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+
+
+@pytest.fixture(scope="module")
+def offline(material):
+    """What the engine itself generates for each adapter directory (greedy), computed in this process."""
+    from kubelora.engine import LLM, SamplingParams
+
+    llm = LLM(material.model_dir, **ENGINE_OPTIONS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    texts = {"tiny": llm.generate([PROMPT], params)[0].text}
+    for name in ("a1", "a2", "a2v2"):
+        llm.load_adapter(name, material.adapters_dir / name)
+        texts[name] = llm.generate([PROMPT], params, adapters=name)[0].text
+    return texts
+
+
+def test_operator_lifecycle(operator_env, material, offline) -> None:
+    env = operator_env
+    env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir),
+                      namespace=env.namespace)
+    apply_adapter(env, "a1", "/adapters/a1", replicas="all")
+    apply_adapter(env, "a2", "/adapters/a2")
+    apply_adapter(env, "big", "/adapters/big")  # rank 16 > maxLoraRank 8
+
+    # Loaded and serving: each adapter's output is the engine's own offline output, distinct from the base.
+    a1 = wait_phase(env, "a1", "Ready", timeout_s=120)
+    wait_phase(env, "a2", "Ready")
+    failed = wait_phase(env, "big", "Failed")
+    assert {c["type"]: c["reason"] for c in failed["status"]["conditions"]}["Ready"] == "AdapterRankTooLarge"
+    (pod, ip), = ready_engine_pods(env).items()
+    assert [r["pod"] for r in a1["status"]["replicas"]] == [pod]
+    assert complete(ip, "a1") == offline["a1"] != offline["tiny"]
+    assert complete(ip, "a2") == offline["a2"] != offline["a1"]
+    assert complete(ip, "tiny") == offline["tiny"]
+    assert "big" not in served_adapters(ip)
+
+    columns = env.cluster.kubectl("get", "loraadapters", "-n", env.namespace).stdout
+    assert columns.split("\n")[0].split() == ["NAME", "POOL", "PHASE", "READY", "DESIRED", "REVISION", "AGE"]
+    assert any(line.split()[:4] == ["a1", "pool1", "Ready", "1"] for line in columns.splitlines())
+    pools = env.cluster.kubectl("get", "lorapools", "-n", env.namespace).stdout
+    assert pools.split("\n")[0].split() == ["NAME", "MODEL", "REPLICAS", "READY", "ADAPTERS", "AGE"]
+    placement = json.loads(env.cluster.get_json("configmap", "pool1-placement", "-n", env.namespace)
+                           ["data"]["placement.json"])
+    assert placement["adapters"]["a1"] == [pod] and placement["baseModel"] == "tiny"
+
+    # A killed engine pod: its replacement gets the adapters back, status follows the new pod.
+    env.cluster.kubectl("delete", "pod", pod, "-n", env.namespace, "--wait=false")
+
+    def replaced() -> bool:
+        pods = ready_engine_pods(env)
+        if not pods or pod in pods:
+            return False
+        status = adapter(env, "a1")["status"]
+        (new_pod, new_ip), = pods.items()
+        return (status["phase"] == "Ready" and [r["pod"] for r in status["replicas"]] == [new_pod]
+                and {"a1", "a2"} <= set(served_adapters(new_ip)))
+
+    wait_for("the adapters on the replacement pod", replaced, timeout_s=120)
+    (pod, ip), = ready_engine_pods(env).items()
+    assert complete(ip, "a1") == offline["a1"]
+
+    # Scale-out: `replicas: all` lands on both pods; a2 stays on one and is registered on the other.
+    env.cluster.kubectl("scale", "lorapool/pool1", "--replicas=2", "-n", env.namespace)
+
+    def on_both() -> bool:
+        status = adapter(env, "a1")["status"]
+        return status["phase"] == "Ready" and status["readyReplicas"] == 2 and len(ready_engine_pods(env)) == 2
+
+    wait_for("a1 on both replicas", on_both, timeout_s=120)
+    pods = ready_engine_pods(env)
+    for name, pod_ip in pods.items():
+        cards = served_adapters(pod_ip)
+        assert cards["a1"]["residency"] in ("host", "device") and "a2" in cards, (name, cards)
+        assert complete(pod_ip, "a1") == offline["a1"]
+        assert complete(pod_ip, "a2") == offline["a2"]  # on demand where it is only registered
+    assert adapter(env, "a2")["status"]["desiredReplicas"] == 1
+    pool_status = env.cluster.get_json("lorapool", "pool1", "-n", env.namespace)["status"]
+    assert pool_status["readyReplicas"] == 2 and pool_status["numAdapters"] == 3
+
+    # A new source is a new revision, loaded in place; status shows it per pod.
+    old = adapter(env, "a2")["status"]
+    env.cluster.kubectl("patch", "loraadapter", "a2", "-n", env.namespace, "--type=merge",
+                        "-p", '{"spec": {"source": {"path": "/adapters/a2v2"}}}')
+
+    def new_revision() -> dict | None:
+        status = adapter(env, "a2")["status"]
+        replicas = status.get("replicas") or []
+        done = (status["revision"] != old["revision"] and status["phase"] == "Ready" and replicas
+                and all(r["revision"] == status["revision"] for r in replicas))
+        return status if done else None
+
+    status = wait_for("a2's new revision", new_revision, timeout_s=90)
+    assert status["replicas"][0]["contentRevision"] != old["replicas"][0]["contentRevision"]
+    for pod_ip in pods.values():
+        assert served_adapters(pod_ip)["a2"]["source"] == "/adapters/a2v2"
+        assert complete(pod_ip, "a2") == offline["a2v2"]
+    # The failed adapter was not retried into the others' way: they stayed Ready and serving.
+    assert adapter(env, "big")["status"]["phase"] == "Failed"
+    assert adapter(env, "a1")["status"]["phase"] == "Ready"
+
+    # Deletion unloads from every pod.
+    env.cluster.kubectl("delete", "loraadapter", "a2", "-n", env.namespace, "--timeout=60s", timeout_s=70)
+    wait_for("a2 unloaded everywhere", lambda: all("a2" not in served_adapters(i) for i in pods.values()),
+             timeout_s=60)
+    assert all("a1" in served_adapters(i) for i in pods.values())
+
+    # Deleting the pool garbage-collects what it owns.
+    env.cluster.kubectl("delete", "loraadapter", "--all", "-n", env.namespace, "--timeout=60s", timeout_s=70)
+    env.cluster.kubectl("delete", "lorapool", "pool1", "-n", env.namespace, "--timeout=60s", timeout_s=70)
+
+    def collected() -> bool:
+        left = env.cluster.kubectl("get", "deployments,services,configmaps,pods", "-n", env.namespace,
+                                   "-l", "kubelora.io/pool=pool1", "-o", "name").stdout.split()
+        return not left
+
+    wait_for("the pool's objects garbage-collected", collected, timeout_s=90)
