@@ -96,6 +96,7 @@ class PoolReconciler:
         placement = place(adapters.requests, observation.urls, pool.engine.max_cpu_loras, self._previous)
         self._previous = placement.pods_by_adapter
         await self._execute(self._plan(adapters, placement, observation), client, observation, adapters)
+        self._freeze_new_failures(adapters)
         revision = await self._publish(pool, body, observation, placement, adapters)
         await self._write_adapter_statuses(adapters, placement, observation)
         await self._write_pool_status(body, pool, observation, placement, revision, len(bodies), None)
@@ -141,6 +142,14 @@ class PoolReconciler:
             return failure
         self._permanent.pop(name, None)
         return None
+
+    def _freeze_new_failures(self, adapters: AdapterSet) -> None:
+        """Adapters the engine refused during this run report Failed now, not one run later."""
+        for name, want in list(adapters.desired.items()):
+            remembered = self._permanent.get(name)
+            if remembered is not None and remembered[0] == want.source_revision:
+                adapters.frozen[name] = remembered[1]
+                del adapters.desired[name]
 
     async def _admin_token(self, pool: PoolSpec) -> str | None:
         if pool.admin_token is None:

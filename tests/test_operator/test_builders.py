@@ -1,0 +1,99 @@
+import json
+
+from kubelora.operator import names
+from kubelora.operator.builders import (build_engine_args, build_engine_deployment, build_owner_reference,
+                                        build_placement_configmap, build_pool_manifests, build_pool_service)
+from kubelora.operator.specs import PoolSpec
+
+BODY = {"apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "generation": 1},
+        "spec": {"model": {"path": "/models/llama", "servedName": "llama"}, "replicas": 3,
+                 "modelVolume": {"claimName": "weights", "mountPath": "/models"},
+                 "adapterVolume": {"hostPath": "/srv/adapters", "mountPath": "/adapters", "readOnly": True},
+                 "engine": {"maxLoras": 8, "maxLoraRank": 32, "maxCpuLoras": 16, "maxModelLen": 4096,
+                            "device": "cuda", "dtype": "bfloat16", "extraArgs": ["--log-level", "debug"]},
+                 "resources": {"limits": {"nvidia.com/gpu": 1}},
+                 "adapterRoots": ["/adapters"], "adapterUrlHosts": ["*.example.com"],
+                 "adminTokenSecretRef": {"name": "tok", "key": "t"}}}
+
+
+def pool(**spec):
+    body = json.loads(json.dumps(BODY))
+    body["spec"].update(spec)
+    return PoolSpec.from_body(body)
+
+
+OWNER = build_owner_reference(BODY)
+
+
+def test_owner_reference_controls_for_garbage_collection():
+    assert OWNER == {"apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool", "name": "p", "uid": "u-1",
+                     "controller": True, "blockOwnerDeletion": True}
+
+
+def test_engine_args_render_every_setting():
+    args = build_engine_args(pool())
+    assert args[:2] == ["engine", "serve"]
+    flags = dict(zip(args[2::2], args[3::2]))
+    assert flags["--model"] == "/models/llama" and flags["--served-model-name"] == "llama"
+    assert (flags["--max-loras"], flags["--max-lora-rank"], flags["--max-cpu-loras"]) == ("8", "32", "16")
+    assert flags["--max-model-len"] == "4096" and flags["--dtype"] == "bfloat16" and flags["--port"] == "8000"
+    assert flags["--adapter-root"] == "/adapters" and flags["--adapter-url-host"] == "*.example.com"
+    assert args[-2:] == ["--log-level", "debug"]
+
+
+def test_engine_deployment_probes_volumes_gpu_and_token():
+    deployment = build_engine_deployment(pool(), OWNER)
+    assert deployment["metadata"]["ownerReferences"] == [OWNER]
+    assert deployment["spec"]["replicas"] == 3
+    template = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    container = template["spec"]["containers"][0]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8000}
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    token = next(e for e in container["env"] if e["name"] == "KUBELORA_ADMIN_TOKEN")
+    assert token["valueFrom"] == {"secretKeyRef": {"name": "tok", "key": "t"}}
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "weights"
+    assert volumes["adapters"]["hostPath"]["path"] == "/srv/adapters"
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/models", "/adapters"}
+
+
+def test_defaults_without_optional_fields():
+    body = {"metadata": {"name": "q", "namespace": "ns", "uid": "u"}, "spec": {"model": {"path": "/m/base/"}}}
+    spec = PoolSpec.from_body(body)
+    assert spec.served_name == "base" and spec.replicas == 1 and spec.image == "kubelora-engine:dev"
+    container = build_engine_deployment(spec, OWNER)["spec"]["template"]["spec"]["containers"][0]
+    assert "resources" not in container and "volumeMounts" not in container
+    assert not any(e["name"] == "KUBELORA_ADMIN_TOKEN" for e in container["env"])
+
+
+def test_router_objects_only_when_enabled():
+    kinds = [m["kind"] for m in build_pool_manifests(pool(), OWNER)]
+    assert kinds == ["Deployment", "Service", "Service"]
+    with_router = build_pool_manifests(pool(router={"enabled": True, "replicas": 2}), OWNER)
+    by_kind = {(m["kind"], m["metadata"]["name"]) for m in with_router}
+    assert {("Deployment", "p-router"), ("ServiceAccount", "p-router"), ("Role", "p-router"),
+            ("RoleBinding", "p-router")} <= by_kind
+    router = next(m for m in with_router if m["metadata"]["name"] == "p-router" and m["kind"] == "Deployment")
+    spec = router["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "p-router" and router["spec"]["replicas"] == 2
+    assert spec["containers"][0]["args"] == ["router", "--pool", "p", "--namespace", "ns", "--placement-configmap",
+                                             "p-placement", "--port", "8080"]
+    role = next(m for m in with_router if m["kind"] == "Role")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}]
+
+
+def test_pool_service_points_at_router_or_engines():
+    assert build_pool_service(pool(), OWNER)["spec"]["selector"][names.LABEL_COMPONENT] == "engine"
+    routed = build_pool_service(pool(router={"enabled": True}), OWNER)
+    assert routed["spec"]["selector"][names.LABEL_COMPONENT] == "router"
+    assert routed["spec"]["ports"][0]["port"] == 8080
+
+
+def test_placement_configmap_is_the_router_contract():
+    payload = {"pool": "p", "baseModel": "llama", "revision": 3, "replicas": [], "adapters": {"a": []}}
+    configmap = build_placement_configmap(pool(), OWNER, payload)
+    assert configmap["metadata"]["name"] == "p-placement"
+    assert json.loads(configmap["data"]["placement.json"]) == payload

@@ -1,0 +1,34 @@
+import pytest
+
+from kubelora.operator import cli
+from kubelora.operator.settings import OperatorSettings
+
+
+def test_flags_and_env(monkeypatch):
+    monkeypatch.setenv("KUBELORA_OPERATOR_RESYNC_S", "2.5")
+    args = cli.build_parser().parse_args(["--namespace", "a", "-n", "b", "--liveness", "8081"])
+    assert args.namespace == ["a", "b"] and args.liveness == 8081 and args.resync_seconds == 2.5
+
+
+def test_main_runs_kopf_with_the_parsed_settings(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, "run", lambda settings, namespaces, port, verbose: seen.update(
+        settings=settings, namespaces=namespaces, port=port) or 0)
+    assert cli.main(["--", "-n", "x", "--resync-seconds", "3", "--max-concurrent-calls", "2"]) == 0
+    assert seen == {"settings": OperatorSettings(resync_s=3, max_concurrent_calls=2), "namespaces": ["x"],
+                    "port": None}
+    assert cli.main(["--resync-seconds", "0"]) == 2
+
+
+def test_settings_validate_and_back_off():
+    with pytest.raises(ValueError, match="max_concurrent_calls"):
+        OperatorSettings(max_concurrent_calls=0)
+    settings = OperatorSettings(backoff_initial_s=1, backoff_max_s=5)
+    assert [settings.backoff_s(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 5]
+
+
+def test_package_imports_only_as_kubelora_operator():
+    import kubelora.operator.main  # noqa: F401  (registers the handlers without a path on sys.path)
+    import operator
+
+    assert operator.__name__ == "operator" and hasattr(operator, "itemgetter")  # the stdlib module

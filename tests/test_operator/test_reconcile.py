@@ -1,0 +1,208 @@
+"""The pool reconcile against fake engines (aiohttp servers with the engine's admin API) and a fake API server.
+
+Failure modes from DESIGN.md: a bad adapter fails alone and is not retried; transient engine errors back
+off and heal; a restarted (empty) pod and manual drift heal the same way; a deleted adapter is unloaded.
+"""
+from __future__ import annotations
+
+import copy
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kubelora.operator import reconcile as reconcile_module
+from kubelora.operator.reconcile import PoolReconciler
+from kubelora.operator.settings import OperatorSettings
+
+NS = "ns"
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.adapters: dict[str, dict] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.fail_next: dict[str, int] = {}  # adapter -> number of 503s still to answer
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/load_lora_adapter", self.load)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload)
+        return app
+
+    async def models(self, request):
+        return web.json_response({"data": [{"id": "base", "parent": None}] + list(self.adapters.values())})
+
+    async def load(self, request):
+        body = await request.json()
+        name = body["lora_name"]
+        self.calls.append(("load", name))
+        if "big" in body["lora_path"]:
+            return web.json_response({"error": {"type": "adapter_load_error", "code": "adapter_rank_too_large",
+                                                "message": "r: rank 16 exceeds max_lora_rank 8"}}, status=400)
+        if self.fail_next.get(name):
+            self.fail_next[name] -= 1
+            return web.json_response({"error": {"type": "server_error", "message": "boom"}}, status=503)
+        card = {"id": name, "parent": "base", "source": body["lora_path"], "revision": body["lora_path"][-6:],
+                "residency": "host" if body.get("preload", True) else "known", "created": 1}
+        self.adapters[name] = card
+        return web.json_response({"adapter": card, "was_loaded": False})
+
+    async def unload(self, request):
+        name = (await request.json())["lora_name"]
+        self.calls.append(("unload", name))
+        return web.json_response({"was_loaded": self.adapters.pop(name, None) is not None})
+
+
+class FakeKube:
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.pods: list[dict] = []
+        self.applied: dict[str, dict] = {}
+        self.events: list[tuple[str, str, str]] = []
+
+    async def get_custom(self, plural, namespace, name):
+        found = self.objects.get((plural, name))
+        return copy.deepcopy(found) if found else None
+
+    async def list_custom(self, plural, namespace):
+        return [copy.deepcopy(o) for (p, _), o in sorted(self.objects.items()) if p == plural]
+
+    async def list_pods(self, namespace, selector):
+        return copy.deepcopy(self.pods)
+
+    async def get(self, kind, namespace, name):
+        return copy.deepcopy(self.applied.get(name))
+
+    async def apply(self, manifest):
+        self.applied[manifest["metadata"]["name"]] = manifest
+
+    async def patch_status(self, plural, namespace, name, status):
+        if (plural, name) in self.objects:
+            self.objects[(plural, name)]["status"] = {**self.objects[(plural, name)].get("status", {}), **status}
+
+    async def read_secret_key(self, namespace, name, key):
+        return None
+
+    async def create_event(self, involved, event_type, reason, message):
+        self.events.append((involved["metadata"]["name"], event_type, reason))
+
+    def add_adapter(self, name, path, replicas=1):
+        self.objects[("loraadapters", name)] = {
+            "apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAAdapter",
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
+            "spec": {"pool": "p", "source": {"path": path}, "replicas": replicas}}
+
+    def status(self, name):
+        return self.objects[("loraadapters", name)].get("status", {})
+
+
+def pod(name: str, url: str) -> dict:
+    return {"metadata": {"name": name, "annotations": {"test-url": url}},
+            "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+@pytest.fixture
+async def world(aiohttp_server, monkeypatch):
+    monkeypatch.setattr(reconcile_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
+    engines = {}
+    kube = FakeKube()
+    kube.objects[("lorapools", "p")] = {
+        "apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
+        "metadata": {"name": "p", "namespace": NS, "uid": "uid-p", "generation": 1},
+        "spec": {"model": {"path": "/models/base"}, "adapterRoots": ["/adapters"],
+                 "engine": {"maxLoraRank": 8, "maxLoras": 2, "maxCpuLoras": 4}}}
+    for name in ("e0", "e1"):
+        engines[name] = FakeEngine()
+        server = await aiohttp_server(engines[name].app())
+        kube.pods.append(pod(name, str(server.make_url("")).rstrip("/")))
+    async with aiohttp.ClientSession() as session:
+        settings = OperatorSettings(backoff_initial_s=0.01, backoff_max_s=0.01)
+        yield kube, engines, PoolReconciler(kube, session, settings, NS, "p")
+
+
+async def test_places_preloads_registers_and_publishes(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    kube.add_adapter("b", "/adapters/b", replicas=1)
+    await reconciler.reconcile()
+    assert kube.status("a")["phase"] == "Ready" and kube.status("a")["readyReplicas"] == 2
+    assert kube.status("b")["phase"] == "Ready" and kube.status("b")["desiredReplicas"] == 1
+    residency = {e: {a: c["residency"] for a, c in engine.adapters.items()} for e, engine in engines.items()}
+    assert all(r["a"] == "host" for r in residency.values())
+    assert sorted(r["b"] for r in residency.values()) == ["host", "known"]
+    import json
+    placement = json.loads(kube.applied["p-placement"]["data"]["placement.json"])
+    assert sorted(placement["adapters"]["a"]) == ["e0", "e1"] and len(placement["adapters"]["b"]) == 1
+    pool_status = kube.objects[("lorapools", "p")]["status"]
+    assert pool_status["readyReplicas"] == 2 and pool_status["numAdapters"] == 2
+    calls = sum(len(e.calls) for e in engines.values())
+    await reconciler.reconcile()  # converged: no more calls, same placement revision
+    assert sum(len(e.calls) for e in engines.values()) == calls
+    assert json.loads(kube.applied["p-placement"]["data"]["placement.json"])["revision"] == placement["revision"]
+
+
+async def test_a_bad_adapter_fails_alone_and_is_not_retried(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("big", "/adapters/big", replicas="all")
+    kube.add_adapter("good", "/adapters/good", replicas="all")
+    await reconciler.reconcile()
+    assert kube.status("big")["phase"] == "Failed"
+    assert {c["type"]: c["reason"] for c in kube.status("big")["conditions"]}["Ready"] == "AdapterRankTooLarge"
+    assert kube.status("good")["phase"] == "Ready"
+    attempts = sum(call == ("load", "big") for e in engines.values() for call in e.calls)
+    for _ in range(3):
+        await reconciler.reconcile()
+    assert sum(call == ("load", "big") for e in engines.values() for call in e.calls) == attempts
+    assert ("big", "Warning", "LoadFailed") in kube.events
+    # A fresh reconciler (operator restart) reads the failure from the status: still no retry.
+    fresh = PoolReconciler(kube, reconciler._session, reconciler._settings, NS, "p")
+    await fresh.reconcile()
+    assert sum(call == ("load", "big") for e in engines.values() for call in e.calls) == attempts
+    # A new source is a new revision: tried again.
+    kube.objects[("loraadapters", "big")]["spec"]["source"]["path"] = "/adapters/fixed"
+    kube.objects[("loraadapters", "big")]["metadata"]["generation"] = 2
+    await fresh.reconcile()
+    assert kube.status("big")["phase"] == "Ready"
+
+
+async def test_transient_errors_back_off_and_heal(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    engines["e0"].fail_next["a"] = 2
+    await reconciler.reconcile()
+    status = kube.status("a")
+    assert status["phase"] == "Degraded" and any(r.get("lastError") for r in status["replicas"])
+    import asyncio
+    for _ in range(5):
+        await asyncio.sleep(0.02)
+        await reconciler.reconcile()
+    assert kube.status("a")["phase"] == "Ready"
+
+
+async def test_restarted_pod_drift_and_deletion_heal(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    await reconciler.reconcile()
+    engines["e1"].adapters.clear()  # the engine restarted and lost everything
+    engines["e0"].adapters["manual"] = {"id": "manual", "parent": "base", "source": "/x", "residency": "host"}
+    await reconciler.reconcile()
+    assert "a" in engines["e1"].adapters and "manual" not in engines["e0"].adapters
+    kube.objects[("loraadapters", "a")]["spec"]["source"]["path"] = "/adapters/a2"
+    await reconciler.reconcile()
+    assert all(e.adapters["a"]["source"] == "/adapters/a2" for e in engines.values())
+    assert {r["revision"] for r in kube.status("a")["replicas"]} == {kube.status("a")["revision"]}
+    del kube.objects[("loraadapters", "a")]
+    await reconciler.reconcile()
+    assert all("a" not in e.adapters for e in engines.values())
+
+
+async def test_unreachable_pod_is_skipped_not_fatal(world):
+    kube, engines, reconciler = world
+    kube.pods.append(pod("gone", "http://127.0.0.1:9"))
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    await reconciler.reconcile()
+    status = kube.status("a")
+    assert status["phase"] == "Ready" and status["desiredReplicas"] == 2
+    assert {p["name"]: p["ready"] for p in kube.objects[("lorapools", "p")]["status"]["pods"]}["gone"] is False
