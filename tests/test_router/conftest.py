@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -96,3 +98,8 @@ async def router(aiohttp_client):
         return client
 
     return start
+
+
+# The local e2e cluster (docs/cluster.md) for test_in_cluster.py; e2e/ is not on sys.path under -P.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
+from pytest_cluster import cluster  # noqa: E402,F401  (a fixture, registered by import)
