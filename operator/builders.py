@@ -148,10 +148,12 @@ def build_router_deployment(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
     labels = names.pool_labels(pool.name, "router")
     container = {
         "name": "router", "image": pool.router.image,
-        "args": ["router", "--pool", pool.name, "--namespace", pool.namespace, "--placement-configmap",
+        # "--": the top-level `kubelora` parser passes options after `router` on only behind it (docs/router.md).
+        "args": ["router", "--", "--pool", pool.name, "--namespace", pool.namespace, "--placement-configmap",
                  names.placement_configmap_name(pool.name), "--port", str(names.ROUTER_PORT)],
         "ports": [{"name": "http", "containerPort": names.ROUTER_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": names.ROUTER_PORT}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": names.ROUTER_PORT}, "periodSeconds": 10},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": names.ROUTER_PORT}, "periodSeconds": 2},
     }
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",

@@ -108,6 +108,19 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
         runtime.forget(namespace, name)
 
 
+@kopf.on.event(names.GROUP, names.VERSION, names.POOL_PLURAL)
+async def on_pool_event(body: kopf.Body, event: dict, memo: kopf.Memo, **_: Any) -> None:
+    """A deleted pool leaves its adapters Pending (PoolNotFound) instead of a stale Ready."""
+    if event.get("type") != "DELETED":
+        return
+    runtime: Runtime = memo.runtime
+    meta = body["metadata"]
+    for adapter in await runtime.kube.list_custom(names.ADAPTER_PLURAL, meta["namespace"]):
+        if (adapter.get("spec") or {}).get("pool") == meta["name"] and not adapter["metadata"].get(
+                "deletionTimestamp"):
+            await _write_pool_not_found(runtime, adapter, meta["name"])
+
+
 # ---- LoRAAdapter ----
 
 @kopf.on.event(names.GROUP, names.VERSION, names.ADAPTER_PLURAL)

@@ -6,6 +6,7 @@ reached by pod IP with the openai SDK. Every wait polls with a timeout; nothing 
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import openai
@@ -25,6 +26,7 @@ spec:
   modelVolume: {{hostPath: {models}, mountPath: /models}}
   adapterVolume: {{hostPath: {adapters}, mountPath: /adapters}}
   adapterRoots: [/adapters]
+  adminTokenSecretRef: {{name: engine-admin, key: token}}
   replicas: 1
   engine: {{device: cpu, maxLoras: 2, maxLoraRank: 8, maxCpuLoras: 4, maxModelLen: 256, maxNumSeqs: 8}}
 """
@@ -34,6 +36,7 @@ kind: LoRAAdapter
 metadata: {{name: {name}}}
 spec: {{pool: pool1, source: {{path: {path}}}, replicas: {replicas}}}
 """
+ROUTER_SELECTOR = "kubelora.io/pool=pool1,app.kubernetes.io/component=router"
 ENGINE_OPTIONS = dict(device="cpu", max_loras=2, max_lora_rank=8, max_cpu_loras=4, max_model_len=256)
 
 
@@ -51,9 +54,9 @@ def wait_phase(env, name: str, phase: str, timeout_s: float = 90) -> dict:
     return adapter(env, name)
 
 
-def ready_engine_pods(env) -> dict[str, str]:
-    """name -> pod IP of the pool's ready engine pods."""
-    pods = env.cluster.get_json("pods", "-n", env.namespace, "-l", ENGINE_SELECTOR)["items"]
+def ready_engine_pods(env, selector: str = ENGINE_SELECTOR) -> dict[str, str]:
+    """name -> pod IP of the pool's ready engine (or router) pods."""
+    pods = env.cluster.get_json("pods", "-n", env.namespace, "-l", selector)["items"]
     ready = {}
     for pod in pods:
         conditions = pod.get("status", {}).get("conditions") or []
@@ -69,8 +72,8 @@ def served_adapters(ip: str) -> dict[str, dict]:
     return {card["id"]: card for card in cards if card.get("parent")}
 
 
-def complete(ip: str, model: str) -> str:
-    client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", timeout=60, max_retries=0)
+def complete(ip: str, model: str, port: int = 8000) -> str:
+    client = openai.OpenAI(base_url=f"http://{ip}:{port}/v1", api_key="unused", timeout=60, max_retries=0)
     return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
 
 
@@ -90,6 +93,8 @@ def offline(material):
 
 def test_operator_lifecycle(operator_env, material, offline) -> None:
     env = operator_env
+    env.cluster.kubectl("create", "secret", "generic", "engine-admin", "-n", env.namespace,
+                        "--from-literal=token=e2e-admin-token")
     env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir),
                       namespace=env.namespace)
     apply_adapter(env, "a1", "/adapters/a1", replicas="all")
@@ -107,6 +112,11 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
     assert complete(ip, "a2") == offline["a2"] != offline["a1"]
     assert complete(ip, "tiny") == offline["tiny"]
     assert "big" not in served_adapters(ip)
+    unauthenticated = urllib.request.Request(f"http://{ip}:8000/v1/unload_lora_adapter", method="POST",
+                                             data=b'{"lora_name": "a1"}', headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:  # the operator's calls carry the Secret's token
+        urllib.request.urlopen(unauthenticated, timeout=10)
+    assert refused.value.code == 401
 
     columns = env.cluster.kubectl("get", "loraadapters", "-n", env.namespace).stdout
     assert columns.split("\n")[0].split() == ["NAME", "POOL", "PHASE", "READY", "DESIRED", "REVISION", "AGE"]
@@ -172,14 +182,37 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
     assert adapter(env, "big")["status"]["phase"] == "Failed"
     assert adapter(env, "a1")["status"]["phase"] == "Ready"
 
+    # The router (the other half of the data plane) routes by the published placement.
+    env.cluster.kubectl("patch", "lorapool", "pool1", "-n", env.namespace, "--type=merge",
+                        "-p", '{"spec": {"router": {"enabled": true}}}')
+    routers = wait_for("a ready router pod", lambda: ready_engine_pods(env, ROUTER_SELECTOR), timeout_s=90)
+    router_ip = next(iter(routers.values()))
+    assert complete(router_ip, "a1", port=8080) == offline["a1"]
+    assert complete(router_ip, "a2", port=8080) == offline["a2v2"]
+    assert complete(router_ip, "tiny", port=8080) == offline["tiny"]
+    env.cluster.kubectl("patch", "lorapool", "pool1", "-n", env.namespace, "--type=merge",
+                        "-p", '{"spec": {"router": {"enabled": false}}}')
+    wait_for("the router removed", lambda: not env.cluster.kubectl(
+        "get", "deployments,roles,rolebindings,serviceaccounts", "-n", env.namespace, "-l",
+        "app.kubernetes.io/component=router", "-o", "name").stdout.split(), timeout_s=60)
+
     # Deletion unloads from every pod.
     env.cluster.kubectl("delete", "loraadapter", "a2", "-n", env.namespace, "--timeout=60s", timeout_s=70)
     wait_for("a2 unloaded everywhere", lambda: all("a2" not in served_adapters(i) for i in pods.values()),
              timeout_s=60)
     assert all("a1" in served_adapters(i) for i in pods.values())
 
-    # Deleting the pool garbage-collects what it owns.
-    env.cluster.kubectl("delete", "loraadapter", "--all", "-n", env.namespace, "--timeout=60s", timeout_s=70)
+    # Scale-in: the remaining pod keeps serving, status follows.
+    env.cluster.kubectl("scale", "lorapool/pool1", "--replicas=1", "-n", env.namespace)
+
+    def scaled_in() -> bool:
+        status = adapter(env, "a1")["status"]
+        return (len(ready_engine_pods(env)) == 1 and status["phase"] == "Ready" and status["desiredReplicas"] == 1
+                and len(status["replicas"]) == 1)
+
+    wait_for("a1 on the one remaining replica", scaled_in, timeout_s=90)
+
+    # Deleting the pool garbage-collects what it owns; its adapters turn Pending and delete without hanging.
     env.cluster.kubectl("delete", "lorapool", "pool1", "-n", env.namespace, "--timeout=60s", timeout_s=70)
 
     def collected() -> bool:
@@ -188,3 +221,8 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
         return not left
 
     wait_for("the pool's objects garbage-collected", collected, timeout_s=90)
+    wait_for("a1 Pending without its pool", lambda: adapter(env, "a1")["status"]["phase"] == "Pending",
+             timeout_s=30)
+    conditions = {c["type"]: c["reason"] for c in adapter(env, "a1")["status"]["conditions"]}
+    assert conditions["Ready"] == "PoolNotFound"
+    env.cluster.kubectl("delete", "loraadapter", "--all", "-n", env.namespace, "--timeout=30s", timeout_s=40)
