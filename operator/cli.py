@@ -51,16 +51,24 @@ def _float_env(name: str, default: float) -> float:
     return float(value) if value else default
 
 
+def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
+    return OperatorSettings(resync_s=args.resync_seconds, max_concurrent_calls=args.max_concurrent_calls,
+                            engine_timeout_s=args.engine_timeout_seconds,
+                            backoff_initial_s=args.backoff_initial_seconds, backoff_max_s=args.backoff_max_seconds)
+
+
+def settings_from_env() -> OperatorSettings:
+    """For `kopf run -m kubelora.operator.main`, where no flags reach us: the environment and defaults."""
+    return settings_from_args(build_parser().parse_args([]))
+
+
 def main(argv: Sequence[str]) -> int:
     argv = list(argv)
     if argv[:1] == ["--"]:  # `kubelora operator -- --namespace x`: the separator some parsers pass through
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     try:
-        settings = OperatorSettings(resync_s=args.resync_seconds, max_concurrent_calls=args.max_concurrent_calls,
-                                    engine_timeout_s=args.engine_timeout_seconds,
-                                    backoff_initial_s=args.backoff_initial_seconds,
-                                    backoff_max_s=args.backoff_max_seconds)
+        settings = settings_from_args(args)
     except ValueError as exc:
         print(f"kubelora operator: {exc}")
         return 2

@@ -23,7 +23,7 @@ from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube, KubeError, load_connection
 from kubelora.operator.reconcile import PoolReconciler, is_pod_ready, pod_url
 from kubelora.operator.runtime import Runtime
-from kubelora.operator.settings import OperatorSettings
+from kubelora.operator.cli import settings_from_env
 from kubelora.operator.specs import InvalidSpec, PoolSpec
 
 FINALIZER = "kubelora.io/finalizer"
@@ -36,7 +36,7 @@ async def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any)
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubelora.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kubelora.io")
     settings.posting.level = logging.WARNING  # our own events describe loads; kopf's would repeat them
-    operator_settings = memo.get("operator_settings") or OperatorSettings()
+    operator_settings = memo.get("operator_settings") or settings_from_env()
     connection = await asyncio.to_thread(load_connection)
     kube_session = aiohttp.ClientSession()
     memo.runtime = Runtime(settings=operator_settings, kube=Kube(connection, kube_session),

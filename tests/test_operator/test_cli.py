@@ -32,3 +32,8 @@ def test_package_imports_only_as_kubelora_operator():
     import operator
 
     assert operator.__name__ == "operator" and hasattr(operator, "itemgetter")  # the stdlib module
+
+
+def test_settings_from_env_for_kopf_run(monkeypatch):
+    monkeypatch.setenv("KUBELORA_OPERATOR_BACKOFF_MAX_S", "7")
+    assert cli.settings_from_env() == OperatorSettings(backoff_max_s=7)
