@@ -149,7 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PASSTHROUGH = {"operator": _run_operator, "router": _run_router}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASSTHROUGH:
+        # These modules own their parsers; argparse's REMAINDER would refuse options right after the name.
+        rest = argv[1:][1:] if argv[1:2] == ["--"] else argv[1:]
+        return _PASSTHROUGH[argv[0]](argparse.Namespace(rest=rest))
     args = build_parser().parse_args(argv)
     return args.func(args)
 
