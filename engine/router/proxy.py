@@ -93,7 +93,8 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, replica
         if name.lower() not in _HOP_BY_HOP:
             response.headers.add(name, value)
     response.headers[REPLICA_HEADER] = replica.pod
-    if upstream.content_length is not None:
+    is_event_stream = upstream.content_type == "text/event-stream"
+    if upstream.content_length is not None and not is_event_stream:  # a stream stays chunked: we may add an event
         response.content_length = upstream.content_length
     await response.prepare(request)
     try:
@@ -102,7 +103,7 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, replica
     except aiohttp.ClientError as exc:
         metrics.upstream_errors.labels(replica.pod, "broken").inc()
         log_event(log, "replica_broke_answer", logging.WARNING, pod=replica.pod, error=f"{type(exc).__name__}: {exc}")
-        if upstream.content_type != "text/event-stream":
+        if not is_event_stream:
             response.force_close()  # a truncated body: the client must see the connection end, not a short reply
             if request.transport is not None:
                 request.transport.close()

@@ -28,6 +28,7 @@ class FakeEngine:
     seen: list[str] = field(default_factory=list)
     cancelled: int = 0
     status: int = 200
+    is_breaking: bool = False  # drop the connection after the first chunk (a crashed engine)
     url: str = ""
 
     def __post_init__(self) -> None:
@@ -48,8 +49,13 @@ class FakeEngine:
                                      headers={"Retry-After": "3"})
         if not body.get("stream"):
             await self.gate.wait()
+            if self.is_breaking:
+                return await self._break(request, b'{"object": "text_completion", ', "application/json")
             return web.json_response({"object": "text_completion", "model": body["model"], "engine": self.name,
                                       "choices": [{"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}]})
+        if self.is_breaking:
+            return await self._break(request, b'data: {"choices": [{"index": 0, "text": "0 "}]}\n\n',
+                                     "text/event-stream")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
@@ -62,6 +68,14 @@ class FakeEngine:
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled += 1
             raise
+        return response
+
+    async def _break(self, request: web.Request, first: bytes, content_type: str) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": content_type})
+        response.content_length = 1000  # promised, never delivered
+        await response.prepare(request)
+        await response.write(first)
+        request.transport.close()
         return response
 
 

@@ -6,11 +6,16 @@ import asyncio
 import json
 import socket
 
+import aiohttp
+import pytest
+
 from kubelora.engine.router.hashring import HashRing
 from kubelora.engine.router.placement import parse_placement
 from kubelora.engine.router.proxy import REPLICA_HEADER
 
 from .conftest import placement_text
+
+pytestmark = pytest.mark.timeout(60)  # a relay bug shows as a hang: fail fast instead
 
 
 def completion(model: str, stream: bool = False) -> dict:
@@ -132,6 +137,29 @@ async def test_unreachable_replica_is_retried_on_the_next(engines, router):
     client.state.store.set(parse_placement(text))
     response = await client.post("/v1/completions", json=completion("base"))
     assert response.status == 502 and (await response.json())["error"]["code"] == "replica_unreachable"
+
+
+async def test_replica_breaking_mid_stream_ends_the_stream_with_an_error_event(engines, router):
+    engines[0].is_breaking = True
+    client = await router(placement_text(engines, ready=["p0"]))
+    response = await client.post("/v1/completions", json=completion("base", stream=True))
+    assert response.status == 200
+    events = (await response.read()).decode().strip().split("\n\n")
+    assert json.loads(events[0][len("data: "):])["choices"][0]["text"] == "0 "
+    error = json.loads(events[1][len("data: "):])["error"]
+    assert error["type"] == "upstream_error" and error["code"] == "replica_broke_stream"
+    assert events[2] == "data: [DONE]"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kubelora_router_upstream_errors_total{kind="broken",pod="p0"} 1.0' in metrics
+
+
+async def test_replica_breaking_a_json_answer_breaks_the_client_connection(engines, router):
+    engines[0].is_breaking = True
+    client = await router(placement_text(engines, ready=["p0"]))
+    response = await client.post("/v1/completions", json=completion("base"))
+    with pytest.raises(aiohttp.ClientPayloadError):  # never a short body that looks complete
+        await response.read()
+    assert (await client.get("/health")).status == 200
 
 
 async def test_replica_errors_pass_through(engines, router):
