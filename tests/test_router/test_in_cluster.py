@@ -114,3 +114,31 @@ def test_router_pod_reads_its_configmap_and_routes_by_pod_ip(cluster):
         assert not [e for e in events if e["event"] == "placement_read_failed"]  # get on one name was enough
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--timeout=90s", check=False)
+
+
+def test_configmap_source_with_a_kubeconfig(cluster):
+    """The out-of-cluster path (--kubeconfig): missing ConfigMap, then created, unchanged, updated, broken."""
+    from kubelora.engine.router.sources import ConfigMapSource, PlacementStore
+
+    namespace = f"klr-router-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    try:
+        store = PlacementStore()
+        source = ConfigMapSource(namespace, "demo-placement", str(cluster.kubeconfig), poll_interval=1.0)
+        source.poll(store)
+        source.poll(store)
+        assert store.placement is None and store.num_errors == 1  # 404, logged once
+        cluster.apply(json.dumps(_placement_configmap(namespace, "10.0.0.1", {"a": []}, 1)))
+        source.poll(store)
+        source.poll(store)
+        assert store.placement.revision == 1 and store.num_updates == 1  # same resourceVersion: no re-parse
+        cluster.apply(json.dumps(_placement_configmap(namespace, "10.0.0.1", {"a": [], "b": []}, 2)))
+        source.poll(store)
+        assert store.placement.revision == 2 and sorted(store.placement.adapters) == ["a", "b"]
+        broken = _placement_configmap(namespace, "10.0.0.1", {}, 3)
+        broken["data"]["placement.json"] = "{"
+        cluster.apply(json.dumps(broken))
+        source.poll(store)
+        assert store.placement.revision == 2 and store.num_errors == 2  # the last good placement stays
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--timeout=90s", check=False)

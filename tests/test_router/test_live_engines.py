@@ -163,14 +163,15 @@ async def test_requests_follow_the_placement_and_match_the_engines(pool):
 async def test_placement_change_under_traffic_moves_the_adapter_without_errors(pool):
     engines, router = pool["engines"], pool["router"]
     client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="x", max_retries=0, timeout=120)
-    served: list[tuple[float, str]] = []
+    served: list[tuple[float, str]] = []  # (request start, pod that answered)
     stop = asyncio.Event()
 
     async def traffic(stream: bool) -> None:
         while not stop.is_set():
+            started = time.monotonic()  # the router picks the replica when the request arrives
             text, pod = await _complete(client, "a0", stream)
             assert text
-            served.append((time.monotonic(), pod))
+            served.append((started, pod))
 
     workers = [asyncio.create_task(traffic(stream)) for stream in (True, False, True)]
     await asyncio.sleep(1.0)
