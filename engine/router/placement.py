@@ -11,9 +11,9 @@ router keeps serving the previous placement when a new one does not parse.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from collections.abc import Mapping
 
 PLACEMENT_KEY = "placement.json"
 

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from kubelora.engine.router.metrics import RouterMetrics
 from kubelora.engine.router.placement import Replica
@@ -77,8 +78,8 @@ async def forward(request: web.Request, body: bytes, route: Route, session: aioh
     raise AssertionError("route without candidates")  # routing.route never returns one
 
 
-def _upstream_headers(request: web.Request) -> dict[str, str]:
-    headers = {name: value for name, value in request.headers.items() if name.lower() not in _HOP_BY_HOP}
+def _upstream_headers(request: web.Request) -> CIMultiDict[str]:
+    headers = CIMultiDict((name, value) for name, value in request.headers.items() if name.lower() not in _HOP_BY_HOP)
     headers.setdefault("Accept-Encoding", "identity")  # relay bytes as the replica sends them
     forwarded = request.headers.get("X-Forwarded-For")
     peer = request.remote or ""

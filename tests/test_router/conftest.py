@@ -26,6 +26,7 @@ class FakeEngine:
     name: str
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     seen: list[str] = field(default_factory=list)
+    headers: list = field(default_factory=list)  # request headers, one CIMultiDictProxy per request
     cancelled: int = 0
     status: int = 200
     is_breaking: bool = False  # drop the connection after the first chunk (a crashed engine)
@@ -43,6 +44,7 @@ class FakeEngine:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(body["model"])
+        self.headers.append(request.headers)
         if self.status != 200:
             return web.json_response({"error": {"message": "busy", "type": "rate_limit_error", "param": None,
                                                 "code": "queue_full"}}, status=self.status,

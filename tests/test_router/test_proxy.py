@@ -162,6 +162,16 @@ async def test_replica_breaking_a_json_answer_breaks_the_client_connection(engin
     assert (await client.get("/health")).status == 200
 
 
+async def test_request_headers_are_forwarded_once(engines, router):
+    client = await router(placement_text(engines, ready=["p0"]))
+    await client.post("/v1/completions", json=completion("base"),
+                      headers={"authorization": "Bearer t", "accept-encoding": "gzip", "X-Request-Id": "r1"})
+    [headers] = engines[0].headers
+    assert headers.getall("Authorization") == ["Bearer t"] and headers.getall("Accept-Encoding") == ["gzip"]
+    assert headers["X-Request-Id"] == "r1" and headers["X-Forwarded-For"] == "127.0.0.1"
+    assert headers["Host"] == engines[0].url.removeprefix("http://")  # the replica's, not the router's
+
+
 async def test_replica_errors_pass_through(engines, router):
     engines[0].status = 429
     client = await router(placement_text(engines, ready=["p0"]))
