@@ -6,6 +6,9 @@ reached by pod IP with the openai SDK. Every wait polls with a timeout; nothing 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import urllib.error
 import urllib.request
 
@@ -36,6 +39,7 @@ kind: LoRAAdapter
 metadata: {{name: {name}}}
 spec: {{pool: pool1, source: {{path: {path}}}, replicas: {replicas}}}
 """
+ADMIN_TOKEN = "e2e-admin-token"
 ROUTER_SELECTOR = "kubelora.io/pool=pool1,app.kubernetes.io/component=router"
 ENGINE_OPTIONS = dict(device="cpu", max_loras=2, max_lora_rank=8, max_cpu_loras=4, max_model_len=256)
 
@@ -72,6 +76,14 @@ def served_adapters(ip: str) -> dict[str, dict]:
     return {card["id"]: card for card in cards if card.get("parent")}
 
 
+def admin_call(ip: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://{ip}:8000{path}", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {ADMIN_TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
 def complete(ip: str, model: str, port: int = 8000) -> str:
     client = openai.OpenAI(base_url=f"http://{ip}:{port}/v1", api_key="unused", timeout=60, max_retries=0)
     return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
@@ -91,10 +103,23 @@ def offline(material):
     return texts
 
 
+class Steps:
+    """Prints each step's wall time (shown with -s or on failure): the scenario's budget is a few minutes."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        print(f"[operator-e2e] {now - self.started:6.1f}s (+{now - self.last:5.1f}s) {name}", flush=True)
+        self.last = now
+
+
 def test_operator_lifecycle(operator_env, material, offline) -> None:
     env = operator_env
+    step = Steps()
     env.cluster.kubectl("create", "secret", "generic", "engine-admin", "-n", env.namespace,
-                        "--from-literal=token=e2e-admin-token")
+                        f"--from-literal=token={ADMIN_TOKEN}")
     env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir),
                       namespace=env.namespace)
     apply_adapter(env, "a1", "/adapters/a1", replicas="all")
@@ -102,10 +127,13 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
     apply_adapter(env, "big", "/adapters/big")  # rank 16 > maxLoraRank 8
 
     # Loaded and serving: each adapter's output is the engine's own offline output, distinct from the base.
+    step("load and serve")
     a1 = wait_phase(env, "a1", "Ready", timeout_s=120)
+    step("a1 ready")
     wait_phase(env, "a2", "Ready")
     failed = wait_phase(env, "big", "Failed")
     assert {c["type"]: c["reason"] for c in failed["status"]["conditions"]}["Ready"] == "AdapterRankTooLarge"
+    step("big failed")
     (pod, ip), = ready_engine_pods(env).items()
     assert [r["pod"] for r in a1["status"]["replicas"]] == [pod]
     assert complete(ip, "a1") == offline["a1"] != offline["tiny"]
@@ -127,7 +155,32 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
                            ["data"]["placement.json"])
     assert placement["adapters"]["a1"] == [pod] and placement["baseModel"] == "tiny"
 
+    scale = json.loads(env.cluster.kubectl("get", "--raw", f"/apis/kubelora.io/v1alpha1/namespaces/{env.namespace}"
+                                           "/lorapools/pool1/scale").stdout)
+    assert scale["spec"]["replicas"] == 1 and "kubelora.io/pool=pool1" in scale["status"]["selector"]
+
+    # Manual drift heals: a hand-loaded adapter is unloaded, a hand-unloaded one comes back.
+    step("manual drift")
+    admin_call(ip, "/v1/load_lora_adapter", {"lora_name": "rogue", "lora_path": "/adapters/a1"})
+    admin_call(ip, "/v1/unload_lora_adapter", {"lora_name": "a2"})
+    wait_for("drift healed", lambda: {"a1", "a2"} <= set(served_adapters(ip)) and "rogue" not in served_adapters(ip),
+             timeout_s=60)
+
+    # An engine crash (the kubelet restarts the container in the same pod): the empty engine is refilled.
+    step("engine crash")
+    pod_json = env.cluster.get_json("pod", pod, "-n", env.namespace)
+    os.kill(env.cluster.container_pid(pod_json["metadata"]["uid"], "engine"), signal.SIGKILL)
+
+    def refilled() -> bool:
+        status = env.cluster.get_json("pod", pod, "-n", env.namespace)["status"]
+        restarted = status["containerStatuses"][0]["restartCount"] >= 1 and pod in ready_engine_pods(env)
+        return restarted and {"a1", "a2"} <= set(served_adapters(ip)) and adapter(env, "a1")["status"]["phase"] == "Ready"
+
+    wait_for("the restarted engine refilled", refilled, timeout_s=120)
+    assert complete(ip, "a2") == offline["a2"]
+
     # A killed engine pod: its replacement gets the adapters back, status follows the new pod.
+    step("pod deleted")
     env.cluster.kubectl("delete", "pod", pod, "-n", env.namespace, "--wait=false")
 
     def replaced() -> bool:
@@ -144,6 +197,7 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
     assert complete(ip, "a1") == offline["a1"]
 
     # Scale-out: `replicas: all` lands on both pods; a2 stays on one and is registered on the other.
+    step("scale out")
     env.cluster.kubectl("scale", "lorapool/pool1", "--replicas=2", "-n", env.namespace)
 
     def on_both() -> bool:
@@ -161,7 +215,13 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
     pool_status = env.cluster.get_json("lorapool", "pool1", "-n", env.namespace)["status"]
     assert pool_status["readyReplicas"] == 2 and pool_status["numAdapters"] == 3
 
+    # The operator restarts: it picks up where it was (no retry of the failed adapter, see the end).
+    step("operator restart")
+    env.cluster.kubectl("delete", "pod", "-n", env.operator_namespace, "-l", "app.kubernetes.io/name=kubelora-operator",
+                        "--wait=false")
+
     # A new source is a new revision, loaded in place; status shows it per pod.
+    step("new revision")
     old = adapter(env, "a2")["status"]
     env.cluster.kubectl("patch", "loraadapter", "a2", "-n", env.namespace, "--type=merge",
                         "-p", '{"spec": {"source": {"path": "/adapters/a2v2"}}}')
@@ -178,15 +238,21 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
     for pod_ip in pods.values():
         assert served_adapters(pod_ip)["a2"]["source"] == "/adapters/a2v2"
         assert complete(pod_ip, "a2") == offline["a2v2"]
-    # The failed adapter was not retried into the others' way: they stayed Ready and serving.
+    # The failed adapter was not retried (not even by the restarted operator): the others stayed Ready.
+    step("failed adapter")
     assert adapter(env, "big")["status"]["phase"] == "Failed"
+    events = env.cluster.get_json("events", "-n", env.namespace, "--field-selector",
+                                  "involvedObject.name=big,reason=LoadFailed")["items"]
+    assert len(events) == 1 and events[0].get("count", 1) == 1
     assert adapter(env, "a1")["status"]["phase"] == "Ready"
 
     # The router (the other half of the data plane) routes by the published placement.
+    step("router")
     env.cluster.kubectl("patch", "lorapool", "pool1", "-n", env.namespace, "--type=merge",
                         "-p", '{"spec": {"router": {"enabled": true}}}')
     routers = wait_for("a ready router pod", lambda: ready_engine_pods(env, ROUTER_SELECTOR), timeout_s=90)
     router_ip = next(iter(routers.values()))
+    step("router ready")
     assert complete(router_ip, "a1", port=8080) == offline["a1"]
     assert complete(router_ip, "a2", port=8080) == offline["a2v2"]
     assert complete(router_ip, "tiny", port=8080) == offline["tiny"]
@@ -197,12 +263,14 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
         "app.kubernetes.io/component=router", "-o", "name").stdout.split(), timeout_s=60)
 
     # Deletion unloads from every pod.
+    step("adapter deleted")
     env.cluster.kubectl("delete", "loraadapter", "a2", "-n", env.namespace, "--timeout=60s", timeout_s=70)
     wait_for("a2 unloaded everywhere", lambda: all("a2" not in served_adapters(i) for i in pods.values()),
              timeout_s=60)
     assert all("a1" in served_adapters(i) for i in pods.values())
 
     # Scale-in: the remaining pod keeps serving, status follows.
+    step("scale in")
     env.cluster.kubectl("scale", "lorapool/pool1", "--replicas=1", "-n", env.namespace)
 
     def scaled_in() -> bool:
@@ -213,6 +281,7 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
     wait_for("a1 on the one remaining replica", scaled_in, timeout_s=90)
 
     # Deleting the pool garbage-collects what it owns; its adapters turn Pending and delete without hanging.
+    step("pool deleted")
     env.cluster.kubectl("delete", "lorapool", "pool1", "-n", env.namespace, "--timeout=60s", timeout_s=70)
 
     def collected() -> bool:
@@ -226,3 +295,4 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
     conditions = {c["type"]: c["reason"] for c in adapter(env, "a1")["status"]["conditions"]}
     assert conditions["Ready"] == "PoolNotFound"
     env.cluster.kubectl("delete", "loraadapter", "--all", "-n", env.namespace, "--timeout=30s", timeout_s=40)
+    step("done")
