@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from .conftest import CHART, CI_VALUES
+from .conftest import CHART, CI_VALUES, KUBE_VERSION
 
 CI = {p.stem: p for p in CI_VALUES}
 NS = "kubelora-system"
@@ -123,3 +125,14 @@ def test_every_object_is_labelled_by_the_release(render, name):
         labels = manifest["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == "rel" and labels["app.kubernetes.io/managed-by"] == "Helm", \
             (kind, obj)
+
+
+@pytest.mark.parametrize("bad, field", [("operator.livenessPort=http", "livenessPort"),
+                                        ("watchNamespaces={Team_A}", "watchNamespaces"),
+                                        ("operator.maxConcurrentCalls=0", "maxConcurrentCalls"),
+                                        ("metrics.serviceMonitor.interval=often", "interval"),
+                                        ("operater.verbose=true", "operater")])
+def test_values_schema_refuses_bad_values(helm, bad, field):
+    result = subprocess.run([helm, "template", "rel", str(CHART), "--kube-version", KUBE_VERSION, "--set", bad],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and field in result.stderr, result.stderr
