@@ -6,10 +6,14 @@ written to a temporary directory that engine pods mount as hostPath volumes.
 """
 from __future__ import annotations
 
+import functools
+import http.server
 import string
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +46,28 @@ def material(tmp_path_factory: pytest.TempPathFactory) -> Material:
     for name, rank, seed in (("a1", 4, 1), ("a2", 8, 2), ("a2v2", 8, 22), ("big", 16, 3)):
         make_adapter(adapters / name, model_dir, rank=rank, seed=seed)
     return Material(root=root, model_dir=model_dir, adapters_dir=adapters)
+
+
+@pytest.fixture(scope="module")
+def adapter_server(cluster: LocalCluster, material: Material) -> Iterator[str]:
+    """An HTTP server on the host serving the adapters directory; pods reach the host at the bridge address
+    (the API server's address in the kubeconfig). Yields `host:port`."""
+    host = next(urlsplit(line.split()[-1]).hostname for line in cluster.kubeconfig.read_text().splitlines()
+                if line.strip().startswith("server:"))
+    handler = functools.partial(QuietHandler, directory=str(material.adapters_dir))
+    server = http.server.ThreadingHTTPServer(("0.0.0.0", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"{host}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
+        pass
 
 
 @dataclass(frozen=True)

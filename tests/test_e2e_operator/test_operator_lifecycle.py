@@ -5,6 +5,7 @@ reached by pod IP with the openai SDK. Every wait polls with a timeout; nothing 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -29,9 +30,16 @@ spec:
   modelVolume: {{hostPath: {models}, mountPath: /models}}
   adapterVolume: {{hostPath: {adapters}, mountPath: /adapters}}
   adapterRoots: [/adapters]
+  adapterUrlHosts: ["{url_host}"]
   adminTokenSecretRef: {{name: engine-admin, key: token}}
   replicas: 1
   engine: {{device: cpu, maxLoras: 2, maxLoraRank: 8, maxCpuLoras: 4, maxModelLen: 256, maxNumSeqs: 8}}
+"""
+URL_ADAPTER = """
+apiVersion: kubelora.io/v1alpha1
+kind: LoRAAdapter
+metadata: {{name: {name}}}
+spec: {{pool: pool1, source: {{url: "{url}", sha256: "{sha256}"}}}}
 """
 ADAPTER = """
 apiVersion: kubelora.io/v1alpha1
@@ -115,16 +123,20 @@ class Steps:
         self.last = now
 
 
-def test_operator_lifecycle(operator_env, material, offline) -> None:
+def test_operator_lifecycle(operator_env, material, offline, adapter_server) -> None:
     env = operator_env
     step = Steps()
     env.cluster.kubectl("create", "secret", "generic", "engine-admin", "-n", env.namespace,
                         f"--from-literal=token={ADMIN_TOKEN}")
-    env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir),
-                      namespace=env.namespace)
+    env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir,
+                                  url_host=adapter_server.split(":")[0]), namespace=env.namespace)
     apply_adapter(env, "a1", "/adapters/a1", replicas="all")
     apply_adapter(env, "a2", "/adapters/a2")
     apply_adapter(env, "big", "/adapters/big")  # rank 16 > maxLoraRank 8
+    digest = hashlib.sha256((material.adapters_dir / "a1" / "adapter_model.safetensors").read_bytes()).hexdigest()
+    for name, path, sha256 in (("remote", "a1", digest), ("badsha", "a2", "0" * 64)):
+        env.cluster.apply(URL_ADAPTER.format(name=name, url=f"http://{adapter_server}/{path}", sha256=sha256),
+                          namespace=env.namespace)
 
     # Loaded and serving: each adapter's output is the engine's own offline output, distinct from the base.
     step("load and serve")
@@ -134,11 +146,16 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
     failed = wait_phase(env, "big", "Failed")
     assert {c["type"]: c["reason"] for c in failed["status"]["conditions"]}["Ready"] == "AdapterRankTooLarge"
     step("big failed")
+    wait_phase(env, "remote", "Ready")
+    badsha = wait_phase(env, "badsha", "Failed")
+    assert {c["type"]: c["reason"] for c in badsha["status"]["conditions"]}["Ready"] == "Sha256Mismatch"
+    step("url adapters")
     (pod, ip), = ready_engine_pods(env).items()
     assert [r["pod"] for r in a1["status"]["replicas"]] == [pod]
     assert complete(ip, "a1") == offline["a1"] != offline["tiny"]
     assert complete(ip, "a2") == offline["a2"] != offline["a1"]
     assert complete(ip, "tiny") == offline["tiny"]
+    assert complete(ip, "remote") == offline["a1"]  # downloaded over HTTP, sha256 checked
     assert "big" not in served_adapters(ip)
     unauthenticated = urllib.request.Request(f"http://{ip}:8000/v1/unload_lora_adapter", method="POST",
                                              data=b'{"lora_name": "a1"}', headers={"Content-Type": "application/json"})
@@ -213,7 +230,7 @@ def test_operator_lifecycle(operator_env, material, offline) -> None:
         assert complete(pod_ip, "a2") == offline["a2"]  # on demand where it is only registered
     assert adapter(env, "a2")["status"]["desiredReplicas"] == 1
     pool_status = env.cluster.get_json("lorapool", "pool1", "-n", env.namespace)["status"]
-    assert pool_status["readyReplicas"] == 2 and pool_status["numAdapters"] == 3
+    assert pool_status["readyReplicas"] == 2 and pool_status["numAdapters"] == 5
 
     # The operator restarts: it picks up where it was (no retry of the failed adapter, see the end).
     step("operator restart")
