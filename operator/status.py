@@ -93,10 +93,16 @@ def _phase_and_conditions(generation: int, wanted: int, num_ready: int, failure:
     if wanted > 0 and num_ready >= wanted:
         return Phase.READY, [valid, cond("Loaded", True, "AllReplicasLoaded", progress),
                              cond("Ready", True, "AllReplicasLoaded", progress)]
+    # Every placed copy loaded, but placement found room for fewer than wanted (engine.maxCpuLoras per pod).
+    is_short = len(replicas) < wanted and num_ready == len(replicas)
+    if is_short:
+        progress += f"; only {len(replicas)} replicas have room (engine.maxCpuLoras)"
     if num_ready == 0:
-        return Phase.LOADING, [valid, cond("Loaded", False, "Loading", progress),
-                               cond("Ready", False, "Loading", progress)]
-    return Phase.DEGRADED, [valid, cond("Loaded", False, "SomeReplicasLoaded", progress),
+        return Phase.LOADING, [valid, cond("Loaded", False, "InsufficientCapacity" if is_short else "Loading",
+                                           progress),
+                               cond("Ready", False, "InsufficientCapacity" if is_short else "Loading", progress)]
+    reason = "InsufficientCapacity" if is_short else "SomeReplicasLoaded"
+    return Phase.DEGRADED, [valid, cond("Loaded", False, reason, progress),
                             cond("Ready", True, "SomeReplicasLoaded", progress)]
 
 

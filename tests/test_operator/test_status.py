@@ -26,7 +26,9 @@ def test_phases_follow_loaded_copies():
 
 def test_capacity_shortage_is_degraded_not_ready():
     status = build_adapter_status(generation=1, revision="r", wanted=3, replicas=replicas(LOADED, LOADED))
-    assert status["phase"] == "Degraded"
+    assert status["phase"] == "Degraded" and reasons(status)["Loaded"] == ("False", "InsufficientCapacity")
+    nowhere = build_adapter_status(generation=1, revision="r", wanted=1, replicas=[])
+    assert nowhere["phase"] == "Loading" and reasons(nowhere)["Ready"] == ("False", "InsufficientCapacity")
 
 
 def test_failed_and_pending():
