@@ -1,0 +1,114 @@
+"""The kopf handlers' own logic with a fake runtime (no cluster): deletion never hangs, bad pools are permanent."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import kopf
+import pytest
+
+from kubelora.operator import handlers
+from kubelora.operator.kube import KubeError
+from kubelora.operator.runtime import Runtime
+from kubelora.operator.settings import OperatorSettings
+
+LOG = logging.getLogger("test")
+
+
+class FakeKube:
+    def __init__(self, pods=(), fail_apply=False):
+        self.pods, self.fail_apply = list(pods), fail_apply
+        self.applied, self.deleted, self.statuses = [], [], []
+
+    async def list_pods(self, namespace, selector):
+        return self.pods
+
+    async def get_custom(self, plural, namespace, name):
+        return None
+
+    async def apply(self, manifest):
+        if self.fail_apply:
+            raise KubeError(500, "etcd is sad")
+        self.applied.append((manifest["kind"], manifest["metadata"]["name"]))
+
+    async def delete(self, kind, namespace, name):
+        self.deleted.append((kind, name))
+        return False
+
+    async def patch_status(self, plural, namespace, name, status):
+        self.statuses.append((plural, name, status))
+
+
+@pytest.fixture
+async def runtime_for():
+    sessions = []
+
+    def make(kube):
+        session = aiohttp.ClientSession()
+        sessions.append(session)
+        return Runtime(settings=OperatorSettings(), kube=kube, kube_session=session, engine_session=session)
+
+    yield make
+    for session in sessions:
+        await session.close()
+
+
+def pool_body(**spec):
+    return {"apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u", "generation": 4},
+            "spec": {"model": {"path": "/m/x"}, **spec}}
+
+
+async def test_pool_objects_applied_router_removed_and_daemon_triggered(runtime_for):
+    kube = FakeKube()
+    runtime = runtime_for(kube)
+    wake = runtime.trigger_for("ns", "p")
+    await handlers.on_pool_spec(body=pool_body(), memo=kopf.Memo(runtime=runtime), logger=LOG)
+    assert kube.applied == [("Deployment", "p-engine"), ("Service", "p-engine"), ("Service", "p")]
+    assert ("Deployment", "p-router") in kube.deleted and wake.is_set()
+
+
+async def test_invalid_pool_is_permanent_and_transient_failures_retry(runtime_for):
+    kube = FakeKube()
+    with pytest.raises(kopf.PermanentError):
+        await handlers.on_pool_spec(body=pool_body(engine={"maxLoras": 8, "maxCpuLoras": 2}),
+                                    memo=kopf.Memo(runtime=runtime_for(kube)), logger=LOG)
+    (_, _, status), = kube.statuses
+    assert status["conditions"][0]["reason"] == "InvalidSpec" and status["observedGeneration"] == 4
+    with pytest.raises(kopf.TemporaryError):
+        await handlers.on_pool_spec(body=pool_body(), memo=kopf.Memo(runtime=runtime_for(FakeKube(fail_apply=True))),
+                                    logger=LOG)
+
+
+async def test_adapter_delete_never_hangs_on_unreachable_pods(runtime_for, monkeypatch):
+    monkeypatch.setattr(handlers, "UNLOAD_ON_DELETE_TIMEOUT_S", 0.5)
+    unreachable = {"metadata": {"name": "e0"}, "status": {"podIP": "192.0.2.1", "conditions": [
+        {"type": "Ready", "status": "True"}]}}
+    body = {"metadata": {"name": "a", "namespace": "ns"}, "spec": {"pool": "p"}}
+    started = time.monotonic()
+    await asyncio.wait_for(handlers.on_adapter_delete(body=body, memo=kopf.Memo(runtime=runtime_for(
+        FakeKube([unreachable]))), logger=LOG), timeout=10)
+    assert time.monotonic() - started < 5
+
+
+async def test_adapter_events_trigger_only_on_spec_changes(runtime_for):
+    runtime = runtime_for(FakeKube())
+    wake = runtime.trigger_for("ns", "p")
+    settled = {"metadata": {"name": "a", "namespace": "ns", "generation": 2}, "spec": {"pool": "p"},
+               "status": {"observedGeneration": 2}}
+    await handlers.on_adapter_event(body=settled, event={"type": "MODIFIED"}, memo=kopf.Memo(runtime=runtime))
+    assert not wake.is_set()
+    changed = {**settled, "metadata": {**settled["metadata"], "generation": 3}}
+    await handlers.on_adapter_event(body=changed, event={"type": "MODIFIED"}, memo=kopf.Memo(runtime=runtime))
+    assert wake.is_set()
+
+
+async def test_adapter_of_a_missing_pool_is_pending(runtime_for):
+    kube = FakeKube()
+    body = {"metadata": {"name": "a", "namespace": "ns", "generation": 1}, "spec": {"pool": "nope"}}
+    await handlers.on_adapter_event(body=body, event={"type": "ADDED"}, memo=kopf.Memo(runtime=runtime_for(kube)))
+    (plural, name, status), = kube.statuses
+    assert (plural, name, status["phase"]) == ("loraadapters", "a", "Pending")
+    assert status["conditions"][-1]["reason"] == "PoolNotFound"
