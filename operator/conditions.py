@@ -30,3 +30,13 @@ def merge_conditions(old: Iterable[dict] | None, new: Iterable[dict], now: str |
 def without_times(conditions: Iterable[dict] | None) -> list[dict]:
     """For change detection: conditions minus lastTransitionTime."""
     return [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in conditions or ()]
+
+
+def build_status_patch(old: dict | None, new: dict, now: str | None = None) -> dict | None:
+    """`new` with merged conditions, or None when it says nothing `old` does not (no write, no event)."""
+    old = old or {}
+    comparable_new = {**new, "conditions": without_times(new.get("conditions"))}
+    comparable_old = {key: old.get(key) for key in new} | {"conditions": without_times(old.get("conditions"))}
+    if comparable_new == comparable_old:
+        return None
+    return {**new, "conditions": merge_conditions(old.get("conditions"), new.get("conditions") or (), now)}

@@ -21,7 +21,8 @@ from kubelora.operator.builders import build_owner_reference, build_pool_manifes
 from kubelora.operator.conditions import make_condition, merge_conditions
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube, KubeError, load_connection
-from kubelora.operator.reconcile import PoolReconciler, is_pod_ready, pod_url
+from kubelora.operator.observe import is_pod_ready, pod_url
+from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.cli import settings_from_env
 from kubelora.operator.specs import InvalidSpec, PoolSpec

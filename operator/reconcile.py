@@ -18,9 +18,10 @@ import aiohttp
 
 from kubelora.operator import names
 from kubelora.operator.builders import build_owner_reference, build_placement_configmap
-from kubelora.operator.conditions import merge_conditions, without_times
+from kubelora.operator.conditions import build_status_patch
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube
+from kubelora.operator.observe import Observation, observe_pool
 from kubelora.operator.placement import Placement, PlacementRequest, place
 from kubelora.operator.plan import Action, DesiredAdapter, Load, ObservedAdapter, Unload, is_current, plan_pod
 from kubelora.operator.settings import OperatorSettings
@@ -30,24 +31,6 @@ from kubelora.operator.status import (Failure, ReplicaState, ReplicaStatus, buil
 from kubelora.operator.validation import validate_adapter
 
 log = logging.getLogger("kubelora.operator")
-
-
-def is_pod_ready(pod: dict) -> bool:
-    if pod["metadata"].get("deletionTimestamp") or not (pod.get("status") or {}).get("podIP"):
-        return False
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
-def pod_url(pod: dict) -> str:
-    return f"http://{pod['status']['podIP']}:{names.ENGINE_PORT}"
-
-
-@dataclass
-class Observation:
-    pods: list[dict]  # engine pods not being deleted
-    urls: dict[str, str] = field(default_factory=dict)  # ready pods that answered GET /v1/models
-    adapters: dict[str, dict[str, ObservedAdapter]] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,24 +144,9 @@ class PoolReconciler:
         return token
 
     async def _observe(self, client: EngineClient) -> Observation:
-        selector = names.selector_string(names.engine_selector(self.name))
-        pods = [p for p in await self._kube.list_pods(self.namespace, selector)
-                if not p["metadata"].get("deletionTimestamp")]
-        observation = Observation(pods=pods)
-        ready = [p for p in pods if is_pod_ready(p)]
-        results = await asyncio.gather(*(client.list_adapters(pod_url(p)) for p in ready), return_exceptions=True)
-        for pod, result in zip(ready, results):
-            if isinstance(result, EngineError):
-                log.info("pool %s/%s: pod %s not observed: %s", self.namespace, self.name,
-                         pod["metadata"]["name"], result)
-                continue
-            if isinstance(result, BaseException):
-                raise result
-            observation.urls[pod["metadata"]["name"]] = pod_url(pod)
-            observation.adapters[pod["metadata"]["name"]] = result
-        live = set(observation.urls)
-        self._served = {k: v for k, v in self._served.items() if k[0] in live or k[0] in {
-            p["metadata"]["name"] for p in pods}}
+        observation = await observe_pool(self._kube, client, self.namespace, self.name)
+        known = {p["metadata"]["name"] for p in observation.pods}
+        self._served = {k: v for k, v in self._served.items() if k[0] in known}
         return observation
 
     async def _load_previous_placement(self) -> None:
@@ -278,9 +246,8 @@ class PoolReconciler:
                 for name, want in adapters.desired.items()}
         held.update({name: self._holders(name, sorted(observation.adapters), observation, None)
                      for name in adapters.frozen})
-        replicas = [{"pod": p["metadata"]["name"], "url": pod_url(p) if p["status"].get("podIP") else None,
-                     "ready": p["metadata"]["name"] in observation.urls} for p in observation.pods
-                    if (p.get("status") or {}).get("podIP")]
+        replicas = [{"pod": pod, "url": url, "ready": pod in observation.urls}
+                    for pod, url in observation.all_urls.items()]
         payload = {"pool": self.name, "baseModel": pool.served_name, "replicas": sorted(replicas,
                    key=lambda r: r["pod"]), "adapters": held}
         fingerprint = json.dumps(payload, sort_keys=True)
@@ -338,13 +305,11 @@ class PoolReconciler:
         state = ReplicaState.LOADING if retry is None else ReplicaState.PENDING
         return ReplicaStatus(pod, state, last_error=error)
 
-    async def _patch_adapter_status(self, body: dict, status: dict) -> None:
+    async def _patch_adapter_status(self, body: dict, new: dict) -> None:
         old = body.get("status") or {}
-        comparable = {**status, "conditions": without_times(status["conditions"])}
-        old_comparable = {k: old.get(k) for k in status} | {"conditions": without_times(old.get("conditions"))}
-        if comparable == old_comparable:
+        status = build_status_patch(old, new)
+        if status is None:
             return
-        status["conditions"] = merge_conditions(old.get("conditions"), status["conditions"])
         meta = body["metadata"]
         await self._kube.patch_status(names.ADAPTER_PLURAL, meta["namespace"], meta["name"], status)
         if old.get("phase") != status["phase"]:
@@ -372,12 +337,9 @@ class PoolReconciler:
             num_pods=len(observation.pods), pods=pods,
             selector=names.selector_string(names.engine_selector(self.name)),
             num_adapters=num_adapters, placement_revision=revision, invalid=invalid)
-        old = body.get("status") or {}
-        if {**status, "conditions": without_times(status["conditions"])} == (
-                {k: old.get(k) for k in status} | {"conditions": without_times(old.get("conditions"))}):
-            return
-        status["conditions"] = merge_conditions(old.get("conditions"), status["conditions"])
-        await self._kube.patch_status(names.POOL_PLURAL, self.namespace, self.name, status)
+        patch = build_status_patch(body.get("status"), status)
+        if patch is not None:
+            await self._kube.patch_status(names.POOL_PLURAL, self.namespace, self.name, patch)
 
     def _placed_and_loaded(self, pod: str, placed: list[str], observation: Observation) -> list[str]:
         held = observation.adapters.get(pod, {})

@@ -23,7 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "e2e"))
 
-from pytest_cluster import LocalCluster, cluster, wait_for  # noqa: E402,F401  (cluster: a fixture)
+from pytest_cluster import LocalCluster, cluster  # noqa: E402,F401  (cluster: a fixture)
 
 MANIFESTS = Path(__file__).resolve().parent / "manifests"
 

@@ -191,7 +191,8 @@ def test_operator_lifecycle(operator_env, material, offline, adapter_server) -> 
     def refilled() -> bool:
         status = env.cluster.get_json("pod", pod, "-n", env.namespace)["status"]
         restarted = status["containerStatuses"][0]["restartCount"] >= 1 and pod in ready_engine_pods(env)
-        return restarted and {"a1", "a2"} <= set(served_adapters(ip)) and adapter(env, "a1")["status"]["phase"] == "Ready"
+        refilled = {"a1", "a2"} <= set(served_adapters(ip))
+        return restarted and refilled and adapter(env, "a1")["status"]["phase"] == "Ready"
 
     wait_for("the restarted engine refilled", refilled, timeout_s=120)
     assert complete(ip, "a2") == offline["a2"]

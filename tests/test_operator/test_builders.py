@@ -79,7 +79,8 @@ def test_router_objects_only_when_enabled():
     router = next(m for m in with_router if m["metadata"]["name"] == "p-router" and m["kind"] == "Deployment")
     spec = router["spec"]["template"]["spec"]
     assert spec["serviceAccountName"] == "p-router" and router["spec"]["replicas"] == 2
-    assert spec["containers"][0]["args"] == ["router", "--", "--pool", "p", "--namespace", "ns", "--placement-configmap",
+    assert spec["containers"][0]["args"] == ["router", "--", "--pool", "p", "--namespace", "ns",
+                                             "--placement-configmap",
                                              "p-placement", "--port", "8080"]
     role = next(m for m in with_router if m["kind"] == "Role")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}]

@@ -10,7 +10,8 @@ def seen(name, source, residency="host"):
 
 def test_empty_pod_gets_placed_preloaded_and_others_registered():
     actions = plan_pod("p", {"a": A, "b": B}, {"a"}, {}, {})
-    assert actions == [Load("p", A, is_preload=True, is_inplace=False), Load("p", B, is_preload=False, is_inplace=False)]
+    assert actions == [Load("p", A, is_preload=True, is_inplace=False),
+                       Load("p", B, is_preload=False, is_inplace=False)]
 
 
 def test_converged_pod_needs_nothing():

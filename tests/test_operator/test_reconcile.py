@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kubelora.operator import reconcile as reconcile_module
+from kubelora.operator import observe as observe_module
 from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.settings import OperatorSettings
 
@@ -105,7 +105,7 @@ def pod(name: str, url: str) -> dict:
 
 @pytest.fixture
 async def world(aiohttp_server, monkeypatch):
-    monkeypatch.setattr(reconcile_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
+    monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
     engines = {}
     kube = FakeKube()
     kube.objects[("lorapools", "p")] = {

@@ -64,3 +64,15 @@ def test_transition_time_moves_only_when_status_changes():
     flipped = merge_conditions(old, [make_condition("Ready", False, "C", "m", 2)], now="t2")
     assert same[0]["lastTransitionTime"] == "t0" and same[0]["reason"] == "B"
     assert flipped[0]["lastTransitionTime"] == "t2"
+
+
+def test_status_patch_only_when_something_changed():
+    from kubelora.operator.conditions import build_status_patch
+
+    new = {"phase": "Ready", "conditions": [make_condition("Ready", True, "A", "m", 1)]}
+    first = build_status_patch({}, new, now="t0")
+    assert first["conditions"][0]["lastTransitionTime"] == "t0"
+    assert build_status_patch(first, new, now="t1") is None
+    assert build_status_patch({**first, "extra": 1}, new) is None  # fields it does not own are ignored
+    degraded = build_status_patch(first, {**new, "phase": "Degraded"}, now="t1")
+    assert degraded["conditions"][0]["lastTransitionTime"] == "t0"
