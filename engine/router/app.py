@@ -22,7 +22,7 @@ from kubelora.engine.router import routing
 from kubelora.engine.router.config import RouterConfig
 from kubelora.engine.router.metrics import RouterMetrics
 from kubelora.engine.router.proxy import InFlight, forward
-from kubelora.engine.router.sources import PlacementStore
+from kubelora.engine.router.sources import PlacementSource, PlacementStore
 from kubelora.engine.server.errors import ApiError, InvalidRequest, ModelNotFound, Unavailable, error_middleware
 
 MAX_BODY_BYTES = 16 << 20  # the engine's own limit: a larger body would be refused there anyway
@@ -33,7 +33,7 @@ RETRY_AFTER_S = "1"
 class RouterState:
     config: RouterConfig
     store: PlacementStore
-    source: object | None  # FileSource | ConfigMapSource; None when a test sets the store itself
+    source: PlacementSource | None  # None when a test sets the store itself
     in_flight: InFlight = field(default_factory=InFlight)
     session: aiohttp.ClientSession | None = None
     requests_seen: count = field(default_factory=count)  # rotates ties between idle replicas
@@ -46,7 +46,7 @@ class RouterState:
 STATE = web.AppKey("router_state", RouterState)
 
 
-def build_app(config: RouterConfig, store: PlacementStore, source=None) -> web.Application:
+def build_app(config: RouterConfig, store: PlacementStore, source: PlacementSource | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE] = RouterState(config, store, source)
     app.cleanup_ctx.append(_lifetime)
@@ -96,7 +96,7 @@ def _route(state: RouterState, model: str) -> routing.Route:
         return routing.route(state.store.placement, model, state.in_flight.snapshot(), state.config.load_factor,
                              tiebreak=next(state.requests_seen))
     except routing.PlacementNotLoaded:
-        raise Unavailable("the pool's placement is not loaded yet", code="placement_not_loaded",
+        raise Unavailable("the pool's placement is not loaded yet or lists no replica", code="placement_not_loaded",
                           headers={"Retry-After": RETRY_AFTER_S}) from None
     except routing.NoReadyReplica:
         raise Unavailable("no replica of the pool is ready", code="no_ready_replica",

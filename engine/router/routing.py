@@ -4,8 +4,9 @@
 - an adapter some ready replicas hold: those holders by bounded-load consistent hashing (`hashring`);
 - an adapter of the pool no ready replica holds yet: its hashed home over all ready replicas, whose engine
   loads it on demand (the operator registers every pool adapter on every replica with preload false);
-- anything else: `UnknownModel` (404). No placement yet: `PlacementNotLoaded`; none ready: `NoReadyReplica`
-  (both 503 with Retry-After).
+- anything else: `UnknownModel` (404). No placement yet, or one without replicas (a pool the operator has not
+  observed yet, whose adapter list may lag too): `PlacementNotLoaded`; replicas but none ready:
+  `NoReadyReplica` (both 503 with Retry-After).
 
 The retry order after the first candidate is the rest of the same walk: the holders first, then the home walk
 over the other ready replicas, so a retry of an adapter request still lands where the adapter can load.
@@ -53,7 +54,7 @@ class UnknownModel(RoutingError):
 
 def route(placement: Placement | None, model: str, in_flight: Mapping[str, int], load_factor: float,
           tiebreak: int = 0) -> Route:
-    if placement is None:
+    if placement is None or not placement.replicas:
         raise PlacementNotLoaded()
     ready = placement.ready_replicas()
     if model != placement.base_model and model not in placement.adapters:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 from kubelora.engine.router.placement import PLACEMENT_KEY, Placement, parse_placement
 from kubelora.engine.server.logs import log_event
@@ -49,6 +50,11 @@ class PlacementStore:
         self.num_errors += 1
         log_event(log, "placement_read_failed", logging.WARNING, origin=origin, error=error,
                   is_serving_previous=self.placement is not None)
+
+
+class PlacementSource(Protocol):
+    async def run(self, store: PlacementStore) -> None:
+        """Poll until cancelled, handing changed placement text to `store.update`."""
 
 
 class FileSource:

@@ -64,5 +64,7 @@ def test_unknown_model_is_refused_even_without_ready_replicas():
 def test_no_placement_and_no_ready_replica():
     with pytest.raises(routing.PlacementNotLoaded):
         routing.route(None, "base", {}, 1.25)
+    with pytest.raises(routing.PlacementNotLoaded):  # empty: no replicas, so no 404 from a list that may lag
+        routing.route(placement(ready=()), "tenant-new", {}, 1.25)
     with pytest.raises(routing.NoReadyReplica):
         routing.route(placement(ready=(), not_ready=("p0",), adapters={"a": ["p0"]}), "a", {}, 1.25)
