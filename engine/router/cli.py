@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
                                      description="Route OpenAI requests of a LoRAPool to the replicas holding "
                                                  "their adapter (docs/router.md).")
     add_arguments(parser)
-    # `kubelora router -- --pool p`: the top-level parser hands "--" through when it cannot pass options on.
+    # A leading "--" (`kubelora router -- --pool p`, the old pass-through form) ends nothing here.
     args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
     try:
         config = resolve_config(args)

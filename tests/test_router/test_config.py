@@ -38,6 +38,8 @@ def test_bad_settings_name_the_field(argv, field):
 def test_cli_exits_2_on_bad_settings(capsys):
     assert main(["--pool", "p", "--load-factor", "0.5"]) == 2
     assert "load_factor" in capsys.readouterr().err
+    assert main(["--", "--pool", "p", "--port", "-1"]) == 2  # the "--" form parses the same
+    assert "port" in capsys.readouterr().err
 
 
 def test_placement_parses_the_documented_example():

@@ -25,7 +25,6 @@ import pytest
 from kubelora.engine.router.hashring import HashRing
 
 KUBELORA = str(Path(sys.executable).with_name("kubelora"))
-# "--": cli/main.py's pass-through parser refuses options right after the subcommand (argparse REMAINDER).
 COMMON = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
 PROMPT = "The operator watches the cluster"
 
@@ -88,7 +87,7 @@ def pool(tmp_path_factory):
     router_port = _free_port()
     log = open(root / "router.log", "w")
     logs.append(log)
-    procs.append(subprocess.Popen([KUBELORA, "router", "--", "--placement-file", str(placement), "--host", "127.0.0.1",
+    procs.append(subprocess.Popen([KUBELORA, "router", "--placement-file", str(placement), "--host", "127.0.0.1",
                                    "--port", str(router_port), "--poll-interval", "0.1"],
                                   stdout=log, stderr=subprocess.STDOUT, env=env))
     try:
