@@ -4,7 +4,7 @@ operator's work, the operator Deployment Ready; then `helm uninstall` removes wh
 The operator watches only this test's namespace (watchNamespaces), so it never touches pools of other suites
 sharing the cluster. The probe pool has 0 engine replicas: the operator still applies every object a pool owns
 (Deployments, Services, the router's ServiceAccount, Role and RoleBinding, the placement ConfigMap) and writes
-status, which is what the chart's RBAC must allow.
+status, which is what the chart's RBAC must allow. A `helm upgrade` of one setting then rolls the operator.
 """
 
 from __future__ import annotations
@@ -97,6 +97,12 @@ def test_install_runs_the_operator_and_uninstall_cleans_up(cluster, helm):
                           .get("status", {}).get("conditions"), timeout_s=60)
         assert status
         cluster.kubectl("delete", "lorapool", "rbac-probe", "-n", namespace, "--timeout=60s")
+
+        # An upgrade that changes a setting replaces the operator pod (Recreate) with one that has it.
+        run_helm(helm, "upgrade", release, str(CHART), *kube, "--reuse-values", "--set", "operator.resyncSeconds=10")
+        wait_for("the upgraded operator Ready", lambda: _is_ready(pod := _operator_pod(cluster, namespace))
+                 and {"name": "KUBELORA_OPERATOR_RESYNC_S", "value": "10"} in pod["spec"]["containers"][0]["env"],
+                 timeout_s=120)
     finally:
         run_helm(helm, "uninstall", release, *kube, "--wait", "--timeout", "60s")
     assert cluster.kubectl("get", "deployment", name, "-n", namespace, check=False).returncode != 0
