@@ -31,6 +31,7 @@ from kubelora.operator.status import (Failure, ReplicaState, ReplicaStatus, buil
 from kubelora.operator.validation import validate_adapter
 
 log = logging.getLogger("kubelora.operator")
+STATUS_WRITES_IN_FLIGHT = 8  # adapter status patches per pool at once (hundreds of adapters change together)
 
 
 @dataclass
@@ -262,11 +263,15 @@ class PoolReconciler:
 
     async def _write_adapter_statuses(self, adapters: AdapterSet, placement: Placement,
                                       observation: Observation) -> None:
-        for name, body in adapters.bodies.items():
-            if body["metadata"].get("deletionTimestamp"):
-                continue
-            status = self._adapter_status(name, body, adapters, placement, observation)
-            await self._patch_adapter_status(body, status)
+        limit = asyncio.Semaphore(STATUS_WRITES_IN_FLIGHT)
+
+        async def write(name: str, body: dict) -> None:
+            async with limit:
+                await self._patch_adapter_status(body, self._adapter_status(name, body, adapters, placement,
+                                                                            observation))
+
+        await asyncio.gather(*(write(name, body) for name, body in adapters.bodies.items()
+                               if not body["metadata"].get("deletionTimestamp")))
 
     def _adapter_status(self, name: str, body: dict, adapters: AdapterSet, placement: Placement,
                         observation: Observation) -> dict:

@@ -206,3 +206,19 @@ async def test_unreachable_pod_is_skipped_not_fatal(world):
     status = kube.status("a")
     assert status["phase"] == "Ready" and status["desiredReplicas"] == 2
     assert {p["name"]: p["ready"] for p in kube.objects[("lorapools", "p")]["status"]["pods"]}["gone"] is False
+
+
+async def test_hundreds_of_adapters_converge_in_one_run_then_cost_no_calls(world):
+    kube, engines, reconciler = world
+    kube.objects[("lorapools", "p")]["spec"]["engine"]["maxCpuLoras"] = 200
+    for i in range(300):
+        kube.add_adapter(f"t{i:03d}", f"/adapters/t{i:03d}", replicas=1)
+    await reconciler.reconcile()
+    phases = {kube.status(f"t{i:03d}")["phase"] for i in range(300)}
+    assert phases == {"Ready"}
+    assert all(len(e.adapters) == 300 for e in engines.values())  # every adapter registered everywhere
+    preloaded = sum(c["residency"] == "host" for e in engines.values() for c in e.adapters.values())
+    assert preloaded == 300  # one placed copy each, within capacity 200 per pod
+    calls = sum(len(e.calls) for e in engines.values())
+    await reconciler.reconcile()
+    assert sum(len(e.calls) for e in engines.values()) == calls
