@@ -50,7 +50,11 @@ class FakeEngine:
                                                 "code": "queue_full"}}, status=self.status,
                                      headers={"Retry-After": "3"})
         if not body.get("stream"):
-            await self.gate.wait()
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
             if self.is_breaking:
                 return await self._break(request, b'{"object": "text_completion", ', "application/json")
             return web.json_response({"object": "text_completion", "model": body["model"], "engine": self.name,

@@ -123,6 +123,15 @@ async def test_client_disconnect_cancels_the_upstream_request(engines, router):
     await _until(lambda: client.state.in_flight.snapshot() == {})
 
 
+async def test_client_timeout_cancels_a_non_streamed_upstream_request(engines, router):
+    client = await router(placement_text(engines, adapters={"a": ["p2"]}))
+    engines[2].gate.clear()
+    with pytest.raises(asyncio.TimeoutError):
+        await client.post("/v1/completions", json=completion("a"), timeout=aiohttp.ClientTimeout(total=0.5))
+    await _until(lambda: engines[2].cancelled == 1)
+    await _until(lambda: client.state.in_flight.snapshot() == {})
+
+
 async def test_unreachable_replica_is_retried_on_the_next(engines, router):
     dead = {"pod": "dead", "url": f"http://127.0.0.1:{_closed_port()}", "ready": True}
     text = placement_text(engines, ready=["p0"], adapters={"a": ["dead"]}, extra_replicas=[dead])
