@@ -177,13 +177,13 @@ async def test_placement_change_under_traffic_moves_the_adapter_without_errors(p
     write_placement(pool["placement"], engines, {"a0": ["engine-1"], "a1": []}, revision=2)
     changed_at = time.monotonic()
     deadline = changed_at + 60
-    while not [pod for t, pod in served if t > changed_at + 1.0]:
+    while not [pod for t, pod in served if t > changed_at + 2.5]:
         assert time.monotonic() < deadline, "no traffic after the placement change"
         await asyncio.sleep(0.1)
     stop.set()
     await asyncio.gather(*workers)  # any failed request fails here
     before = {pod for t, pod in served if t < changed_at}
-    after = {pod for t, pod in served if t > changed_at + 0.5}  # the router polls every 0.1 s
+    after = {pod for t, pod in served if t > changed_at + 2.0}  # the router polls every 0.1 s; margin for load
     assert before == {"engine-0"} and after == {"engine-1"}
     assert residency(engines["engine-1"])["a0"] != "known"  # engine-1 loaded it on demand
     metrics = _get(router + "/metrics")[1].decode()

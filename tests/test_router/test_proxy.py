@@ -71,17 +71,19 @@ async def test_malformed_bodies_are_400(engines, router):
     assert response.status == 404 and (await response.json())["error"]["type"] == "not_found_error"
 
 
-async def test_base_model_avoids_the_busy_replica(engines, router):
+async def test_base_model_avoids_the_busy_replicas(engines, router):
     client = await router(placement_text(engines))
-    engines[0].gate.clear()
-    engines[1].gate.clear()
+    for engine in engines:
+        engine.gate.clear()  # every answer waits: requests stay in flight
     held = [asyncio.create_task(client.post("/v1/completions", json=completion("base"))) for _ in range(2)]
-    await _until(lambda: len(engines[0].seen) + len(engines[1].seen) + len(engines[2].seen) == 2)
+    await _until(lambda: sum(len(e.seen) for e in engines) == 2)
     busy = {e.name for e in engines if e.seen}
-    response = await client.post("/v1/completions", json=completion("base"))
-    assert response.headers[REPLICA_HEADER] not in busy
-    engines[0].gate.set()
-    engines[1].gate.set()
+    assert len(busy) == 2  # least loaded: the second request did not join the first
+    third = asyncio.create_task(client.post("/v1/completions", json=completion("base")))
+    await _until(lambda: sum(len(e.seen) for e in engines) == 3)
+    for engine in engines:
+        engine.gate.set()
+    assert (await third).headers[REPLICA_HEADER] not in busy
     await asyncio.gather(*held)
 
 
