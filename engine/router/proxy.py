@@ -56,7 +56,7 @@ async def forward(request: web.Request, body: bytes, route: Route, session: aioh
         in_flight.counts[replica.pod] += 1
         try:
             try:
-                upstream = await session.post(replica.url + request.path, data=body, headers=headers)
+                upstream = await session.post(replica.url + request.path_qs, data=body, headers=headers)
             except aiohttp.ClientError as exc:  # nothing reached the client yet: the next replica may answer
                 metrics.upstream_errors.labels(replica.pod, "connect").inc()
                 log_event(log, "replica_unreachable", logging.WARNING, pod=replica.pod, url=replica.url,
@@ -98,18 +98,28 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, replica
     if upstream.content_length is not None and not is_event_stream:  # a stream stays chunked: we may add an event
         response.content_length = upstream.content_length
     await response.prepare(request)
-    try:
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-    except aiohttp.ClientError as exc:
-        metrics.upstream_errors.labels(replica.pod, "broken").inc()
-        log_event(log, "replica_broke_answer", logging.WARNING, pod=replica.pod, error=f"{type(exc).__name__}: {exc}")
-        if not is_event_stream:
-            response.force_close()  # a truncated body: the client must see the connection end, not a short reply
-            if request.transport is not None:
-                request.transport.close()
-            return response
-        await response.write(_sse_error(replica.pod))
+    while True:
+        try:
+            chunk = await upstream.content.readany()
+        except aiohttp.ClientError as exc:  # the replica broke; a failed write to the client raises out instead
+            return await _end_broken(request, response, replica, exc, is_event_stream, metrics)
+        if not chunk:
+            break
+        await response.write(chunk)
+    await response.write_eof()
+    return response
+
+
+async def _end_broken(request: web.Request, response: web.StreamResponse, replica: Replica, exc: Exception,
+                      is_event_stream: bool, metrics: RouterMetrics) -> web.StreamResponse:
+    metrics.upstream_errors.labels(replica.pod, "broken").inc()
+    log_event(log, "replica_broke_answer", logging.WARNING, pod=replica.pod, error=f"{type(exc).__name__}: {exc}")
+    if not is_event_stream:
+        response.force_close()  # a truncated body: the client must see the connection end, not a short reply
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    await response.write(_sse_error(replica.pod))
     await response.write_eof()
     return response
 

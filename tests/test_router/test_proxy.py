@@ -123,6 +123,8 @@ async def test_client_disconnect_cancels_the_upstream_request(engines, router):
     response.close()
     await _until(lambda: engines[1].cancelled == 1)
     await _until(lambda: client.state.in_flight.snapshot() == {})
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kind="broken"' not in metrics  # the client left; the replica did not fail
 
 
 async def test_client_timeout_cancels_a_non_streamed_upstream_request(engines, router):
