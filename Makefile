@@ -16,10 +16,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -c constraints.txt -e '.[test]'
 	touch $@
 
-# The e2e control plane (Kubernetes from the official sources, via the Go module proxy), cached in
-# ~/.cache/kubelora/k8s: minutes on a fresh machine, instant afterwards. See docs/cluster.md.
+# The e2e control plane (Kubernetes from the official sources, via the Go module proxy) and helm, cached in
+# ~/.cache/kubelora: minutes on a fresh machine, instant afterwards. See docs/cluster.md, docs/chart.md.
 k8s:
 	e2e/cluster build
+	e2e/helm/build.sh
 
 test: venv k8s
 	$(PY) -P -m pytest $(PYTEST_ARGS)
