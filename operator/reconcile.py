@@ -89,6 +89,7 @@ class PoolReconciler:
 
     def _classify(self, bodies: list[dict], pool: PoolSpec) -> AdapterSet:
         adapters = AdapterSet(bodies={b["metadata"]["name"]: b for b in bodies})
+        self._permanent = {k: v for k, v in self._permanent.items() if k in adapters.bodies}
         for name, body in adapters.bodies.items():
             if body["metadata"].get("deletionTimestamp"):
                 continue
@@ -148,6 +149,7 @@ class PoolReconciler:
         observation = await observe_pool(self._kube, client, self.namespace, self.name)
         known = {p["metadata"]["name"] for p in observation.pods}
         self._served = {k: v for k, v in self._served.items() if k[0] in known}
+        self._retries = {k: v for k, v in self._retries.items() if k[0] in known}
         return observation
 
     async def _load_previous_placement(self) -> None:
