@@ -20,7 +20,8 @@ class ImageConfig:
 IMAGES: dict[str, ImageConfig] = {
     "python": ImageConfig(cmd=("python3",)),
 }
-# This project's images (`kubelora`, `kubelora-engine`, ...) have the `kubelora` CLI as
+# This project's images (`kubelora`, `kubelora-engine`, `kubelora/operator`, `ghcr.io/kubelora/router`, ...:
+# any image whose repository path has a segment starting with `kubelora`) have the `kubelora` CLI as
 # ENTRYPOINT: `args: [engine, serve, ...]` runs the local install's `kubelora engine serve`.
 PROJECT_IMAGE = ImageConfig(entrypoint=("kubelora",))
 PROJECT_PREFIX = "kubelora"
@@ -36,15 +37,27 @@ def repository_name(image: str) -> str:
     return name.split(":", 1)[0]
 
 
-def lookup_image(name: str) -> ImageConfig:
-    if name.startswith(PROJECT_PREFIX):
+def repository_path(image: str) -> str:
+    """`localhost:5000/kubelora/engine:0.1@sha256:...` -> `localhost:5000/kubelora/engine` (no tag, no digest)."""
+    path = image.split("@", 1)[0]
+    head, _, last = path.rpartition("/")
+    return f"{head}/{last.split(':', 1)[0]}" if head else last.split(":", 1)[0]
+
+
+def is_project_image(image: str) -> bool:
+    """`kubelora/operator:0.1`, `ghcr.io/kubelora/engine`, `kubelora-router:dev` are ours."""
+    return any(segment.startswith(PROJECT_PREFIX) for segment in repository_path(image).split("/"))
+
+
+def lookup_image(image: str) -> ImageConfig:
+    if is_project_image(image):
         return PROJECT_IMAGE
-    return IMAGES.get(name, ImageConfig())
+    return IMAGES.get(repository_name(image), ImageConfig())
 
 
 def build_argv(container: dict) -> list[str]:
     """Kubernetes semantics: `command` replaces ENTRYPOINT (and drops CMD), `args` replace CMD."""
-    image = lookup_image(repository_name(container.get("image", "")))
+    image = lookup_image(container.get("image", ""))
     command, args = container.get("command"), container.get("args")
     if command:
         return [*command, *(args or [])]
