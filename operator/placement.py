@@ -2,9 +2,12 @@
 
 Pure: the reconcile hands in the ready pods, each adapter's wanted replica count and the placement it
 published last time; it gets back the new placement. Properties the tests pin down:
-- an adapter's current holders stay while they are ready and within capacity (no churn on scale-out or
-  when another adapter comes or goes);
-- new copies go to the pods with the highest rendezvous score for the adapter (stable, spread evenly);
+- an adapter's current holders stay while they are ready, within capacity and not above the balance bound
+  (`BALANCE_FACTOR` x the mean copies per pod): another adapter coming or going moves nothing, and a
+  scale-out moves only the copies that overloaded pods shed (those pods keep the adapters that rank them
+  highest), so new pods take traffic instead of idling (a DESIGN.md failure mode);
+- new copies go to the pods with the highest rendezvous score for the adapter (stable, spread evenly),
+  pods under the balance bound first;
 - no pod holds more than `capacity` placed adapters, except `replicas: all` adapters, which are on every
   pod by definition (they count towards the capacity of the others);
 - when capacity runs out an adapter gets fewer copies than asked (reported as a shortage), never more.
@@ -13,8 +16,12 @@ published last time; it gets back the new placement. Properties the tests pin do
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+
+BALANCE_FACTOR = 1.25  # a pod keeps its adapters up to this multiple of the mean copies per pod
 
 
 @dataclass(frozen=True)
@@ -63,22 +70,46 @@ def place(requests: Iterable[PlacementRequest], pods: Iterable[str], capacity: i
             for pod in pods:
                 load[pod] += 1
     partial = [r for r in requests if r.replicas is not None]
-    for request in partial:  # hysteresis: keep current holders first, best-ranked when scaling in
-        holders = rank_pods(request.adapter, set(previous.get(request.adapter, ())) & set(pods))
-        chosen[request.adapter] = _take(holders, wanted[request.adapter], load, capacity, [])
+    balance = _balance_bound(sum(wanted.values()), len(pods), capacity)
     for request in partial:
-        chosen[request.adapter] = _take(rank_pods(request.adapter, pods), wanted[request.adapter], load, capacity,
-                                        chosen[request.adapter])
+        chosen[request.adapter] = []
+    for _, adapter, pod in _holder_pairs(partial, pods, previous):  # hysteresis, best-ranked holders first
+        if len(chosen[adapter]) < wanted[adapter] and load[pod] < balance:
+            chosen[adapter].append(pod)
+            load[pod] += 1
+    for request in partial:
+        ranked = rank_pods(request.adapter, pods)
+        for bound in (balance, capacity):  # pods under the balance bound first, then any with room
+            chosen[request.adapter] = _take(ranked, wanted[request.adapter], load, bound, chosen[request.adapter])
     ordered = {a: tuple(rank_pods(a, p)) for a, p in chosen.items()}
     return Placement(pods_by_adapter=ordered, wanted_by_adapter=wanted)
 
 
-def _take(candidates: list[str], wanted: int, load: dict[str, int], capacity: int, taken: list[str]) -> list[str]:
+def _balance_bound(num_copies: int, num_pods: int, capacity: int) -> int:
+    if num_pods == 0:
+        return 0
+    return min(capacity, max(1, math.ceil(BALANCE_FACTOR * num_copies / num_pods)))
+
+
+def _holder_pairs(requests: list[PlacementRequest], pods: list[str],
+                  previous: Mapping[str, Iterable[str]]) -> list[tuple[int, str, str]]:
+    """(rank of the pod for the adapter, adapter, pod) for current holders, best-ranked first: an overloaded
+    pod keeps the adapters that prefer it most."""
+    live = set(pods)
+    pairs = []
+    for request in requests:
+        holders = [p for p in previous.get(request.adapter, ()) if p in live]
+        for index, pod in enumerate(rank_pods(request.adapter, holders)):
+            pairs.append((index, request.adapter, pod))
+    return sorted(pairs, key=lambda pair: (pair[0], -rendezvous_score(pair[1], pair[2]), pair[1]))
+
+
+def _take(candidates: list[str], wanted: int, load: dict[str, int], bound: int, taken: list[str]) -> list[str]:
     taken = list(taken)
     for pod in candidates:
         if len(taken) >= wanted:
             break
-        if pod in taken or load[pod] >= capacity:
+        if pod in taken or load[pod] >= bound:
             continue
         taken.append(pod)
         load[pod] += 1

@@ -1,6 +1,7 @@
+import math
 from collections import Counter
 
-from kubelora.operator.placement import PlacementRequest, place, rank_pods
+from kubelora.operator.placement import BALANCE_FACTOR, PlacementRequest, place, rank_pods
 
 PODS = [f"pod-{i}" for i in range(4)]
 
@@ -10,10 +11,11 @@ def requests(n, replicas=1):
 
 
 def test_k_copies_on_the_best_ranked_pods_deterministically():
-    placement = place(requests(3, replicas=2), PODS, capacity=10)
-    for i in range(3):
-        assert placement.pods_of(f"a{i}") == tuple(rank_pods(f"a{i}", PODS)[:2])
-    assert place(requests(3, replicas=2), reversed(PODS), capacity=10) == placement
+    placement = place(requests(1, replicas=2), PODS, capacity=10)
+    assert placement.pods_of("a0") == tuple(rank_pods("a0", PODS)[:2])
+    many = place(requests(30, replicas=2), PODS, capacity=100)
+    assert all(len(set(many.pods_of(f"a{i}"))) == 2 for i in range(30))
+    assert place(requests(30, replicas=2), reversed(PODS), capacity=100) == many
 
 
 def test_all_means_every_pod_and_more_copies_than_pods_are_bounded():
@@ -41,10 +43,23 @@ def test_spread_is_even_enough():
     assert min(load.values()) > 30
 
 
-def test_scale_out_keeps_current_holders():
-    before = place(requests(20), PODS[:2], capacity=100)
-    after = place(requests(20), PODS, capacity=100, previous=before.pods_by_adapter)
-    assert after.pods_by_adapter == before.pods_by_adapter
+def test_a_new_adapter_moves_nothing_else():
+    before = place(requests(20), PODS, capacity=100)
+    after = place(requests(21), PODS, capacity=100, previous=before.pods_by_adapter)
+    assert all(after.pods_of(a) == pods for a, pods in before.pods_by_adapter.items())
+
+
+def test_scale_out_moves_only_what_overloaded_pods_shed():
+    before = place(requests(40), PODS[:2], capacity=100)
+    after = place(requests(40), PODS, capacity=100, previous=before.pods_by_adapter)
+    load = Counter(p for pods in after.pods_by_adapter.values() for p in pods)
+    bound = math.ceil(BALANCE_FACTOR * 40 / 4)
+    assert max(load.values()) <= bound and load["pod-2"] + load["pod-3"] > 0  # new pods take work
+    moved = [a for a, pods in before.pods_by_adapter.items() if after.pods_of(a) != pods]
+    assert all(set(after.pods_of(a)) <= {"pod-2", "pod-3"} for a in moved)  # only onto the new pods
+    assert len(moved) == 40 - load["pod-0"] - load["pod-1"]
+    again = place(requests(40), PODS, capacity=100, previous=after.pods_by_adapter)
+    assert again == after  # stable once balanced
 
 
 def test_lost_pod_moves_only_its_adapters():
