@@ -18,14 +18,15 @@ import kopf
 
 from kubelora.operator import names
 from kubelora.operator.builders import build_owner_reference, build_pool_manifests, build_router_manifest_keys
-from kubelora.operator.conditions import make_condition, merge_conditions
+from kubelora.operator.conditions import build_status_patch, make_condition, merge_conditions
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube, KubeError, load_connection
 from kubelora.operator.observe import is_pod_ready, pod_url
 from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.cli import settings_from_env
-from kubelora.operator.specs import InvalidSpec, PoolSpec
+from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
+from kubelora.operator.status import Failure, build_adapter_status
 
 FINALIZER = "kubelora.io/finalizer"
 UNLOAD_ON_DELETE_TIMEOUT_S = 5.0
@@ -143,15 +144,16 @@ async def _write_pool_not_found(runtime: Runtime, body: kopf.Body, pool: str) ->
     meta = body["metadata"]
     if await runtime.kube.get_custom(names.POOL_PLURAL, meta["namespace"], pool) is not None:
         return  # its daemon is starting and will write the status
-    generation = int(meta.get("generation") or 0)
+    try:
+        revision = AdapterSpec.from_body(body).source.revision
+    except InvalidSpec:
+        revision = ""
     message = f"LoRAPool {pool!r} not found in namespace {meta['namespace']!r}"
-    old = body.get("status") or {}
-    conditions = [make_condition(t, False, "PoolNotFound", message, generation) for t in ("Loaded", "Ready")]
-    if old.get("phase") == "Pending" and old.get("observedGeneration") == generation:
-        return
-    await runtime.kube.patch_status(names.ADAPTER_PLURAL, meta["namespace"], meta["name"], {
-        "observedGeneration": generation, "phase": "Pending", "readyReplicas": 0, "desiredReplicas": 0,
-        "replicas": [], "conditions": merge_conditions(old.get("conditions"), conditions)})
+    status = build_adapter_status(generation=int(meta.get("generation") or 0), revision=revision, wanted=0,
+                                  replicas=[], pending=Failure("PoolNotFound", message))
+    patch = build_status_patch(body.get("status"), status)
+    if patch is not None:
+        await runtime.kube.patch_status(names.ADAPTER_PLURAL, meta["namespace"], meta["name"], patch)
 
 
 @kopf.on.delete(names.GROUP, names.VERSION, names.ADAPTER_PLURAL)

@@ -26,7 +26,7 @@ from kubelora.operator.placement import Placement, PlacementRequest, place
 from kubelora.operator.plan import Action, DesiredAdapter, Load, ObservedAdapter, Unload, is_current, plan_pod
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
-from kubelora.operator.status import (Failure, ReplicaState, ReplicaStatus, build_adapter_status,
+from kubelora.operator.status import (Failure, Phase, ReplicaState, ReplicaStatus, build_adapter_status,
                                       build_pool_status)
 from kubelora.operator.validation import validate_adapter
 
@@ -320,7 +320,7 @@ class PoolReconciler:
         meta = body["metadata"]
         await self._kube.patch_status(names.ADAPTER_PLURAL, meta["namespace"], meta["name"], status)
         if old.get("phase") != status["phase"]:
-            event_type = "Warning" if status["phase"] in ("Failed", "Degraded") else "Normal"
+            event_type = "Warning" if status["phase"] in (Phase.FAILED.value, Phase.DEGRADED.value) else "Normal"
             ready = next(c for c in status["conditions"] if c["type"] == "Ready")
             await self._event(body, event_type, status["phase"], f"{ready['reason']}: {ready['message']}")
 
