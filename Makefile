@@ -25,7 +25,7 @@ k8s:
 test: venv k8s
 	$(PY) -P -m pytest $(PYTEST_ARGS)
 
-demo: venv
+demo: venv k8s
 	$(VENV)/bin/kubelora demo
 
 clean:

@@ -1,5 +1,6 @@
-"""`kubelora demo`: the engine server on a tiny built-in model, adapters hot-loaded over HTTP, tenants calling
-it with the openai SDK in one mixed batch. `--offline` runs the same adapters through the offline `LLM` API.
+"""`kubelora demo --engine-only`: the engine server on a tiny built-in model, adapters hot-loaded over HTTP,
+tenants calling it with the openai SDK in one mixed batch. `--offline` runs the same adapters through the
+offline `LLM` API. The default, the whole system on a local Kubernetes control plane, is demo_cluster.py.
 """
 
 from __future__ import annotations
@@ -42,11 +43,18 @@ def build_demo_material(workdir: Path) -> tuple[Path, dict[str, Path]]:
     return model_dir, adapters
 
 
-def run_demo(workdir: str | None = None, device: str = "cpu", offline: bool = False) -> int:
-    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kubelora-demo-"))
+def run_demo(workdir: str | None = None, device: str = "cpu", mode: str = "cluster", keep: bool = False) -> int:
+    """mode: "cluster" (the whole system), "engine" (one engine server, no Kubernetes), "offline" (LLM API)."""
+    root = Path(workdir).resolve() if workdir else Path(tempfile.mkdtemp(prefix="kubelora-demo-"))
+    if mode == "cluster":
+        from kubelora.cli.demo_cluster import run_cluster_demo
+
+        root.mkdir(parents=True, exist_ok=True)
+        root.chmod(0o755)  # engine pods read the model and adapters through hostPath volumes
+        return run_cluster_demo(root, keep=keep)
     print(f"== building a tiny Llama model and {len(DEMO_ADAPTERS)} PEFT adapters in {root}")
     model_dir, adapters = build_demo_material(root)
-    if offline:
+    if mode == "offline":
         return _run_offline(model_dir, adapters, device)
     return _run_served(root, model_dir, device)
 

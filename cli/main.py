@@ -28,7 +28,8 @@ def _run_make_adapter(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from kubelora.cli.demo import run_demo
 
-    return run_demo(workdir=args.workdir, device=args.device, offline=args.offline)
+    mode = "offline" if args.offline else "engine" if args.engine_only else "cluster"
+    return run_demo(workdir=args.workdir, device=args.device, mode=mode, keep=args.keep)
 
 
 def _run_engine_serve(args: argparse.Namespace) -> int:
@@ -89,10 +90,13 @@ def _add_make_adapter(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the whole system on a tiny built-in model")
+    p = sub.add_parser("demo", help="the whole system on this machine, on a tiny built-in model")
     p.add_argument("--workdir", default=None, help="where to build the tiny model and adapters")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--offline", action="store_true", help="use the offline LLM API instead of the HTTP server")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--engine-only", action="store_true", help="one engine server on loopback, no Kubernetes")
+    mode.add_argument("--offline", action="store_true", help="the offline LLM API, no server")
+    p.add_argument("--keep", action="store_true", help="leave the local cluster running afterwards")
     p.set_defaults(func=_run_demo)
 
 

@@ -1,0 +1,196 @@
+"""`kubelora demo` (default): the whole system on this machine, on a tiny built-in model.
+
+A real Kubernetes control plane (e2e/cluster: kube-apiserver, etcd, controller-manager, scheduler and the
+local kubelet), the Helm chart (CRDs, operator, RBAC), one `LoRAPool` with its router, three `LoRAAdapter`s
+applied with kubectl and hot-loaded by the operator, and tenants calling the router with the openai SDK.
+Needs the repository checkout (e2e/, charts/), root, Go, iproute2 and openssl: docs/cluster.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from kubelora.cli.demo import DEMO_ADAPTERS, DEMO_PROMPTS, MAX_TOKENS, build_demo_material
+
+REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "kubelora-demo"
+POOL = "demo"
+SERVED_NAME = "tiny-llama"
+ROUTER_PORT = 8080
+WAIT_S = 240
+
+
+def _step(message: str) -> None:
+    print(f"== {message}", flush=True)
+
+
+def _run(*command: str, env: dict | None = None, check: bool = True, timeout: float = 900) -> str:
+    result = subprocess.run(list(command), capture_output=True, text=True, env=env, timeout=timeout)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:4])} failed ({result.returncode}): {result.stderr[-2000:]}")
+    return result.stdout
+
+
+class Kubectl:
+    def __init__(self, kubeconfig: str) -> None:
+        self.env = {**os.environ, "KUBECONFIG": kubeconfig}
+        self.binary = str(REPO / "e2e" / "kubectl")
+
+    def __call__(self, *args: str, check: bool = True, stdin: str | None = None) -> str:
+        result = subprocess.run([self.binary, *args], capture_output=True, text=True, env=self.env,
+                                input=stdin, timeout=WAIT_S + 30)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result.stdout
+
+    def apply(self, manifest: dict) -> None:
+        self("apply", "-f", "-", stdin=json.dumps(manifest))
+
+
+def _pool_manifest(root: Path) -> dict:
+    volume = lambda path, mount: {"hostPath": str(path), "mountPath": mount, "readOnly": True}  # noqa: E731
+    return {
+        "apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
+        "metadata": {"name": POOL, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"path": "/models/tiny", "servedName": SERVED_NAME},
+            "modelVolume": volume(root / "model", "/models/tiny"),
+            "adapterVolume": volume(root / "adapters", "/adapters"),
+            "adapterRoots": ["/adapters"],
+            "replicas": 2,
+            "engine": {"maxLoras": 2, "maxLoraRank": 16, "maxCpuLoras": 4, "maxModelLen": 256, "device": "cpu"},
+            "router": {"enabled": True},
+        },
+    }
+
+
+def _adapter_manifest(name: str, rank: int, replicas: int | str) -> dict:
+    return {
+        "apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAAdapter",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"pool": POOL, "source": {"path": f"/adapters/{name}"}, "replicas": replicas, "rank": rank},
+    }
+
+
+def _wait(what: str, predicate, timeout_s: float = WAIT_S):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _ready_pod_ip(kubectl: Kubectl, component: str) -> str | None:
+    selector = f"kubelora.io/pool={POOL},app.kubernetes.io/component={component}"
+    pods = json.loads(kubectl("get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "json"))["items"]
+    for pod in pods:
+        conditions = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", [])}
+        if conditions.get("Ready") == "True" and pod["status"].get("podIP"):
+            return pod["status"]["podIP"]
+    return None
+
+
+def _cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(REPO / "e2e" / "cluster"), *args], capture_output=True, text=True, timeout=1800)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"e2e/cluster {' '.join(args)} failed ({result.returncode}): {result.stderr[-2000:]}")
+    return result
+
+
+def _bring_up_cluster() -> Kubectl:
+    _step("starting the local Kubernetes control plane (built from the official sources on first use)")
+    kubeconfig = _cluster("up").stdout.strip().splitlines()[-1]
+    return Kubectl(kubeconfig)
+
+
+def _clean_up(kubectl: Kubectl, helm: str | None) -> None:
+    """Leave a cluster that was already running as it was: adapters and pools first (the operator removes
+    its finalizers), then the namespace and the chart release."""
+    _step("removing the demo's pool, adapters, namespace and chart release")
+    for kind in ("loraadapters", "lorapools"):
+        kubectl("delete", kind, "--all", "-n", NAMESPACE, "--wait=true", f"--timeout={WAIT_S}s", check=False)
+    kubectl("delete", "namespace", NAMESPACE, "--wait=true", f"--timeout={WAIT_S}s", check=False)
+    if helm is not None:
+        _run(helm, "uninstall", "kubelora", "-n", "kubelora-system", "--wait", env=kubectl.env, check=False)
+        kubectl("delete", "namespace", "kubelora-system", "--wait=true", f"--timeout={WAIT_S}s", check=False)
+
+
+def _build_helm() -> str:
+    return _run(str(REPO / "e2e" / "helm" / "build.sh")).strip().splitlines()[-1]
+
+
+def _install_chart(kubectl: Kubectl, helm: str) -> None:
+    _step("installing the Helm chart: CRDs, operator, RBAC")
+    _run(helm, "upgrade", "--install", "kubelora", str(REPO / "charts" / "kubelora"), "-n", "kubelora-system",
+         "--create-namespace", "--wait", "--timeout", "4m", env=kubectl.env)
+
+
+def _apply_pool_and_adapters(kubectl: Kubectl, root: Path) -> None:
+    kubectl("create", "namespace", NAMESPACE, check=False)
+    _step(f"kubectl apply: LoRAPool {POOL} (2 engine replicas, router) and {len(DEMO_ADAPTERS)} LoRAAdapters")
+    kubectl.apply(_pool_manifest(root))
+    for name, rank, _, _ in DEMO_ADAPTERS:
+        kubectl.apply(_adapter_manifest(name, rank, "all" if name == "tenant-a" else 1))
+    names = [f"loraadapter/{name}" for name, *_ in DEMO_ADAPTERS]
+    kubectl("wait", "-n", NAMESPACE, "--for=jsonpath={.status.phase}=Ready", *names, f"--timeout={WAIT_S}s")
+    print(kubectl("get", "lorapools,loraadapters", "-n", NAMESPACE), end="")
+
+
+def _call_through_router(router_ip: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{router_ip}:{ROUTER_PORT}/v1", api_key="demo")
+    _step(f"tenants call the router at {router_ip}:{ROUTER_PORT} with the openai SDK")
+    for prompt in DEMO_PROMPTS:
+        for model in (SERVED_NAME, *(name for name, *_ in DEMO_ADAPTERS)):
+            text = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                             temperature=0.0).choices[0].text
+            print(f"   [{model:>10}] {prompt!r} -> {text!r}")
+
+
+def _show_unload(kubectl: Kubectl, router_ip: str) -> None:
+    from openai import NotFoundError, OpenAI
+
+    _step("kubectl delete loraadapter tenant-b: the operator unloads it from its engines")
+    kubectl("delete", "loraadapter", "tenant-b", "-n", NAMESPACE, "--wait=true", f"--timeout={WAIT_S}s")
+    client = OpenAI(base_url=f"http://{router_ip}:{ROUTER_PORT}/v1", api_key="demo")
+
+    def refused() -> str | None:
+        try:
+            client.completions.create(model="tenant-b", prompt="hi", max_tokens=1)
+        except NotFoundError as err:
+            return str(err)
+        return None
+
+    print(f"   a request for tenant-b now: {_wait('tenant-b to be gone from the router', refused)}")
+
+
+def run_cluster_demo(workdir: Path, keep: bool) -> int:
+    if not (REPO / "e2e" / "cluster").exists():
+        raise SystemExit("the cluster demo needs the repository checkout (e2e/, charts/); try --engine-only")
+    _step(f"building a tiny Llama model and {len(DEMO_ADAPTERS)} PEFT adapters in {workdir}")
+    build_demo_material(workdir)
+    was_running = _cluster("status", check=False).returncode == 0
+    helm = _build_helm()
+    kubectl = _bring_up_cluster()
+    try:
+        _install_chart(kubectl, helm)
+        _apply_pool_and_adapters(kubectl, workdir)
+        router_ip = _wait("a ready router pod", lambda: _ready_pod_ip(kubectl, "router"))
+        _call_through_router(router_ip)
+        _show_unload(kubectl, router_ip)
+    finally:
+        if keep:
+            _step(f"left running: KUBECONFIG={kubectl.env['KUBECONFIG']} e2e/kubectl get pods -A -o wide")
+        elif was_running:
+            _clean_up(kubectl, helm)
+        else:
+            _step("stopping the cluster (e2e/cluster down)")
+            _cluster("down", check=False)
+    return 0
