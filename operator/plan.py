@@ -21,6 +21,7 @@ class ObservedAdapter:
     """One adapter card of `GET /v1/models`."""
     name: str
     source: str | None
+    sha256: str | None  # the digest the engine checked the load against (None: none given)
     content_revision: str | None
     residency: str
     loaded_at: float | None = None
@@ -28,7 +29,8 @@ class ObservedAdapter:
 
     @classmethod
     def from_card(cls, card: dict) -> ObservedAdapter:
-        return cls(name=card["id"], source=card.get("source"), content_revision=card.get("revision"),
+        return cls(name=card["id"], source=card.get("source"), sha256=card.get("sha256"),
+                   content_revision=card.get("revision"),
                    residency=card.get("residency", "known"), loaded_at=card.get("created"),
                    last_error=card.get("last_error"))
 
@@ -63,9 +65,9 @@ Action = Load | Unload
 
 
 def is_current(observed: ObservedAdapter | None, desired: DesiredAdapter, served_revision: str | None) -> bool:
-    """The pod has the desired source; `served_revision` (what the operator last loaded there, if known)
-    tells a changed sha256 under the same path or URL apart."""
-    if observed is None or observed.source != desired.lora_path:
+    """The pod has the desired source and sha256 (the engine's card echoes both, so this holds across operator
+    restarts); `served_revision` (what the operator last loaded there, if known) must match too."""
+    if observed is None or observed.source != desired.lora_path or observed.sha256 != desired.sha256:
         return False
     return served_revision is None or served_revision == desired.source_revision
 

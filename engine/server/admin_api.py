@@ -30,9 +30,11 @@ log = logging.getLogger("kubelora.engine.server")
 
 
 def model_card(serving: Serving, info: AdapterInfo) -> dict:
-    source = serving.requested_sources.get((info.name, info.revision), info.path)
+    requested = serving.requested_sources.get((info.name, info.revision))
+    source, sha256 = (requested.lora_path, requested.sha256) if requested else (info.path, None)
     return {"id": info.name, "object": "model", "created": int(info.loaded_at), "owned_by": "kubelora",
-            "root": info.path, "source": source, "parent": serving.model_name, "revision": info.revision,
+            "root": info.path, "source": source, "sha256": sha256, "parent": serving.model_name,
+            "revision": info.revision,
             "residency": info.tier, "rank": info.rank, "targets": list(info.targets),
             "is_loading": info.is_loading, "last_error": info.last_error}
 
@@ -91,7 +93,7 @@ class AdminRoutes:
                       error=str(exc))
             raise
         seconds = time.monotonic() - started
-        serving.remember_source(req.lora_name, info.revision, req.lora_path)
+        serving.remember_source(req.lora_name, info.revision, req.lora_path, req.sha256)
         if not is_same:
             serving.metrics.observe_load(req.lora_name, seconds)
         log_event(log, "adapter_loaded", adapter=req.lora_name, revision=info.revision, residency=info.tier,

@@ -114,7 +114,7 @@ def _load_startup_adapter(serving: Serving, name: str, path: str) -> None:
         raise ValueError(f"--lora name {name!r} is the base model's served name")
     local = resolve_source(serving.sources, path).path if path.startswith(("http://", "https://")) else path
     info = serving.adapters.load(name, local)
-    serving.requested_sources[(name, info.revision)] = path  # before the loop serves any request
+    serving.remember_source(name, info.revision, path)  # before the loop serves any request
     log_event(log, "adapter_loaded", adapter=name, revision=info.revision, residency=info.tier, source=path)
 
 

@@ -16,6 +16,11 @@ from kubelora.engine.server.sources import SourceConfig
 
 
 @dataclass(frozen=True)
+class RequestedSource:
+    lora_path: str  # as the load call wrote it
+    sha256: str | None  # the digest the load was checked against, if one was given
+
+@dataclass(frozen=True)
 class Serving:
     engine: AsyncEngine
     tokenizer: object  # the server's own HF tokenizer (the engine thread uses another instance)
@@ -25,18 +30,19 @@ class Serving:
     sources: SourceConfig
     admin_pool: ThreadPoolExecutor  # adapter fetch + load: blocking I/O, never on the loop
     started_at: float
-    # (adapter name, revision) -> the lora_path it was loaded from, as the caller wrote it (a URL stays a URL):
-    # the operator compares it with the source it wants. Only touched on the event loop.
-    requested_sources: dict[tuple[str, str], str] = field(default_factory=dict)
+    # (adapter name, revision) -> the lora_path it was loaded from, as the caller wrote it (a URL stays a URL),
+    # and the sha256 it was checked against: the operator compares both with the source it wants.
+    # Only touched on the event loop.
+    requested_sources: dict[tuple[str, str], RequestedSource] = field(default_factory=dict)
 
     @property
     def adapters(self):
         return self.engine.engine.adapters
 
-    def remember_source(self, name: str, revision: str, source: str) -> None:
+    def remember_source(self, name: str, revision: str, source: str, sha256: str | None = None) -> None:
         for key in [k for k in self.requested_sources if k[0] == name]:
             del self.requested_sources[key]
-        self.requested_sources[(name, revision)] = source
+        self.requested_sources[(name, revision)] = RequestedSource(source, sha256)
 
     def forget_source(self, name: str) -> None:
         for key in [k for k in self.requested_sources if k[0] == name]:

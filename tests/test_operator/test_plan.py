@@ -5,7 +5,7 @@ B = DesiredAdapter("b", "/adapters/b", None, "rev-b")
 
 
 def seen(name, source, residency="host"):
-    return ObservedAdapter(name, source, "c0ffee", residency)
+    return ObservedAdapter(name, source, None, "c0ffee", residency)
 
 
 def test_empty_pod_gets_placed_preloaded_and_others_registered():
@@ -47,3 +47,17 @@ def test_adapter_cards_parse():
             "last_error": None, "parent": "base"}
     observed = ObservedAdapter.from_card(card)
     assert observed.is_resident and observed.content_revision == "abc" and observed.loaded_at == 5
+
+
+def test_a_changed_sha256_under_the_same_path_is_reloaded_even_without_memory_of_past_loads():
+    # After an operator restart `served_revisions` is empty: the engine's echoed sha256 tells the change apart.
+    pinned = DesiredAdapter("a", "/adapters/a", "ab" * 32, "rev-a2")
+    observed = {"a": ObservedAdapter("a", "/adapters/a", "cd" * 32, "c0ffee", "host")}
+    assert plan_pod("p", {"a": pinned}, {"a"}, observed, {}) == [Load("p", pinned, is_preload=True, is_inplace=True)]
+    same = {"a": ObservedAdapter("a", "/adapters/a", "ab" * 32, "c0ffee", "host")}
+    assert plan_pod("p", {"a": pinned}, {"a"}, same, {}) == []
+
+
+def test_adapter_cards_echo_sha256():
+    card = {"id": "a", "source": "/adapters/a", "sha256": "ab" * 32, "revision": "abc", "residency": "known"}
+    assert ObservedAdapter.from_card(card).sha256 == "ab" * 32

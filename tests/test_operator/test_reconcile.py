@@ -44,7 +44,8 @@ class FakeEngine:
         if self.fail_next.get(name):
             self.fail_next[name] -= 1
             return web.json_response({"error": {"type": "server_error", "message": "boom"}}, status=503)
-        card = {"id": name, "parent": "base", "source": body["lora_path"], "revision": body["lora_path"][-6:],
+        card = {"id": name, "parent": "base", "source": body["lora_path"], "sha256": body.get("sha256"),
+                "revision": body["lora_path"][-6:],
                 "residency": "host" if body.get("preload", True) else "known", "created": 1}
         self.adapters[name] = card
         return web.json_response({"adapter": card, "was_loaded": False})
