@@ -6,10 +6,14 @@ Every setting is one row of `SETTINGS`; `add_arguments`, `resolve_config` and do
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from kubelora.engine import settings
+from kubelora.engine.settings import Setting
 
 ENV_PREFIX = "KUBELORA_ROUTER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -17,35 +21,21 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-@dataclass(frozen=True)
-class Setting:
-    flag: str
-    parse: Callable[[str], object]
-    help: str
-    default: object = None
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
-
+_setting = functools.partial(Setting, env_prefix=ENV_PREFIX)
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("--pool", str, "LoRAPool name (labels, logs; default ConfigMap name <pool>-placement)"),
-    Setting("--namespace", str, "namespace of the pool (default: the service account's namespace)"),
-    Setting("--placement-configmap", str, "ConfigMap holding placement.json (default: <pool>-placement)"),
-    Setting("--placement-file", str, "read placement.json from this file instead of Kubernetes (tests, no cluster)"),
-    Setting("--kubeconfig", str, "kubeconfig file (default: in-cluster config)"),
-    Setting("--host", str, "listen address", default="0.0.0.0"),
-    Setting("--port", int, "listen port (0: a free port)", default=8080),
-    Setting("--load-factor", float, "a replica above load-factor x the average in-flight passes a request on",
-            default=1.25),
-    Setting("--poll-interval", float, "seconds between placement reads", default=1.0),
-    Setting("--connect-timeout", float, "seconds to connect to a replica before trying the next", default=5.0),
-    Setting("--log-level", str, "debug, info, warning or error", default="info"),
+    _setting("--pool", str, "LoRAPool name (labels, logs; default ConfigMap name <pool>-placement)"),
+    _setting("--namespace", str, "namespace of the pool (default: the service account's namespace)"),
+    _setting("--placement-configmap", str, "ConfigMap holding placement.json (default: <pool>-placement)"),
+    _setting("--placement-file", str, "read placement.json from this file instead of Kubernetes (tests, no cluster)"),
+    _setting("--kubeconfig", str, "kubeconfig file (default: in-cluster config)"),
+    _setting("--host", str, "listen address", default="0.0.0.0"),
+    _setting("--port", int, "listen port (0: a free port)", default=8080),
+    _setting("--load-factor", float, "a replica above load-factor x the average in-flight passes a request on",
+             default=1.25),
+    _setting("--poll-interval", float, "seconds between placement reads", default=1.0),
+    _setting("--connect-timeout", float, "seconds to connect to a replica before trying the next", default=5.0),
+    _setting("--log-level", str, "debug, info, warning or error", default="info"),
 )
 
 
@@ -79,9 +69,8 @@ class RouterConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for setting in SETTINGS:
-        parser.add_argument(setting.flag, dest=setting.dest, default=None,
-                            help=f"{setting.help} [env {setting.env}]")
+    # Untyped: `resolve_config` parses flag and environment text alike and names both in its error.
+    settings.add_arguments(parser, SETTINGS, is_typed=False)
 
 
 def resolve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
@@ -89,9 +78,7 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str] | None =
     environ = os.environ if environ is None else environ
     values: dict[str, object] = {}
     for setting in SETTINGS:
-        text = getattr(args, setting.dest, None)
-        if text is None:
-            text = environ.get(setting.env) or None
+        text = settings.given_value(setting, args, environ)
         if text is None:
             continue
         try:

@@ -9,17 +9,16 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import signal
 from collections.abc import Callable
 
 from aiohttp import web
 
+from kubelora.engine.aio_serve import run_app
 from kubelora.engine.server import config as server_config
 from kubelora.engine.server.app import LIFECYCLE, build_app
 from kubelora.engine.server.logs import configure_logging, log_event
 
 log = logging.getLogger("kubelora.engine.server")
-SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,28 +49,8 @@ async def serve(app: web.Application, host: str, port: int, stop: asyncio.Event 
 
     `on_listening` gets the bound addresses (port 0 binds a free port).
     """
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (RuntimeError, ValueError):  # not the main thread (tests): the caller sets `stop`
-            pass
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine requests.
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log_event(log, "listening", addresses=[list(a)[:2] for a in runner.addresses])
-    if on_listening is not None:
-        on_listening(list(runner.addresses))
     lifecycle = app[LIFECYCLE]
-    stopped = asyncio.ensure_future(stop.wait())
-    failed = asyncio.ensure_future(_wait_failed(lifecycle))
-    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
-    for task in (stopped, failed):
-        task.cancel()
-    await runner.cleanup()
+    await run_app(app, host, port, log, stop=stop, on_listening=on_listening, until=lambda: _wait_failed(lifecycle))
     log_event(log, "stopped", is_failure=lifecycle.failure is not None)
     return 1 if lifecycle.failure is not None else 0
 

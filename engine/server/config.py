@@ -7,11 +7,15 @@ Every setting has one row in `SETTINGS` (flag, environment variable, parser, def
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kubelora.engine import settings
+from kubelora.engine.settings import Setting, parse_bool
 
 ENV_PREFIX = "KUBELORA_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -19,31 +23,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 
 
-@dataclass(frozen=True)
-class Setting:
-    flag: str
-    parse: Callable[[str], object]
-    help: str
-    default: object = None
-    is_list: bool = False  # repeatable flag; comma-separated in the environment
-    is_switch: bool = False  # --flag / --no-flag; true/false in the environment
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
-
-
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected true/false, got {text!r}")
+# Every row gets the server's prefix; the router binds its own.
+_setting = functools.partial(Setting, env_prefix=ENV_PREFIX)
 
 
 def _lora(text: str) -> tuple[str, str]:
@@ -54,28 +35,28 @@ def _lora(text: str) -> tuple[str, str]:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("--model", str, "base model directory (Hugging Face layout, safetensors)"),
-    Setting("--served-model-name", str, "name clients use for the base model (default: the model directory's name)"),
-    Setting("--lora", _lora, "adapter to load at start, NAME=PATH (repeatable)", is_list=True),
-    Setting("--max-loras", int, "distinct adapters in one batch (adapter slots on the device)"),
-    Setting("--max-lora-rank", int, "largest adapter rank accepted"),
-    Setting("--max-cpu-loras", int, "adapters kept in host memory (LRU)"),
-    Setting("--max-model-len", int, "prompt plus completion tokens per request"),
-    Setting("--max-num-seqs", int, "sequences in one batch", default=64),
-    Setting("--max-waiting-requests", int, "queued requests before 429", default=1024),
-    Setting("--max-lora-pool-bytes", int, "device adapter pool budget (default: max-loras x max-lora-rank rows)"),
-    Setting("--strict-base-model", _bool, "refuse adapters whose base_model_name_or_path names another model",
-            default=False, is_switch=True),
-    Setting("--device", str, "cpu, cuda or cuda:N", default="cpu"),
-    Setting("--dtype", str, "weights dtype: auto, float32, float16, bfloat16", default="auto"),
-    Setting("--host", str, "listen address", default="0.0.0.0"),
-    Setting("--port", int, "listen port", default=8000),
-    Setting("--admin-token-file", str, "file holding the bearer token for the adapter admin endpoints"),
-    Setting("--adapter-root", str, "directory local adapter paths must lie under (repeatable)", is_list=True),
-    Setting("--adapter-url-host", str, "host[:port] adapter URLs may name (repeatable)", is_list=True),
-    Setting("--adapter-cache-dir", str, "where downloaded adapters are stored", default="/tmp/kubelora-adapters"),
-    Setting("--max-adapter-bytes", int, "largest adapter download or archive content", default=2 << 30),
-    Setting("--log-level", str, "debug, info, warning or error", default="info"),
+    _setting("--model", str, "base model directory (Hugging Face layout, safetensors)"),
+    _setting("--served-model-name", str, "name clients use for the base model (default: the model directory's name)"),
+    _setting("--lora", _lora, "adapter to load at start, NAME=PATH (repeatable)", is_list=True),
+    _setting("--max-loras", int, "distinct adapters in one batch (adapter slots on the device)"),
+    _setting("--max-lora-rank", int, "largest adapter rank accepted"),
+    _setting("--max-cpu-loras", int, "adapters kept in host memory (LRU)"),
+    _setting("--max-model-len", int, "prompt plus completion tokens per request"),
+    _setting("--max-num-seqs", int, "sequences in one batch", default=64),
+    _setting("--max-waiting-requests", int, "queued requests before 429", default=1024),
+    _setting("--max-lora-pool-bytes", int, "device adapter pool budget (default: max-loras x max-lora-rank rows)"),
+    _setting("--strict-base-model", parse_bool, "refuse adapters whose base_model_name_or_path names another model",
+             default=False, is_switch=True),
+    _setting("--device", str, "cpu, cuda or cuda:N", default="cpu"),
+    _setting("--dtype", str, "weights dtype: auto, float32, float16, bfloat16", default="auto"),
+    _setting("--host", str, "listen address", default="0.0.0.0"),
+    _setting("--port", int, "listen port", default=8000),
+    _setting("--admin-token-file", str, "file holding the bearer token for the adapter admin endpoints"),
+    _setting("--adapter-root", str, "directory local adapter paths must lie under (repeatable)", is_list=True),
+    _setting("--adapter-url-host", str, "host[:port] adapter URLs may name (repeatable)", is_list=True),
+    _setting("--adapter-cache-dir", str, "where downloaded adapters are stored", default="/tmp/kubelora-adapters"),
+    _setting("--max-adapter-bytes", int, "largest adapter download or archive content", default=2 << 30),
+    _setting("--log-level", str, "debug, info, warning or error", default="info"),
 )
 REQUIRED = ("model", "max_loras", "max_lora_rank", "max_cpu_loras", "max_model_len")
 
@@ -128,15 +109,7 @@ class ServerConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every flag defaults to None, so `resolve_config` can tell 'not given' from 'given'."""
-    for s in SETTINGS:
-        help_text = f"{s.help} [env {s.env}]"
-        if s.is_switch:
-            parser.add_argument(s.flag, dest=s.dest, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-            continue
-        action = "append" if s.is_list else "store"
-        parser.add_argument(s.flag, dest=s.dest, type=s.parse, action=action, default=None, help=help_text)
+    settings.add_arguments(parser, SETTINGS)
 
 
 def _from_env(s: Setting, environ: Mapping[str, str]) -> object:
@@ -165,9 +138,7 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str] | None =
     environ = os.environ if environ is None else environ
     values: dict[str, object] = {}
     for s in SETTINGS:
-        value = getattr(args, s.dest, None)
-        if value is None:
-            value = _from_env(s, environ)
+        value = settings.given_value(s, args, environ, _from_env)
         if value is None:
             value = s.default
         if s.is_list:

@@ -40,15 +40,20 @@ def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **f
 
 def configure_logging(level: str) -> None:
     """JSON lines on stderr for every logger (ours, aiohttp's, the engine's)."""
+    install_json_handler(level)
+    # aiohttp's access log duplicates our request events.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.captureWarnings(True)  # warnings.warn(...) becomes a JSON line too
+    _route_transformers_logs()
+
+
+def install_json_handler(level: str) -> None:
+    """Only the root handler and level: torch-free callers (the router) use this without `configure_logging`."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # aiohttp's access log duplicates our request events.
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    logging.captureWarnings(True)  # warnings.warn(...) becomes a JSON line too
-    _route_transformers_logs()
 
 
 def _route_transformers_logs() -> None:

@@ -1,0 +1,68 @@
+"""Settings tables shared by the engine server and the router: one `Setting` row per flag and environment variable.
+
+Each entry point keeps its own table, env prefix and config dataclass; this module only turns a table into argparse
+flags and finds a setting's text (flag first, environment second). Stdlib only: the router must stay torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    flag: str
+    parse: Callable[[str], object]
+    help: str
+    default: object = None
+    is_list: bool = False  # repeatable flag; comma-separated in the environment
+    is_switch: bool = False  # --flag / --no-flag; true/false in the environment
+    env_prefix: str = ""  # each table binds its own prefix (KUBELORA_, KUBELORA_ROUTER_) with functools.partial
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return self.env_prefix + self.dest.upper()
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, settings: tuple[Setting, ...], *, is_typed: bool = True) -> None:
+    """Every flag defaults to None, so resolution can tell 'not given' from 'given'.
+
+    `is_typed`: argparse parses flag values with `Setting.parse`; False keeps them text, for a caller that parses
+    flag and environment text alike (and names both in its error).
+    """
+    for s in settings:
+        help_text = f"{s.help} [env {s.env}]"
+        if s.is_switch:
+            parser.add_argument(s.flag, dest=s.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+            continue
+        action = "append" if s.is_list else "store"
+        parser.add_argument(s.flag, dest=s.dest, type=s.parse if is_typed else None, action=action, default=None,
+                            help=help_text)
+
+
+def env_text(s: Setting, environ: Mapping[str, str]) -> str | None:
+    """The variable's text; None when it is unset or empty (the chart renders unset values as "")."""
+    return environ.get(s.env) or None
+
+
+def given_value(s: Setting, args: argparse.Namespace, environ: Mapping[str, str],
+                read_env: Callable[[Setting, Mapping[str, str]], object] = env_text) -> object:
+    """The flag's value if given, else `read_env`'s; None when neither is set (the caller picks the default)."""
+    value = getattr(args, s.dest, None)
+    return read_env(s, environ) if value is None else value
