@@ -19,7 +19,8 @@ class Detokenizer:
     def update(self, seq: Sequence, is_finished: bool) -> bool:
         """Refresh seq.text after new tokens; True when a stop string matched (the caller finishes it)."""
         params = seq.params
-        full = self._tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        tail = self._decode_tail(seq, params.skip_special_tokens)  # first: it may move text into decoded_text
+        full = seq.decoded_text + tail
         stop_at = _find_stop(full, params.stop, start=max(0, len(seq.text) - _longest(params.stop)))
         if stop_at is not None:
             index, stop = stop_at
@@ -27,6 +28,28 @@ class Detokenizer:
             return True
         seq.text = full if is_finished else _stable_prefix(full, params.stop)
         return False
+
+    def _decode_tail(self, seq: Sequence, skip_special_tokens: bool) -> str:
+        """The text of the tokens after read_offset, decoding only a short window each step (decoding the
+        whole output every step is quadratic in its length, on the engine thread).
+
+        The window starts at prefix_offset so that tokenizers whose decoding depends on the previous token
+        (a leading space dropped at the start of a decode) give the same characters; the offsets only move
+        once the new text is complete (no trailing U+FFFD of a split UTF-8 character).
+        """
+        ids = seq.output_token_ids
+        context = self._tokenizer.decode(ids[seq.prefix_offset : seq.read_offset],
+                                         skip_special_tokens=skip_special_tokens)
+        window = self._tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip_special_tokens)
+        if not window.startswith(context):  # the new tokens changed earlier characters: decode it all again
+            seq.decoded_text, seq.prefix_offset, seq.read_offset = "", 0, 0
+            context, window = "", self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        tail = window[len(context) :]
+        if tail and not tail.endswith(REPLACEMENT_CHAR):
+            seq.decoded_text += tail
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+            return ""
+        return tail
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:

@@ -48,6 +48,11 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     first_token_time: float | None = None
     text: str = ""  # stable decoded output (stop strings removed, incomplete characters held back)
+    # Incremental detokenization (engine/detokenizer.py): output_token_ids[:read_offset] decode to
+    # decoded_text; [prefix_offset:read_offset] is the context re-decoded with the new tokens.
+    decoded_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
     error: str | None = None
     num_preemptions: int = 0
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # with params.return_logits: [vocab] each

@@ -90,3 +90,27 @@ def test_stream_text_holds_back_partial_stop_strings_and_characters():
     assert _stable_prefix("hello w", ("xyz",)) == "hello w"
     assert _stable_prefix("abc\ufffd", ()) == "abc"
     assert _stable_prefix("a##", ("###", "#!")) == "a"
+
+
+def test_incremental_detokenization_equals_decoding_everything(llama):
+    """The engine decodes a short window per step; the text must equal one decode of all output tokens,
+    at every step, for random ids (split multi-byte characters and special tokens included)."""
+    from transformers import AutoTokenizer
+
+    from kubelora.engine.detokenizer import Detokenizer, _stable_prefix
+    from kubelora.engine.sequence import Sequence
+
+    tokenizer = AutoTokenizer.from_pretrained(llama.model_dir)
+    detokenizer = Detokenizer(tokenizer)
+    generator = torch.Generator().manual_seed(7)
+    for skip_special in (True, False):
+        params = SamplingParams(max_tokens=200, skip_special_tokens=skip_special)
+        seq = Sequence(request_id="r", prompt_token_ids=[1], params=params, adapter_name=None, adapter=None,
+                       max_tokens=200, arrival_time=0.0)
+        for token in torch.randint(0, len(tokenizer), (200,), generator=generator).tolist():
+            seq.output_token_ids.append(token)
+            assert not detokenizer.update(seq, is_finished=False)
+            full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip_special)
+            assert seq.text == _stable_prefix(full, ())
+        detokenizer.update(seq, is_finished=True)
+        assert seq.text == tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip_special)
