@@ -9,6 +9,8 @@ from __future__ import annotations
 import stat
 import tarfile
 import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -42,47 +44,49 @@ def extract_archive(archive: Path, url_path: str, dest: Path, *, max_bytes: int)
         raise _refuse(f"cannot read the adapter archive: {exc}") from None
 
 
+@dataclass(frozen=True)
+class _Member:
+    """One archive entry, whatever the format: checked first, extracted only once every entry passed."""
+    name: str
+    is_dir: bool
+    is_regular: bool  # a plain file or a directory; links, devices and fifos are not
+    size: int
+    open: Callable[[], BinaryIO]
+
+
 def _extract_tar(archive: Path, dest: Path, max_bytes: int) -> None:
     with tarfile.open(archive, mode="r:*") as tar:
-        members = tar.getmembers()
-        total = 0
-        for member in members:
-            _safe_relative(member.name)
-            if not (member.isfile() or member.isdir()):
-                raise _refuse(f"archive member {member.name!r} is a link or a special file")
-            total += member.size
-            if total > max_bytes:
-                raise _refuse(f"archive content exceeds {max_bytes} bytes")
-        for member in members:
-            target = dest / _safe_relative(member.name)
-            if member.isdir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tar.extractfile(member) as src, open(target, "wb") as out:
-                _copy_at_most(src, out, member.size)
+        _extract_members([_Member(m.name, m.isdir(), m.isfile() or m.isdir(), m.size,
+                                  lambda m=m: tar.extractfile(m)) for m in tar.getmembers()], dest, max_bytes)
 
 
 def _extract_zip(archive: Path, dest: Path, max_bytes: int) -> None:
     with zipfile.ZipFile(archive) as zf:
-        infos = zf.infolist()
-        total = 0
-        for info in infos:
-            _safe_relative(info.filename)
+        members = []
+        for info in zf.infolist():
             kind = stat.S_IFMT(info.external_attr >> 16)  # 0 when the writer stored no Unix mode
-            if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
-                raise _refuse(f"archive member {info.filename!r} is a link or a special file")
-            total += info.file_size
-            if total > max_bytes:
-                raise _refuse(f"archive content exceeds {max_bytes} bytes")
-        for info in infos:
-            target = dest / _safe_relative(info.filename)
-            if info.is_dir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with zf.open(info) as src, open(target, "wb") as out:
-                _copy_at_most(src, out, info.file_size)
+            members.append(_Member(info.filename, info.is_dir(), kind in (0, stat.S_IFREG, stat.S_IFDIR),
+                                   info.file_size, lambda info=info: zf.open(info)))
+        _extract_members(members, dest, max_bytes)
+
+
+def _extract_members(members: list[_Member], dest: Path, max_bytes: int) -> None:
+    total = 0
+    for member in members:
+        _safe_relative(member.name)
+        if not member.is_regular:
+            raise _refuse(f"archive member {member.name!r} is a link or a special file")
+        total += member.size
+        if total > max_bytes:
+            raise _refuse(f"archive content exceeds {max_bytes} bytes")
+    for member in members:
+        target = dest / _safe_relative(member.name)
+        if member.is_dir:
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with member.open() as src, open(target, "wb") as out:
+            _copy_at_most(src, out, member.size)
 
 
 def _copy_at_most(src: BinaryIO, out: BinaryIO, size: int) -> None:
