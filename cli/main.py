@@ -51,9 +51,9 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:
-    from kubelora.kernels.bench_lora import run
+    from kubelora.kernels.bench_lora import main as bench_main  # imports torch: only when benchmarking
 
-    return run(args)
+    return bench_main(args.rest)
 
 
 _SIZE_FLAGS = {
@@ -127,11 +127,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (side by side with baselines, in one run)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    kernels = kinds.add_parser("kernels", help="LoRA kernels vs PyTorch baselines and the bytes floor (CUDA)")
-    from kubelora.kernels.bench_lora import add_arguments
-
-    add_arguments(kernels)
-    kernels.set_defaults(func=_run_bench_kernels)
+    _add_passthrough(kinds, "kernels", "LoRA kernels vs PyTorch baselines and the bytes floor (CUDA)",
+                     _run_bench_kernels)
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -153,15 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_PASSTHROUGH = {"operator": _run_operator, "router": _run_router}
+# Command words whose module owns its parser; argparse's REMAINDER would refuse options right after them.
+_PASSTHROUGH = {("operator",): _run_operator, ("router",): _run_router, ("bench", "kernels"): _run_bench_kernels}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _PASSTHROUGH:
-        # These modules own their parsers; argparse's REMAINDER would refuse options right after the name.
-        rest = argv[1:][1:] if argv[1:2] == ["--"] else argv[1:]
-        return _PASSTHROUGH[argv[0]](argparse.Namespace(rest=rest))
+    for words, run in _PASSTHROUGH.items():
+        if tuple(argv[: len(words)]) == words:
+            rest = argv[len(words) :]
+            return run(argparse.Namespace(rest=rest[1:] if rest[:1] == ["--"] else rest))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -87,7 +87,8 @@ def test_make_adapter_rejects_unknown_targets(tmp_path: Path, qwen_dir: Path):
         make_adapter(tmp_path / "bad", qwen_dir, targets="q_proj,lm_head_typo")
 
 
-@pytest.mark.parametrize("command, flag", [("operator", "--resync-seconds"), ("router", "--placement-configmap")])
-def test_operator_and_router_take_their_own_options(command: str, flag: str):
+@pytest.mark.parametrize("command, flag", [("operator", "--resync-seconds"), ("router", "--placement-configmap"),
+                                           ("bench kernels", "--no-baselines")])
+def test_passthrough_commands_take_their_own_options(command: str, flag: str):
     # Options right after the subcommand go to the owning module's parser (no `--` needed).
-    assert flag in _run(command, "--help")
+    assert flag in _run(*command.split(), "--help")
