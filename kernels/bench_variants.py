@@ -26,31 +26,33 @@ def _fused(**changes):
     return plan_for
 
 
-def _split(**changes):
-    """A split plan (with PDL) with KernelConfig changes."""
+def _forced(path: LoRAPath, is_pdl: bool = True, **changes):
+    """A plan on path (PDL on unless told) with KernelConfig changes."""
 
     def plan_for(step: LoRAStep) -> LaunchPlan:
-        plan = forced_plan(step, LoRAPath.SPLIT, is_pdl=True)
+        plan = forced_plan(step, path, is_pdl=is_pdl)
         return replace(plan, split=replace(plan.split, **changes))
 
     return plan_for
 
 
 # label -> (prepare_lora_step keyword changes, the plan for the step; None: the step's own choice).
-# max_tiles=0 is v4's tile height policy (the largest slot group decides). Run 8 also timed "v4" (max_tiles=0,
-# is_folded=False, no PDL) and fused with target_programs 64 / 256 and block_k 128 (docs/kernels.md).
+# Run 8 also timed v4's tile policy and table and fused with target_programs 64 / 256 and block_k 128; run 9
+# split+pdl with max_split 16 / 32 and fused with 512 / 1024-wide in_dim steps (docs/kernels.md).
 PATH_VARIANTS = {
-    "split": ({}, lambda step: forced_plan(step, LoRAPath.SPLIT, is_pdl=False)),
-    "split+pdl": ({}, lambda step: forced_plan(step, LoRAPath.SPLIT, is_pdl=True)),
-    "pdl max_split 16": ({}, _split(max_split=16)),
-    "pdl max_split 32": ({}, _split(max_split=32, target_programs=1024)),
-    "pdl block_k 256": ({}, _split(block_k=256)),
-    "fused": ({}, lambda step: forced_plan(step, LoRAPath.FUSED)),
-    "fused k512": ({}, _fused(block_k=512)),
-    "fused k1024 s2": ({}, _fused(block_k=1024, stages=2)),
+    "split": ({}, _forced(LoRAPath.SPLIT, is_pdl=False)),
+    "split+pdl": ({}, _forced(LoRAPath.SPLIT)),
+    "pdl block_k 256": ({}, _forced(LoRAPath.SPLIT, block_k=256)),
+    "signal": ({}, _forced(LoRAPath.SIGNAL, is_pdl=False)),
+    "signal+pdl": ({}, _forced(LoRAPath.SIGNAL)),
+    "signal+pdl s1": ({}, _forced(LoRAPath.SIGNAL, expand_stages=1)),
+    "signal+pdl k256": ({}, _forced(LoRAPath.SIGNAL, block_k=256)),
+    "signal+pdl k256 s1": ({}, _forced(LoRAPath.SIGNAL, block_k=256, expand_stages=1)),
+    "signal+pdl split16": ({}, _forced(LoRAPath.SIGNAL, max_split=16, target_programs=1024)),
+    "fused": ({}, _forced(LoRAPath.FUSED)),
     "auto": ({}, None),
 }
-PDL_VARIANTS = {"split+pdl", "pdl max_split 16", "pdl max_split 32", "pdl block_k 256"}  # only with --pdl
+PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
 
 def _with_step(sets: list[BenchSet], shape: Shape, step_changes: dict) -> LoRAStep:

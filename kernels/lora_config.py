@@ -91,6 +91,9 @@ class LoRAPath(enum.Enum):
     """How one projection call runs (per group of up to MAX_SLICES slices)."""
 
     SPLIT = "split"  # shrink (in_dim split, last arrival sums) then expand: two launches
+    # Two launches; the expand starts each tile once its (tile, rank chunk) arrival counters are complete and
+    # sums the shrink's partials itself: no t, no wait for the whole shrink grid (docs/kernels.md, v6).
+    SIGNAL = "signal"
     FUSED = "fused"  # one launch: each column program recomputes its tile's shrink
 
 

@@ -13,17 +13,18 @@ import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision
-from kubelora.kernels.lora_tile import gdc_wait, tile_meta, uses_pdl
+from kubelora.kernels.lora_shrink import ShrinkOut, arrival_counters
+from kubelora.kernels.lora_tile import gdc_wait, release_tile, sum_splits, tile_meta, uses_pdl, wait_arrivals
 
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
+    y_ptr, b0_ptr, b1_ptr, b2_ptr, parts_ptr, counters_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, lanes,
+    y_stride, lanes, plane, split_k, num_chunks, num_tiles,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, MAX_CHUNKS: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr,
+    B_FIRST: tl.constexpr, USE_PDL: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     pid_n = tl.program_id(0)
@@ -65,29 +66,41 @@ def _expand_kernel(
     y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    t_rows = t_ptr + ((start + offs_m) * NUM_S + j)[:, None] * lanes
+    # t (split_k == 1) or the shrink's K-split partials (signal path), summed here: [split_k, sorted, NUM_S, lanes].
+    t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes
+    arrivals_ptr = counters_ptr + tile * num_chunks
     r_first = 0
     if B_FIRST:
         # The first B chunk is requested before t. Launched early (programmatic dependent launch, USE_PDL
-        # implies B_FIRST): metadata, y and that chunk load while the shrink still runs; t is complete only
-        # past the wait.
+        # implies B_FIRST) or on the signal path: metadata, y and that chunk load while the shrink still runs.
         lanes0 = tl.arange(0, BLOCK_R)
         b0_mask = (lanes0 < rank)[:, None] & n_mask[None, :]
         b0 = tl.load(b_ptr + (row + lanes0)[:, None] * width + offs_n[None, :], mask=b0_mask, other=0.0)
-        if USE_PDL:
+        if SIGNAL:  # t's rank chunks of this tile are complete once their counters read split_k
+            wait_arrivals(arrivals_ptr, tl.where(count > 0, tl.cdiv(rank, BLOCK_R), 0), split_k)
+        elif USE_PDL:  # t is complete once the whole shrink grid is
             gdc_wait()
-        t0 = tl.load(t_rows + lanes0[None, :], mask=m_mask[:, None] & (lanes0 < rank)[None, :], other=0.0)
+        t_mask = m_mask[:, None] & (lanes0 < rank)[None, :]
+        t0 = sum_splits(parts_ptr, t_rows + lanes0[None, :], plane, split_k, t_mask, SPLIT)
         acc = tl.dot((t0 * scale).to(b0.dtype), b0, acc, input_precision=PRECISION)
         r_first = BLOCK_R
+    elif SIGNAL:
+        wait_arrivals(arrivals_ptr, tl.where(count > 0, tl.cdiv(rank, BLOCK_R), 0), split_k)
     # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
     for r0 in range(r_first, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
-        t = tl.load(t_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        t = sum_splits(parts_ptr, t_rows + offs_r[None, :], plane, split_k, m_mask[:, None] & r_mask[None, :], SPLIT)
         b_mask = r_mask[:, None] & n_mask[None, :]
         b = tl.load(b_ptr + (row + offs_r)[:, None] * width + offs_n[None, :], mask=b_mask, other=0.0)
         acc = tl.dot((t * scale).to(b.dtype), b, acc, input_precision=PRECISION)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
+    if SIGNAL:
+        if count > 0:
+            release_tile(arrivals_ptr, counters_ptr + num_tiles * num_chunks + tile, num_chunks,
+                         tl.num_programs(0), MAX_CHUNKS)
+        if USE_PDL:  # never wait on it for data (the counters do that), but end after the shrink grid
+            gdc_wait()
 
 
 def lora_expand(
@@ -106,21 +119,41 @@ def lora_expand(
     lora_b[j]: [num_rows, d_j], the pool of slice slices[j]; y_offsets[j]: its first column in y.
     Rows of tokens without adapter and slices of rank 0 are not touched.
     """
+    assert t.is_contiguous()
+    counters = arrival_counters(t.device, 1)  # not read without the signal path
+    launch_expand(y, ShrinkOut(t[None], 1, counters, t.shape[2] // BLOCK_R, False), lora_b, proj, step, slices,
+                  y_offsets, config)
+
+
+def launch_expand(
+    y: torch.Tensor,
+    shrunk: ShrinkOut,
+    lora_b: list[torch.Tensor],
+    proj: LoRAProj,
+    step: LoRAStep,
+    slices: list[int],
+    y_offsets: list[int],
+    config: KernelConfig,
+) -> None:
+    """The expand launch (see `lora_expand`) on a shrink's output: t, or the partials of the signal path."""
     assert 1 <= len(slices) <= MAX_SLICES and len(lora_b) == len(slices) == len(y_offsets)
-    assert y.stride(1) == 1 and t.is_contiguous() and all(b.is_contiguous() for b in lora_b)
+    assert y.stride(1) == 1 and all(b.is_contiguous() for b in lora_b)
+    parts = shrunk.parts
     widths = [b.shape[1] for b in lora_b]
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
     pad = MAX_SLICES - len(slices)
     use_pdl = uses_pdl(config.is_pdl, y.device)
     _expand_kernel[(sum(num_blocks), step.num_tiles)](
-        y, *(lora_b + [lora_b[0]] * pad), t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, proj.scale,
-        *(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
-        *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2],
-        y.stride(0), t.shape[2],
+        y, *(lora_b + [lora_b[0]] * pad), parts, shrunk.counters, step.sorted_tokens, step.tiles, proj.rank,
+        proj.row_start, proj.scale, *(slices + [slices[0]] * pad), proj.rank.stride(0),
+        *(widths + [widths[0]] * pad), *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2],
+        y.stride(0), parts.shape[3], parts[0].numel(), shrunk.split_k, shrunk.num_chunks, step.num_tiles,
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
-        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=config.is_pdl, USE_PDL=use_pdl,
-        PRECISION=dot_precision(lora_b[0].dtype), num_warps=config.expand_warps, num_stages=config.expand_stages,
+        SPLIT=triton.next_power_of_2(shrunk.split_k), MAX_CHUNKS=triton.next_power_of_2(shrunk.num_chunks),
+        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=config.is_pdl or shrunk.is_signal,
+        USE_PDL=use_pdl, SIGNAL=shrunk.is_signal, PRECISION=dot_precision(lora_b[0].dtype),
+        num_warps=config.expand_warps, num_stages=config.expand_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
 

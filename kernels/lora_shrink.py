@@ -9,13 +9,15 @@ to finish adds the partial sums.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
-from kubelora.kernels.lora_tile import gdc_launch_dependents, tile_meta, uses_pdl
+from kubelora.kernels.lora_tile import gdc_launch_dependents, sum_splits, tile_meta, uses_pdl
 
 
 @triton.jit
@@ -27,12 +29,13 @@ def _shrink_dot(acc, x_tile, a_ptr, row_start, rank, offs_r, offs_k, k_mask, in_
 
 
 @triton.jit
-def _sum_splits(parts_ptr, rows, plane, split_k, mask, SPLIT: tl.constexpr):
-    # All partials in one load, [SPLIT, BLOCK_M, BLOCK_R], summed in registers in split order (deterministic).
-    offs_s = tl.arange(0, SPLIT)
-    ptrs = parts_ptr + offs_s[:, None, None] * plane + rows[None, :, :]
-    parts = tl.load(ptrs, mask=(offs_s < split_k)[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg")
-    return tl.sum(parts, axis=0)
+def _store_slices(ptrs, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S: tl.constexpr):
+    # One [BLOCK_M, BLOCK_R] block per slice; slice j's lanes follow slice j-1's in a token's row.
+    tl.store(ptrs, acc0, mask=mask0)
+    if NUM_S > 1:
+        tl.store(ptrs + lanes, acc1, mask=mask1)
+    if NUM_S > 2:
+        tl.store(ptrs + 2 * lanes, acc2, mask=mask2)
 
 
 @triton.jit
@@ -41,7 +44,7 @@ def _shrink_kernel(
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Program (tile, rank chunk of BLOCK_R lanes, K split): all slices at once, so x is read once per split.
     if USE_PDL:  # the expand may start now: it loads its y and B while this launch runs
@@ -87,33 +90,36 @@ def _shrink_kernel(
     mask0 = m_mask[:, None] & (offs_r < rank0)[None, :]
     mask1 = m_mask[:, None] & (offs_r < rank1)[None, :]
     mask2 = m_mask[:, None] & (offs_r < rank2)[None, :]
-    if SPLIT > 1:
-        # Write this split's partial; the last split of the (tile, chunk) to arrive adds them all up. The
-        # barrier makes every thread's partial visible before the (release) atomic; the arrival counter
-        # is reset by that last program, ready for the next launch.
-        plane = num_sorted * NUM_S * lanes
-        tl.store(parts_ptr + ks * plane + rows, acc0, mask=mask0)
-        if NUM_S > 1:
-            tl.store(parts_ptr + ks * plane + rows + lanes, acc1, mask=mask1)
-        if NUM_S > 2:
-            tl.store(parts_ptr + ks * plane + rows + 2 * lanes, acc2, mask=mask2)
+    plane = num_sorted * NUM_S * lanes
+    if SIGNAL:
+        # Every split writes its partial and signals the (tile, chunk) counter the expand waits on; the
+        # expand sums the partials. Chunks past the slot's ranks and empty tiles are awaited by no expand
+        # program, so they do not signal (their counters stay zero for the tile's last consumer to reset).
+        _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S)
         tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
-        is_last = arrived == split_k - 1
-        if is_last:
-            acc0 = _sum_splits(parts_ptr, rows, plane, split_k, mask0, SPLIT)
-            if NUM_S > 1:
-                acc1 = _sum_splits(parts_ptr, rows + lanes, plane, split_k, mask1, SPLIT)
-            if NUM_S > 2:
-                acc2 = _sum_splits(parts_ptr, rows + 2 * lanes, plane, split_k, mask2, SPLIT)
-            tl.store(arrivals_ptr + tl.program_id(0), 0)
-        # Only the last arrival writes t (a tile of no rows for the others).
-        m_mask = offs_m < tl.where(is_last, count, 0)
-    tl.store(t_ptr + rows, acc0, mask=m_mask[:, None] & (offs_r < rank0)[None, :])
-    if NUM_S > 1:
-        tl.store(t_ptr + rows + lanes, acc1, mask=m_mask[:, None] & (offs_r < rank1)[None, :])
-    if NUM_S > 2:
-        tl.store(t_ptr + rows + 2 * lanes, acc2, mask=m_mask[:, None] & (offs_r < rank2)[None, :])
+        if (count > 0) & (chunk * BLOCK_R < max_rank):
+            tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="release")
+    else:
+        if SPLIT > 1:
+            # Write this split's partial; the last split of the (tile, chunk) to arrive adds them all up. The
+            # barrier makes every thread's partial visible before the (release) atomic; the arrival counter
+            # is reset by that last program, ready for the next launch.
+            _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
+            is_last = arrived == split_k - 1
+            if is_last:
+                acc0 = sum_splits(parts_ptr, rows, plane, split_k, mask0, SPLIT)
+                if NUM_S > 1:
+                    acc1 = sum_splits(parts_ptr, rows + lanes, plane, split_k, mask1, SPLIT)
+                if NUM_S > 2:
+                    acc2 = sum_splits(parts_ptr, rows + 2 * lanes, plane, split_k, mask2, SPLIT)
+                tl.store(arrivals_ptr + tl.program_id(0), 0)
+            # Only the last arrival writes t (a tile of no rows for the others).
+            m_mask = offs_m < tl.where(is_last, count, 0)
+        t_mask = m_mask[:, None]
+        _store_slices(t_ptr + rows, lanes, acc0, acc1, acc2, t_mask & (offs_r < rank0)[None, :],
+                      t_mask & (offs_r < rank1)[None, :], t_mask & (offs_r < rank2)[None, :], NUM_S)
 
 
 _arrivals: dict[torch.device, torch.Tensor] = {}
@@ -144,6 +150,54 @@ def plan_split(in_dim: int, num_programs: int, config: KernelConfig, split_k: in
     return triton.cdiv(in_dim, k_per_split), k_per_split
 
 
+@dataclass(frozen=True)
+class ShrinkOut:
+    """What a shrink launch leaves for its expand: t itself, or (signal path) the K-split partial sums."""
+
+    parts: torch.Tensor  # [split_k, num_lora_tokens, num_slices, lanes] float32; plane 0 is t when split_k == 1
+    split_k: int  # planes the expand sums
+    counters: torch.Tensor  # int32: arrivals [num_tiles * num_chunks], then consumed [num_tiles] (signal path)
+    num_chunks: int  # rank chunks of BLOCK_R lanes: lanes // BLOCK_R
+    is_signal: bool  # the expand waits on the arrival counters and sums the planes itself
+
+
+def launch_shrink(
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    proj: LoRAProj,
+    step: LoRAStep,
+    slices: list[int],
+    config: KernelConfig,
+    split_k: int | None = None,
+    is_signal: bool = False,
+) -> ShrinkOut:
+    """The shrink launch (see `lora_shrink`); with is_signal it leaves the partials and arrival counts."""
+    assert 1 <= len(slices) <= MAX_SLICES and len(lora_a) == len(slices)
+    assert x.stride(1) == 1 and all(a.is_contiguous() and a.dtype == x.dtype for a in lora_a)
+    lanes = num_lanes(proj, slices)
+    num_chunks = lanes // BLOCK_R
+    in_dim = x.shape[1]
+    split_k, k_per_split = plan_split(in_dim, step.num_tiles * num_chunks, config, split_k)
+    num_sorted = step.sorted_tokens.numel()
+    t = _new_workspace(0 if is_signal else num_sorted, len(slices), lanes, device=x.device)
+    has_parts = is_signal or split_k > 1
+    parts = _new_workspace(split_k if has_parts else 0, num_sorted, len(slices), lanes, device=x.device)
+    counters = arrival_counters(x.device, step.num_tiles * (num_chunks + 1))
+    pools = lora_a + [lora_a[0]] * (MAX_SLICES - len(lora_a))
+    cols = slices + [slices[0]] * (MAX_SLICES - len(slices))
+    _shrink_kernel[(step.num_tiles * num_chunks, split_k)](
+        x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
+        *cols, proj.rank.stride(0), in_dim, x.stride(0), num_sorted, num_chunks, lanes, split_k, k_per_split,
+        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
+        SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
+        USE_PDL=uses_pdl(config.is_pdl, x.device), SIGNAL=is_signal, PRECISION=dot_precision(x.dtype),
+        num_warps=config.shrink_warps, num_stages=config.shrink_stages,
+    )
+    if is_signal:
+        return ShrinkOut(parts, split_k, counters, num_chunks, is_signal=True)
+    return ShrinkOut(t[None], 1, counters, num_chunks, is_signal=False)
+
+
 def lora_shrink(
     x: torch.Tensor,
     lora_a: list[torch.Tensor],
@@ -160,27 +214,7 @@ def lora_shrink(
     rank rounded up to BLOCK_R. Lanes at or past a token's rank are not written; the expand never reads
     them. split_k (default: planned from config) splits the in_dim reduction over that many programs.
     """
-    assert 1 <= len(slices) <= MAX_SLICES and len(lora_a) == len(slices)
-    assert x.stride(1) == 1 and all(a.is_contiguous() and a.dtype == x.dtype for a in lora_a)
-    lanes = num_lanes(proj, slices)
-    num_chunks = lanes // BLOCK_R
-    in_dim = x.shape[1]
-    split_k, k_per_split = plan_split(in_dim, step.num_tiles * num_chunks, config, split_k)
-    num_sorted = step.sorted_tokens.numel()
-    t = _new_workspace(num_sorted, len(slices), lanes, device=x.device)
-    parts = _new_workspace(split_k if split_k > 1 else 0, num_sorted, len(slices), lanes, device=x.device)
-    arrivals = arrival_counters(x.device, step.num_tiles * num_chunks)
-    pools = lora_a + [lora_a[0]] * (MAX_SLICES - len(lora_a))
-    cols = slices + [slices[0]] * (MAX_SLICES - len(slices))
-    _shrink_kernel[(step.num_tiles * num_chunks, split_k)](
-        x, *pools, t, parts, arrivals, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
-        *cols, proj.rank.stride(0), in_dim, x.stride(0), num_sorted, num_chunks, lanes, split_k, k_per_split,
-        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
-        SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        USE_PDL=uses_pdl(config.is_pdl, x.device), PRECISION=dot_precision(x.dtype),
-        num_warps=config.shrink_warps, num_stages=config.shrink_stages,
-    )
-    return t
+    return launch_shrink(x, lora_a, proj, step, slices, config, split_k).parts[0]
 
 
 def lora_shrink_torch(

@@ -6,9 +6,9 @@ import torch
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import MAX_SLICES, LaunchPlan, LoRAPath, choose_plan
-from kubelora.kernels.lora_expand import _expand_kernel, lora_expand
+from kubelora.kernels.lora_expand import _expand_kernel, launch_expand
 from kubelora.kernels.lora_fused import lora_fused
-from kubelora.kernels.lora_shrink import lora_shrink
+from kubelora.kernels.lora_shrink import launch_shrink
 
 
 def is_interpreted() -> bool:
@@ -53,5 +53,6 @@ def add_lora_triton(
         if group_plan.path is LoRAPath.FUSED:
             lora_fused(y, x, a_group, b_group, proj, step, group, y_offsets, group_plan.fused)
         else:
-            t = lora_shrink(x, a_group, proj, step, group, group_plan.split)
-            lora_expand(y, t, b_group, proj, step, group, y_offsets, group_plan.split)
+            is_signal = group_plan.path is LoRAPath.SIGNAL
+            shrunk = launch_shrink(x, a_group, proj, step, group, group_plan.split, is_signal=is_signal)
+            launch_expand(y, shrunk, b_group, proj, step, group, y_offsets, group_plan.split)

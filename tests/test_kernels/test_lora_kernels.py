@@ -7,6 +7,7 @@ bf16 operands); on a GPU, in fp16 and bf16. The full GPU sweep is test_lora_swee
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ CASES = [
 ]
 
 
-PATHS = [None, LoRAPath.SPLIT, LoRAPath.FUSED]  # None: the step's own choice (add_lora)
+PATHS = [None, LoRAPath.SPLIT, LoRAPath.SIGNAL, LoRAPath.FUSED]  # None: the step's own choice (add_lora)
 
 
 def run_path(triton_backend, p, path: LoRAPath | None, is_folded: bool = True) -> torch.Tensor:
@@ -81,6 +82,25 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
         assert not t[valid].isnan().any()
         torch.testing.assert_close(t[valid], ref[valid], rtol=1e-5, atol=1e-4)
     assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
+
+
+@pytest.mark.parametrize("split_k", [1, 5])
+def test_signal_path_leaves_its_counters_at_zero(triton_backend, device, monkeypatch, split_k):
+    """Mixed ranks (chunks no expand program waits on), empty tiles, poisoned workspaces, two launches in a row."""
+    from kubelora.kernels import lora_shrink, lora_triton
+
+    poisoned = lambda *shape, device: torch.full(shape, math.nan, device=device)  # noqa: E731
+    monkeypatch.setattr(lora_shrink, "_new_workspace", poisoned)
+    ranks = ODD_RANKS + [[40, 0, 2]] * 4
+    p = build_problem(30, ranks, [24, 8, 8], 300, "zipf", torch.float32, seed=5, device=device, no_adapter=0.2)
+    assert p.step.is_slot_tiles and set(p.slots) != set(range(-1, len(ranks)))  # some slot has an empty tile
+    plan = forced_plan(p.step, LoRAPath.SIGNAL)
+    plan = replace(plan, split=replace(plan.split, block_k=16, max_split=split_k, target_programs=4096))
+    for _ in range(2):
+        y = p.y0.clone()
+        lora_triton.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, plan)
+        check_y(p, y)
+        assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
 
 
 def test_expand_matches_reference(triton_backend, device):

@@ -4,7 +4,7 @@
 
 fp16 and bf16; 1..4096 tokens; 1..64 adapters with ranks 1..128 mixed in one batch (some slices at rank 0);
 one adapter, all distinct, uniform, Zipf-skewed and prefill segments; the step's own launch and each path
-forced (split shrink + expand, fused); tokens without adapter; slices of
+forced (split shrink + expand, signal with and without PDL, fused); tokens without adapter; slices of
 unequal widths and dimensions that are not multiples of the block sizes. Skipped without CUDA.
 """
 
@@ -53,7 +53,8 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
 
 
 # (path, programmatic dependent launch); path None: the step's own launch (add_lora, PDL on decode steps).
-LAUNCHES = [(None, None), (LoRAPath.SPLIT, False), (LoRAPath.FUSED, None)]
+LAUNCHES = [(None, None), (LoRAPath.SPLIT, False), (LoRAPath.SIGNAL, None), (LoRAPath.SIGNAL, False),
+            (LoRAPath.FUSED, None)]
 
 
 def launch_id(launch: tuple) -> str:
