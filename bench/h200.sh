@@ -3,8 +3,8 @@
 # The package is not installed there: the repo folders are copied into a namespace layout on PYTHONPATH.
 # PDL=1 first probes programmatic dependent launch in its own process (a failed launch can leave the CUDA
 # context unusable); where it works, the variant comparison (COMPARE=1, or --compare NAME...) times the PDL
-# variants too. The default decode launches use PDL on Hopper either way. TEST_ARGS: more pytest arguments
-# (e.g. -k signal), SKIP_TESTS=1: the benchmark only.
+# variants too. The default decode launches use PDL on Hopper either way. TEST_K: a pytest -k expression
+# (e.g. signal), SKIP_TESTS=1: the benchmark only.
 set -uo pipefail
 OUT=${OUT:-/tmp/kubelora-out}
 mkdir -p "$OUT" /tmp/p/kubelora
@@ -19,7 +19,7 @@ if [ "${PDL:-0}" = 1 ] && timeout 90 python3 -P -c 'from kubelora.kernels.bench_
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -q -n "${TEST_WORKERS:-8}" tests/test_kernels \
-    -o addopts="" --import-mode=importlib -rfE ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests_full.txt" | tail -n 30 | tee "$OUT/tests.txt"
+    -o addopts="" --import-mode=importlib -rfE ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/tests_full.txt" | tail -n 30 | tee "$OUT/tests.txt"
 fi
 [ "${COMPARE:-0}" = 1 ] && extra+=(--compare)
 timeout "${BENCH_TIMEOUT:-300}" python3 -P bench/kernels.py --write "$OUT/benchmarks.md" --date 2026-11-30 \

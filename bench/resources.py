@@ -39,14 +39,16 @@ SHAPES = [
     ("shrink m16 pdl", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True), 4, 3),
     ("shrink m16 signal", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True,
                                                 SIGNAL=True), 4, 3),
-    ("expand m16 n256 signal pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=True,
-                                                         USE_PDL=True, SIGNAL=True, SPLIT=8, MAX_CHUNKS=4), 8, 2),
-    ("expand m16 n256", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=False, USE_PDL=False), 8, 2),
-    ("expand m16 n256 pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=True, USE_PDL=True), 8,
+    ("expand m16 n256 signal pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4,
+                                                         USE_PDL=True, SIGNAL=True, SPLIT=8, MAX_CHUNKS=4), 8, 1),
+    ("expand m16 n256 pdl b4", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4, USE_PDL=True), 8,
      2),
-    ("expand m32 n128 pdl", _expand_kernel, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_R=16, B_FIRST=True, USE_PDL=True), 8,
+    ("expand m16 n256", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=0, USE_PDL=False), 8, 2),
+    ("expand m16 n256 pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=1, USE_PDL=True), 8,
      2),
-    ("expand m64 n256", _expand_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_R=16, B_FIRST=False, USE_PDL=False), 4, 2),
+    ("expand m32 n128 pdl", _expand_kernel, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_R=16, B_FIRST=1, USE_PDL=True), 8,
+     2),
+    ("expand m64 n256", _expand_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_R=16, B_FIRST=0, USE_PDL=False), 4, 2),
 ]
 
 

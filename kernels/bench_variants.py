@@ -37,19 +37,20 @@ def _forced(path: LoRAPath, is_pdl: bool = True, **changes):
 
 
 # label -> (prepare_lora_step keyword changes, the plan for the step; None: the step's own choice).
-# Run 8 also timed v4's tile policy and table and fused with target_programs 64 / 256 and block_k 128; run 9
-# split+pdl with max_split 16 / 32 and fused with 512 / 1024-wide in_dim steps (docs/kernels.md).
+# b1: one B rank chunk requested before t (v5), else the config's b_first. Run 8 also timed v4's tile policy and
+# table and fused with target_programs 64 / 256 and block_k 128; run 9 split+pdl with max_split 16 / 32 and
+# fused with 512 / 1024-wide in_dim steps; run 10 the signal path with and without PDL, with pipelined expands
+# and 16 splits, and fused (docs/kernels.md).
 PATH_VARIANTS = {
-    "split": ({}, _forced(LoRAPath.SPLIT, is_pdl=False)),
+    "split b1": ({}, _forced(LoRAPath.SPLIT, is_pdl=False, b_first=1)),
+    "split+pdl b1": ({}, _forced(LoRAPath.SPLIT, b_first=1)),
     "split+pdl": ({}, _forced(LoRAPath.SPLIT)),
-    "pdl block_k 256": ({}, _forced(LoRAPath.SPLIT, block_k=256)),
-    "signal": ({}, _forced(LoRAPath.SIGNAL, is_pdl=False)),
-    "signal+pdl": ({}, _forced(LoRAPath.SIGNAL)),
-    "signal+pdl s1": ({}, _forced(LoRAPath.SIGNAL, expand_stages=1)),
-    "signal+pdl k256": ({}, _forced(LoRAPath.SIGNAL, block_k=256)),
+    "pdl k256 b1": ({}, _forced(LoRAPath.SPLIT, block_k=256, b_first=1)),
+    "pdl k256": ({}, _forced(LoRAPath.SPLIT, block_k=256)),
+    "pdl k256 s1": ({}, _forced(LoRAPath.SPLIT, block_k=256, expand_stages=1)),
+    "signal+pdl k256 s1 b1": ({}, _forced(LoRAPath.SIGNAL, block_k=256, expand_stages=1, b_first=1)),
     "signal+pdl k256 s1": ({}, _forced(LoRAPath.SIGNAL, block_k=256, expand_stages=1)),
-    "signal+pdl split16": ({}, _forced(LoRAPath.SIGNAL, max_split=16, target_programs=1024)),
-    "fused": ({}, _forced(LoRAPath.FUSED)),
+    "signal+pdl k512 s1": ({}, _forced(LoRAPath.SIGNAL, block_k=512, expand_stages=1)),
     "auto": ({}, None),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl

@@ -30,6 +30,7 @@ class KernelConfig:
     block_n: int = 256  # expand: output columns per program
     expand_warps: int = 8
     expand_stages: int = 2  # the expand's rank loop is 1..8 steps: a shallow pipeline
+    b_first: int = 0  # expand: rank chunks of B (0..4) requested before t (with PDL: while the shrink runs)
     is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
     is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
 
@@ -38,6 +39,8 @@ class KernelConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
+        if not 0 <= self.b_first <= 4:
+            raise ValueError(f"KernelConfig.b_first={self.b_first}: must be in 0..4")
         if not 1 <= self.max_split <= MAX_SPLIT or self.target_programs < 1:
             raise ValueError(f"KernelConfig.max_split must be in 1..{MAX_SPLIT}, target_programs >= 1")
 
@@ -70,8 +73,8 @@ class FusedConfig:
 # little but measured fastest (57.9 us against 64.1 for 64 x 128 with 8 warps). PDL: 1..2 us off every
 # decode shape (run 8); the prefill shape keeps plain launches (not measured with PDL).
 DEFAULT_CONFIGS = {
-    16: KernelConfig(target_programs=512, max_split=8, expand_warps=8, is_pdl=True),
-    32: KernelConfig(max_split=8, block_n=128, expand_warps=8, is_pdl=True),
+    16: KernelConfig(target_programs=512, max_split=8, expand_warps=8, is_pdl=True, b_first=4),
+    32: KernelConfig(max_split=8, block_n=128, expand_warps=8, is_pdl=True, b_first=1),
     64: KernelConfig(max_split=4, block_n=256, expand_warps=4),
 }
 
@@ -107,13 +110,28 @@ class LaunchPlan:
 DEFAULT_FUSED = FusedConfig()
 
 
+# Decode steps (16-row tiles) by size, from run 10's side-by-side variants (docs/kernels.md, v6): the
+# signal path with 256-wide in_dim steps and an unpipelined expand wins while the shrink has few (tile, rank
+# chunk) programs; 256-wide steps also help the split path of rank <= 16 steps with up to 16 tiles.
+SIGNAL_MAX_TILE_CHUNKS = 8
+WIDE_K_MAX_TILES = 16
+SIGNAL_CONFIG = replace(DEFAULT_CONFIGS[16], block_k=256, expand_stages=1)
+WIDE_K_CONFIG = replace(DEFAULT_CONFIGS[16], block_k=256)
+
+
 def choose_plan(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> LaunchPlan:
     """The launch for one step and projection, from host-side sizes only (no device sync).
 
-    Always the split path with the tile height's config: the fused launch measured slower on every decode
-    shape of the benchmark (run 8, docs/kernels.md v5: its in_dim loop is one program's chain of dependent
-    loads), so it is only taken when a plan asks for it.
+    Decode steps take the signal path when small, else the split path; taller tiles the split path with
+    the tile height's config. The fused launch measured slower on every decode shape (run 8, docs/kernels.md
+    v5: its in_dim loop is one program's chain of dependent loads), so only a plan that asks for it gets it.
     """
+    if step.block_m == 16:
+        num_chunks = num_lanes(proj, slices) // BLOCK_R
+        if step.num_tiles * num_chunks <= SIGNAL_MAX_TILE_CHUNKS:
+            return LaunchPlan(LoRAPath.SIGNAL, SIGNAL_CONFIG, DEFAULT_FUSED)
+        if num_chunks == 1 and step.num_tiles <= WIDE_K_MAX_TILES:
+            return LaunchPlan(LoRAPath.SPLIT, WIDE_K_CONFIG, DEFAULT_FUSED)
     return LaunchPlan(LoRAPath.SPLIT, DEFAULT_CONFIGS[step.block_m], DEFAULT_FUSED)
 
 

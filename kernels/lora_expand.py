@@ -18,6 +18,33 @@ from kubelora.kernels.lora_tile import gdc_wait, release_tile, sum_splits, tile_
 
 
 @triton.jit
+def _b_chunk(b_rows, width, offs_r, rank, n_mask):
+    # B rows offs_r of the adapter ([BLOCK_R, BLOCK_N]); rows at or past its rank move no bytes.
+    return tl.load(b_rows + offs_r[:, None] * width, mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _t_chunk(parts_ptr, t_rows, offs_r, plane, split_k, m_mask, rank, SPLIT: tl.constexpr):
+    # t[:, offs_r] ([BLOCK_M, BLOCK_R] float32), summed over the shrink's split_k planes (1: t itself).
+    return sum_splits(parts_ptr, t_rows + offs_r[None, :], plane, split_k, m_mask[:, None] & (offs_r < rank)[None, :],
+                      SPLIT)
+
+
+@triton.jit
+def _add_dot(acc, t, scale, b, PRECISION: tl.constexpr):
+    return tl.dot((t * scale).to(b.dtype), b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R: tl.constexpr, SIGNAL: tl.constexpr,
+                USE_PDL: tl.constexpr):
+    if SIGNAL:  # this tile's rank chunks of t are complete once their counters read split_k
+        wait_arrivals(arrivals_ptr, tl.where(count > 0, tl.cdiv(rank, BLOCK_R), 0), split_k)
+    elif USE_PDL:  # launched early: t is complete once the whole shrink grid is
+        gdc_wait()
+
+
+@triton.jit
 def _expand_kernel(
     y_ptr, b0_ptr, b1_ptr, b2_ptr, parts_ptr, counters_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
@@ -69,31 +96,54 @@ def _expand_kernel(
     # t (split_k == 1) or the shrink's K-split partials (signal path), summed here: [split_k, sorted, NUM_S, lanes].
     t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes
     arrivals_ptr = counters_ptr + tile * num_chunks
+    lanes0 = tl.arange(0, BLOCK_R)
+    b_rows = b_ptr + row * width + offs_n[None, :]
     r_first = 0
-    if B_FIRST:
-        # The first B chunk is requested before t. Launched early (programmatic dependent launch, USE_PDL
-        # implies B_FIRST) or on the signal path: metadata, y and that chunk load while the shrink still runs.
-        lanes0 = tl.arange(0, BLOCK_R)
-        b0_mask = (lanes0 < rank)[:, None] & n_mask[None, :]
-        b0 = tl.load(b_ptr + (row + lanes0)[:, None] * width + offs_n[None, :], mask=b0_mask, other=0.0)
-        if SIGNAL:  # t's rank chunks of this tile are complete once their counters read split_k
-            wait_arrivals(arrivals_ptr, tl.where(count > 0, tl.cdiv(rank, BLOCK_R), 0), split_k)
-        elif USE_PDL:  # t is complete once the whole shrink grid is
-            gdc_wait()
-        t_mask = m_mask[:, None] & (lanes0 < rank)[None, :]
-        t0 = sum_splits(parts_ptr, t_rows + lanes0[None, :], plane, split_k, t_mask, SPLIT)
-        acc = tl.dot((t0 * scale).to(b0.dtype), b0, acc, input_precision=PRECISION)
-        r_first = BLOCK_R
-    elif SIGNAL:
-        wait_arrivals(arrivals_ptr, tl.where(count > 0, tl.cdiv(rank, BLOCK_R), 0), split_k)
+    if B_FIRST > 0:
+        # The first B_FIRST rank chunks of B are requested before t: launched early (programmatic dependent
+        # launch) or on the signal path, metadata, y and these B rows load while the shrink still runs, and
+        # after the wait only t is on the critical path. Rows past the adapter's rank are masked (no bytes).
+        b_c0 = _b_chunk(b_rows, width, lanes0, rank, n_mask)
+        b_c1 = b_c0
+        b_c2 = b_c0
+        b_c3 = b_c0
+        if B_FIRST > 1:
+            b_c1 = _b_chunk(b_rows, width, BLOCK_R + lanes0, rank, n_mask)
+        if B_FIRST > 2:
+            b_c2 = _b_chunk(b_rows, width, 2 * BLOCK_R + lanes0, rank, n_mask)
+        if B_FIRST > 3:
+            b_c3 = _b_chunk(b_rows, width, 3 * BLOCK_R + lanes0, rank, n_mask)
+        _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R, SIGNAL, USE_PDL)
+        # All t chunks are requested at once (lanes past the rank move no bytes); each chunk's product is
+        # computed only up to the adapter's own rank (a runtime branch per tile).
+        t_c0 = _t_chunk(parts_ptr, t_rows, lanes0, plane, split_k, m_mask, rank, SPLIT)
+        t_c1 = t_c0
+        t_c2 = t_c0
+        t_c3 = t_c0
+        if B_FIRST > 1:
+            t_c1 = _t_chunk(parts_ptr, t_rows, BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
+        if B_FIRST > 2:
+            t_c2 = _t_chunk(parts_ptr, t_rows, 2 * BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
+        if B_FIRST > 3:
+            t_c3 = _t_chunk(parts_ptr, t_rows, 3 * BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
+        acc = _add_dot(acc, t_c0, scale, b_c0, PRECISION)
+        if B_FIRST > 1:
+            if rank > BLOCK_R:
+                acc = _add_dot(acc, t_c1, scale, b_c1, PRECISION)
+        if B_FIRST > 2:
+            if rank > 2 * BLOCK_R:
+                acc = _add_dot(acc, t_c2, scale, b_c2, PRECISION)
+        if B_FIRST > 3:
+            if rank > 3 * BLOCK_R:
+                acc = _add_dot(acc, t_c3, scale, b_c3, PRECISION)
+        r_first = B_FIRST * BLOCK_R
+    else:
+        _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R, SIGNAL, USE_PDL)
     # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
     for r0 in range(r_first, rank, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        t = sum_splits(parts_ptr, t_rows + offs_r[None, :], plane, split_k, m_mask[:, None] & r_mask[None, :], SPLIT)
-        b_mask = r_mask[:, None] & n_mask[None, :]
-        b = tl.load(b_ptr + (row + offs_r)[:, None] * width + offs_n[None, :], mask=b_mask, other=0.0)
-        acc = tl.dot((t * scale).to(b.dtype), b, acc, input_precision=PRECISION)
+        b = _b_chunk(b_rows, width, r0 + lanes0, rank, n_mask)
+        t = _t_chunk(parts_ptr, t_rows, r0 + lanes0, plane, split_k, m_mask, rank, SPLIT)
+        acc = _add_dot(acc, t, scale, b, PRECISION)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
     if SIGNAL:
         if count > 0:
@@ -151,7 +201,7 @@ def launch_expand(
         y.stride(0), parts.shape[3], parts[0].numel(), shrunk.split_k, shrunk.num_chunks, step.num_tiles,
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SPLIT=triton.next_power_of_2(shrunk.split_k), MAX_CHUNKS=triton.next_power_of_2(shrunk.num_chunks),
-        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=config.is_pdl or shrunk.is_signal,
+        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, shrunk.num_chunks),
         USE_PDL=use_pdl, SIGNAL=shrunk.is_signal, PRECISION=dot_precision(lora_b[0].dtype),
         num_warps=config.expand_warps, num_stages=config.expand_stages,
         **({"launch_pdl": True} if use_pdl else {}),

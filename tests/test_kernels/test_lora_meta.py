@@ -93,3 +93,22 @@ def test_reference_matches_float64(dist):
     y = p.y0.clone()
     add_lora_torch(y, p.x, p.lora_a, p.lora_b, p.proj, p.step)
     check_y(p, y)
+
+
+@pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "path", "block_k"), [
+    (64, 8, 16, "signal", 256),  # 8 tiles x 1 rank chunk
+    (16, 2, 64, "signal", 256),  # 2 tiles x 4 chunks
+    (64, 16, 16, "split", 256),  # up to 16 tiles of rank <= 16: 256-wide in_dim steps
+    (64, 1, 64, "split", 128),  # 4 tiles x 4 chunks
+    (64, 32, 8, "split", 128),
+])
+def test_choose_plan_by_step_size(num_tokens, num_adapters, rank, path, block_k):
+    from kubelora.kernels.lora_config import choose_plan
+
+    slots = [i % num_adapters for i in range(num_tokens)]
+    step = prepare_lora_step(slots, num_adapters, "cpu")
+    ranks = [[rank] * 3 for _ in range(num_adapters)]
+    rows = [[i * rank] * 3 for i in range(num_adapters)]
+    proj = prepare_lora_proj(rows, ranks, [[1.0] * 3] * num_adapters, "cpu")
+    plan = choose_plan(step, proj, [0, 1, 2])
+    assert step.block_m == 16 and plan.path.value == path and plan.split.block_k == block_k
