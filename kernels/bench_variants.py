@@ -37,20 +37,21 @@ def _forced(path: LoRAPath, is_pdl: bool = True, **changes):
 
 
 # label -> (prepare_lora_step keyword changes, the plan for the step; None: the step's own choice).
-# b1: one B rank chunk requested before t (v5), else the config's b_first. Run 8 also timed v4's tile policy and
+# b_first: B rank chunks requested before t (v5: 1; default 4 on 16-row tiles); s1: expand_stages=1; t32: 32-row
+# tiles. Run 8 also timed v4's tile policy and
 # table and fused with target_programs 64 / 256 and block_k 128; run 9 split+pdl with max_split 16 / 32 and
-# fused with 512 / 1024-wide in_dim steps; run 10 the signal path with and without PDL, with pipelined expands
-# and 16 splits, and fused (docs/kernels.md).
+# fused with 512 / 1024-wide in_dim steps; runs 10 and 11 the signal path with and without PDL, with pipelined
+# expands and 16 splits, fused, b_first 1, 512-wide signal steps (docs/kernels.md).
 PATH_VARIANTS = {
-    "split b1": ({}, _forced(LoRAPath.SPLIT, is_pdl=False, b_first=1)),
-    "split+pdl b1": ({}, _forced(LoRAPath.SPLIT, b_first=1)),
     "split+pdl": ({}, _forced(LoRAPath.SPLIT)),
-    "pdl k256 b1": ({}, _forced(LoRAPath.SPLIT, block_k=256, b_first=1)),
-    "pdl k256": ({}, _forced(LoRAPath.SPLIT, block_k=256)),
+    "split+pdl s1": ({}, _forced(LoRAPath.SPLIT, expand_stages=1)),
     "pdl k256 s1": ({}, _forced(LoRAPath.SPLIT, block_k=256, expand_stages=1)),
-    "signal+pdl k256 s1 b1": ({}, _forced(LoRAPath.SIGNAL, block_k=256, expand_stages=1, b_first=1)),
+    "pdl s1 split4": ({}, _forced(LoRAPath.SPLIT, expand_stages=1, max_split=4)),
+    "t32 pdl s1": ({"tile_heights": (32,)}, _forced(LoRAPath.SPLIT, expand_stages=1, b_first=4)),
     "signal+pdl k256 s1": ({}, _forced(LoRAPath.SIGNAL, block_k=256, expand_stages=1)),
-    "signal+pdl k512 s1": ({}, _forced(LoRAPath.SIGNAL, block_k=512, expand_stages=1)),
+    "signal+pdl s1": ({}, _forced(LoRAPath.SIGNAL, expand_stages=1)),
+    "signal+pdl k256 s1 split16": ({}, _forced(LoRAPath.SIGNAL, block_k=256, expand_stages=1, max_split=16,
+                                                target_programs=1024)),
     "auto": ({}, None),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
