@@ -73,7 +73,7 @@ class FusedConfig:
 # little but measured fastest (57.9 us against 64.1 for 64 x 128 with 8 warps). PDL: 1..2 us off every
 # decode shape (run 8); the prefill shape keeps plain launches (not measured with PDL).
 DEFAULT_CONFIGS = {
-    16: KernelConfig(target_programs=512, max_split=8, expand_warps=8, is_pdl=True, b_first=4),
+    16: KernelConfig(target_programs=512, max_split=8, expand_warps=8, expand_stages=1, is_pdl=True, b_first=4),
     32: KernelConfig(max_split=8, block_n=128, expand_warps=8, is_pdl=True, b_first=1),
     64: KernelConfig(max_split=4, block_n=256, expand_warps=4),
 }
@@ -110,13 +110,12 @@ class LaunchPlan:
 DEFAULT_FUSED = FusedConfig()
 
 
-# Decode steps (16-row tiles) by size, from run 10's side-by-side variants (docs/kernels.md, v6): the
-# signal path with 256-wide in_dim steps and an unpipelined expand wins while the shrink has few (tile, rank
-# chunk) programs; 256-wide steps also help the split path of rank <= 16 steps with up to 16 tiles.
-SIGNAL_MAX_TILE_CHUNKS = 8
+# Decode steps (16-row tiles) by size, from the side-by-side variants of runs 10..12 (docs/kernels.md, v6):
+# the signal path with 256-wide in_dim steps wins while the step has at most 8 tiles of rank <= 16; 256-wide
+# steps also help the split path of rank <= 16 steps with up to 16 tiles and of one rank-64 tile; steps of
+# more rank chunks split in_dim at most 4 ways (the partial sums cost more than the programs gain).
+SIGNAL_MAX_TILES = 8
 WIDE_K_MAX_TILES = 16
-SIGNAL_CONFIG = replace(DEFAULT_CONFIGS[16], block_k=256, expand_stages=1)
-WIDE_K_CONFIG = replace(DEFAULT_CONFIGS[16], block_k=256)
 
 
 def choose_plan(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> LaunchPlan:
@@ -126,13 +125,17 @@ def choose_plan(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> LaunchPlan
     the tile height's config. The fused launch measured slower on every decode shape (run 8, docs/kernels.md
     v5: its in_dim loop is one program's chain of dependent loads), so only a plan that asks for it gets it.
     """
-    if step.block_m == 16:
-        num_chunks = num_lanes(proj, slices) // BLOCK_R
-        if step.num_tiles * num_chunks <= SIGNAL_MAX_TILE_CHUNKS:
-            return LaunchPlan(LoRAPath.SIGNAL, SIGNAL_CONFIG, DEFAULT_FUSED)
-        if num_chunks == 1 and step.num_tiles <= WIDE_K_MAX_TILES:
-            return LaunchPlan(LoRAPath.SPLIT, WIDE_K_CONFIG, DEFAULT_FUSED)
-    return LaunchPlan(LoRAPath.SPLIT, DEFAULT_CONFIGS[step.block_m], DEFAULT_FUSED)
+    config = DEFAULT_CONFIGS[step.block_m]
+    if step.block_m != 16:
+        return LaunchPlan(LoRAPath.SPLIT, config, DEFAULT_FUSED)
+    num_chunks = num_lanes(proj, slices) // BLOCK_R
+    if num_chunks == 1 and step.num_tiles <= SIGNAL_MAX_TILES:
+        return LaunchPlan(LoRAPath.SIGNAL, replace(config, block_k=256), DEFAULT_FUSED)
+    if (num_chunks == 1 and step.num_tiles <= WIDE_K_MAX_TILES) or step.num_tiles * num_chunks <= 4:
+        return LaunchPlan(LoRAPath.SPLIT, replace(config, block_k=256), DEFAULT_FUSED)
+    if num_chunks > 1:
+        return LaunchPlan(LoRAPath.SPLIT, replace(config, max_split=4), DEFAULT_FUSED)
+    return LaunchPlan(LoRAPath.SPLIT, config, DEFAULT_FUSED)
 
 
 def forced_plan(step: LoRAStep, path: LoRAPath, *, is_folded: bool = True, is_pdl: bool | None = None) -> LaunchPlan:

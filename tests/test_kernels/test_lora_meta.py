@@ -95,14 +95,14 @@ def test_reference_matches_float64(dist):
     check_y(p, y)
 
 
-@pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "path", "block_k"), [
-    (64, 8, 16, "signal", 256),  # 8 tiles x 1 rank chunk
-    (16, 2, 64, "signal", 256),  # 2 tiles x 4 chunks
-    (64, 16, 16, "split", 256),  # up to 16 tiles of rank <= 16: 256-wide in_dim steps
-    (64, 1, 64, "split", 128),  # 4 tiles x 4 chunks
-    (64, 32, 8, "split", 128),
+@pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "path", "block_k", "max_split"), [
+    (64, 8, 16, "signal", 256, 8),  # 8 tiles x 1 rank chunk
+    (16, 1, 64, "split", 256, 8),  # 1 tile x 4 chunks
+    (64, 16, 16, "split", 256, 8),  # up to 16 tiles of rank <= 16: 256-wide in_dim steps
+    (64, 1, 64, "split", 128, 4),  # 4 tiles x 4 chunks
+    (64, 32, 8, "split", 128, 8),
 ])
-def test_choose_plan_by_step_size(num_tokens, num_adapters, rank, path, block_k):
+def test_choose_plan_by_step_size(num_tokens, num_adapters, rank, path, block_k, max_split):
     from kubelora.kernels.lora_config import choose_plan
 
     slots = [i % num_adapters for i in range(num_tokens)]
@@ -111,4 +111,5 @@ def test_choose_plan_by_step_size(num_tokens, num_adapters, rank, path, block_k)
     rows = [[i * rank] * 3 for i in range(num_adapters)]
     proj = prepare_lora_proj(rows, ranks, [[1.0] * 3] * num_adapters, "cpu")
     plan = choose_plan(step, proj, [0, 1, 2])
-    assert step.block_m == 16 and plan.path.value == path and plan.split.block_k == block_k
+    assert step.block_m == 16 and plan.path.value == path
+    assert (plan.split.block_k, plan.split.max_split) == (block_k, max_split)
