@@ -13,7 +13,7 @@ from kubelora.kernels import bench_lora
 from kubelora.kernels.bench_baselines import BenchSet, torch_reference
 from kubelora.kernels.bench_lora import Shape, check_ours, ours, shape_sets, time_graph
 from kubelora.kernels.lora import LoRAStep, prepare_lora_step
-from kubelora.kernels.lora_config import DEFAULT_CONFIGS, KernelConfig, LaunchPlan, LoRAPath, forced_plan
+from kubelora.kernels.lora_config import KernelConfig, LaunchPlan, LoRAPath, choose_plan, forced_plan
 
 
 def _fused(**changes):
@@ -136,37 +136,40 @@ def split_times(sets: list[BenchSet], config: KernelConfig) -> dict[str, float]:
     }
 
 
-# label -> (KernelConfig changes, tile heights the step may choose from; None: the default policy)
+# label -> (KernelConfig changes, tile heights the step may choose from; None: the default policy).
+# Run 6 timed the v3 configs' variations (block_k 64, stages, target 2048, ...: docs/kernels.md).
 TUNE_VARIANTS = {
-    "tiles=16": ({}, (16,)), "tiles=16,32": ({}, (16, 32)),
-    "block_k=64": (dict(block_k=64), None), "block_k=256": (dict(block_k=256), None),
-    "target=512": (dict(target_programs=512), None), "target=2048": (dict(target_programs=2048), None),
-    "max_split=8": (dict(max_split=8), None), "max_split=32": (dict(max_split=32), None),
-    "block_n=128": (dict(block_n=128), None), "block_n=512": (dict(block_n=512), None),
-    "expand_warps=4": (dict(expand_warps=4), None),
-    "block_n=256,expand_warps=4": (dict(block_n=256, expand_warps=4), None),
-    "shrink_stages=2": (dict(shrink_stages=2), None), "shrink_stages=4": (dict(shrink_stages=4), None),
-    "expand_stages=1": (dict(expand_stages=1), None), "expand_stages=3": (dict(expand_stages=3), None),
+    "tiles=16,32": ({}, (16, 32)),
+    "k128": (dict(block_k=128), None), "k256": (dict(block_k=256), None),
+    "split4": (dict(max_split=4), None), "split16": (dict(max_split=16, target_programs=1024), None),
+    "target1024": (dict(target_programs=1024), None),
+    "shrink w2": (dict(shrink_warps=2), None), "shrink w8": (dict(shrink_warps=8), None),
+    "shrink s2": (dict(shrink_stages=2), None),
+    "n128": (dict(block_n=128), None), "n512": (dict(block_n=512), None),
+    "w4": (dict(expand_warps=4), None), "n128 w4": (dict(block_n=128, expand_warps=4), None),
+    "b1": (dict(b_first=1), None), "b2": (dict(b_first=2), None),
 }
 
 
 def tune(shapes: list[Shape], dtype: torch.dtype) -> list[str]:
-    """Time one-at-a-time variations of each shape's default split config (to choose DEFAULT_CONFIGS)."""
+    """Time one-at-a-time variations of each shape's own launch (path and config from choose_plan)."""
     lines = []
     for shape in shapes:
         _, sets = shape_sets(shape, dtype)
         step = sets[0].step
-        base = DEFAULT_CONFIGS[step.block_m]
-        times = {"default": time_graph(ours(forced_plan(step, LoRAPath.SPLIT)), sets)}
-        times.update(split_times(sets, base))
+        slices = list(range(len(bench_lora.WIDTHS)))
+        base = choose_plan(step, sets[0].proj, slices)
+        times = {f"auto ({base.path.value} k{base.split.block_k} split{base.split.max_split})":
+                 time_graph(ours(base), sets)}
+        times.update(split_times(sets, base.split))
         for label, (change, heights) in TUNE_VARIANTS.items():
             try:
                 variant_step = _with_step(sets, shape, {} if heights is None else dict(tile_heights=heights))
-                split = replace(DEFAULT_CONFIGS[variant_step.block_m], **change)
-                plan = replace(forced_plan(variant_step, LoRAPath.SPLIT), split=split)
-                times[label] = time_graph(ours(plan), sets)
+                plan = choose_plan(variant_step, sets[0].proj, slices)
+                times[label] = time_graph(ours(replace(plan, split=replace(plan.split, **change))), sets)
             except Exception as err:  # a variant that does not compile (e.g. out of shared memory) is skipped
                 print(f"  {label}: {str(err).splitlines()[0][:120]}")
+        _with_step(sets, shape, {})
         lines.append(f"{shape.name} (tile {step.block_m}): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
         print(lines[-1], flush=True)
         del sets
