@@ -42,6 +42,7 @@ class ServeBenchConfig:
     max_num_batched_tokens: int = 4096
     is_torch_backend_compared: bool = True
     num_repeats: int = 2  # timed runs per scenario after the warm-up; the table shows the fastest
+    profile_dir: str | None = None  # write a cProfile of one more run per scenario here (host time by function)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -170,9 +171,25 @@ def run_backend(backend: str, runs: list[Scenario], model: Path, adapters: list[
             best.all_seconds = tuple(r.seconds for r in repeats)
             results.append(best)
             print(format_row(results[-1], results[0]), flush=True)
+            if config.profile_dir:
+                _profile(llm, scenario, prompts, config)
         return results
     finally:
         llm.close()
+
+
+def _profile(llm, scenario: Scenario, prompts: list[list[int]], config: ServeBenchConfig) -> None:
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run_scenario, llm, scenario, prompts, config)
+    path = Path(config.profile_dir) / (scenario.label.replace(" ", "_").replace(",", "") + ".txt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        stats = pstats.Stats(profiler, stream=out)
+        stats.sort_stats("cumulative").print_stats(45)
+        stats.sort_stats("tottime").print_stats(30)
 
 
 def run(config: ServeBenchConfig, workdir: Path) -> list[ScenarioResult]:
@@ -260,6 +277,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", default=defaults.targets)
     parser.add_argument("--no-torch-backend", action="store_true", help="skip the PyTorch reference backend rows")
     parser.add_argument("--repeats", dest="num_repeats", type=int, default=defaults.num_repeats)
+    parser.add_argument("--profile-dir", default=None, help="also write a cProfile of each scenario here")
     parser.add_argument("--workdir", default=None, help="where to build the model (default: a temporary folder)")
 
 
@@ -271,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "intermediate_size", "vocab_size", "rank", "num_requests", "prompt_len",
                                            "output_len", "max_num_batched_tokens", "num_repeats")}
     config = ServeBenchConfig(device=args.device, adapter_counts=tuple(args.adapters), targets=args.targets,
-                              is_torch_backend_compared=not args.no_torch_backend, **sizes)
+                              is_torch_backend_compared=not args.no_torch_backend, profile_dir=args.profile_dir,
+                              **sizes)
     with tempfile.TemporaryDirectory(prefix="kubelora-bench-serve-") as tmp:
         results = run(config, Path(args.workdir or tmp))
     env = environment(config)
