@@ -19,7 +19,7 @@ the Triton kernels (`kernels/lora_triton.py`); `default_backend` reads `KUBELORA
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,6 +70,9 @@ class LoRAProj:
     rank: torch.Tensor  # [num_slots, num_slices] int64: 0 where the adapter does not adapt the slice
     scale: torch.Tensor  # [num_slots, num_slices] float32
     max_rank: tuple[int, ...]  # per slice, max of rank[:, s]: sizes the shrink buffer; 0 skips the slice
+    # Host-side launch parameters a backend derives from this step's sizes, filled by the first layer's call
+    # and reused by the others (the object lives for one step). Not part of the value.
+    launch_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _tile_height(counts: list[int], tile_heights: tuple[int, ...], max_tiles: int) -> int:

@@ -7,6 +7,8 @@ different widths (GQA) or gate and up share one launch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import triton
 import triton.language as tl
@@ -175,6 +177,37 @@ def lora_expand(
                   y_offsets, config)
 
 
+@dataclass(frozen=True)
+class ExpandShape:
+    """Host-side parameters of one expand launch, from sizes only: computed once per step, reused per layer."""
+
+    grid: tuple[int, int]
+    scalars: tuple[int, ...]  # cols, meta_stride, widths, y offsets, first column block of slices 1 and 2
+    constexprs: dict = field(hash=False)  # the kernel's constexpr arguments, num_warps, num_stages, launch_pdl
+
+
+def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
+                config: KernelConfig, shrunk_split_k: int, num_chunks: int, is_signal: bool, device: torch.device,
+                dtype: torch.dtype) -> ExpandShape:
+    """The expand launch's host-side parameters (see `lora_expand`), for a shrink of split_k planes."""
+    assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
+    num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
+    first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
+    pad = MAX_SLICES - len(slices)
+    use_pdl = uses_pdl(config.is_pdl, device)
+    scalars = (*(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
+               *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2])
+    constexprs = dict(
+        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
+        SPLIT=triton.next_power_of_2(shrunk_split_k), MAX_CHUNKS=triton.next_power_of_2(num_chunks),
+        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
+        USE_PDL=use_pdl, SIGNAL=is_signal, PRECISION=dot_precision(dtype),
+        num_warps=config.expand_warps, num_stages=config.expand_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return ExpandShape((sum(num_blocks), step.num_tiles), scalars, constexprs)
+
+
 def launch_expand(
     y: torch.Tensor,
     shrunk: ShrinkOut,
@@ -184,27 +217,23 @@ def launch_expand(
     slices: list[int],
     y_offsets: list[int],
     config: KernelConfig,
+    shape: ExpandShape | None = None,
 ) -> None:
-    """The expand launch (see `lora_expand`) on a shrink's output: t, or the partials of the signal path."""
-    assert 1 <= len(slices) <= MAX_SLICES and len(lora_b) == len(slices) == len(y_offsets)
-    assert y.stride(1) == 1 and all(b.is_contiguous() for b in lora_b)
+    """The expand launch (see `lora_expand`) on a shrink's output: t, or the partials of the signal path.
+
+    shape: this step's `plan_expand` result when the caller has it (config then unused).
+    """
+    if shape is None:
+        shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, shrunk.split_k,
+                            shrunk.num_chunks, shrunk.is_signal, y.device, lora_b[0].dtype)
+    assert len(lora_b) == len(slices) and y.stride(1) == 1
     parts = shrunk.parts
-    widths = [b.shape[1] for b in lora_b]
-    num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
-    first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
-    pad = MAX_SLICES - len(slices)
-    use_pdl = uses_pdl(config.is_pdl, y.device)
-    _expand_kernel[(sum(num_blocks), step.num_tiles)](
-        y, *(lora_b + [lora_b[0]] * pad), parts, shrunk.counters, step.sorted_tokens, step.tiles, proj.rank,
-        proj.row_start, proj.scale, *(slices + [slices[0]] * pad), proj.rank.stride(0),
-        *(widths + [widths[0]] * pad), *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2],
-        y.stride(0), parts.shape[3], parts[0].numel(), shrunk.split_k, shrunk.num_chunks, step.num_tiles,
-        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
-        SPLIT=triton.next_power_of_2(shrunk.split_k), MAX_CHUNKS=triton.next_power_of_2(shrunk.num_chunks),
-        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, shrunk.num_chunks),
-        USE_PDL=use_pdl, SIGNAL=shrunk.is_signal, PRECISION=dot_precision(lora_b[0].dtype),
-        num_warps=config.expand_warps, num_stages=config.expand_stages,
-        **({"launch_pdl": True} if use_pdl else {}),
+    _expand_kernel[shape.grid](
+        y, *(lora_b + [lora_b[0]] * (MAX_SLICES - len(slices))), parts, shrunk.counters, step.sorted_tokens,
+        step.tiles, proj.rank, proj.row_start, proj.scale, *shape.scalars,
+        y.stride(0), parts.shape[3], parts.shape[1] * parts.shape[2] * parts.shape[3], shrunk.split_k,
+        shrunk.num_chunks, step.num_tiles,
+        **shape.constexprs,
     )
 
 

@@ -9,7 +9,7 @@ to finish adds the partial sums.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -161,6 +161,41 @@ class ShrinkOut:
     is_signal: bool  # the expand waits on the arrival counters and sums the planes itself
 
 
+@dataclass(frozen=True)
+class ShrinkShape:
+    """Host-side parameters of one shrink launch, from sizes only: computed once per step, reused per layer."""
+
+    grid: tuple[int, int]
+    cols: tuple[int, int, int]  # the slices' columns in the proj tables, padded to MAX_SLICES
+    in_dim: int
+    num_sorted: int
+    num_chunks: int
+    lanes: int
+    split_k: int
+    k_per_split: int
+    constexprs: dict = field(hash=False)  # the kernel's constexpr arguments, num_warps and num_stages
+    is_signal: bool = False
+
+
+def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
+                device: torch.device, dtype: torch.dtype, split_k: int | None = None,
+                is_signal: bool = False) -> ShrinkShape:
+    """The shrink launch's host-side parameters (see `lora_shrink`)."""
+    assert 1 <= len(slices) <= MAX_SLICES
+    lanes = num_lanes(proj, slices)
+    num_chunks = lanes // BLOCK_R
+    split_k, k_per_split = plan_split(in_dim, step.num_tiles * num_chunks, config, split_k)
+    constexprs = dict(
+        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
+        SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
+        USE_PDL=uses_pdl(config.is_pdl, device), SIGNAL=is_signal, PRECISION=dot_precision(dtype),
+        num_warps=config.shrink_warps, num_stages=config.shrink_stages,
+    )
+    cols = tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
+    return ShrinkShape((step.num_tiles * num_chunks, split_k), cols, in_dim, step.sorted_tokens.numel(), num_chunks,
+                       lanes, split_k, k_per_split, constexprs, is_signal)
+
+
 def launch_shrink(
     x: torch.Tensor,
     lora_a: list[torch.Tensor],
@@ -170,32 +205,30 @@ def launch_shrink(
     config: KernelConfig,
     split_k: int | None = None,
     is_signal: bool = False,
+    shape: ShrinkShape | None = None,
 ) -> ShrinkOut:
-    """The shrink launch (see `lora_shrink`); with is_signal it leaves the partials and arrival counts."""
-    assert 1 <= len(slices) <= MAX_SLICES and len(lora_a) == len(slices)
-    assert x.stride(1) == 1 and all(a.is_contiguous() and a.dtype == x.dtype for a in lora_a)
-    lanes = num_lanes(proj, slices)
-    num_chunks = lanes // BLOCK_R
-    in_dim = x.shape[1]
-    split_k, k_per_split = plan_split(in_dim, step.num_tiles * num_chunks, config, split_k)
-    num_sorted = step.sorted_tokens.numel()
-    t = _new_workspace(0 if is_signal else num_sorted, len(slices), lanes, device=x.device)
-    has_parts = is_signal or split_k > 1
-    parts = _new_workspace(split_k if has_parts else 0, num_sorted, len(slices), lanes, device=x.device)
-    counters = arrival_counters(x.device, step.num_tiles * (num_chunks + 1))
-    pools = lora_a + [lora_a[0]] * (MAX_SLICES - len(lora_a))
-    cols = slices + [slices[0]] * (MAX_SLICES - len(slices))
-    _shrink_kernel[(step.num_tiles * num_chunks, split_k)](
+    """The shrink launch (see `lora_shrink`); with is_signal it leaves the partials and arrival counts.
+
+    shape: this step's `plan_shrink` result when the caller has it (config, split_k, is_signal then unused).
+    """
+    if shape is None:
+        shape = plan_shrink(x.shape[1], proj, step, slices, config, x.device, x.dtype, split_k, is_signal)
+    assert len(lora_a) == len(slices) and x.stride(1) == 1 and x.shape[1] == shape.in_dim
+    num_slices = len(slices)
+    t = _new_workspace(0 if shape.is_signal else shape.num_sorted, num_slices, shape.lanes, device=x.device)
+    has_parts = shape.is_signal or shape.split_k > 1
+    parts = _new_workspace(shape.split_k if has_parts else 0, shape.num_sorted, num_slices, shape.lanes,
+                           device=x.device)
+    counters = arrival_counters(x.device, step.num_tiles * (shape.num_chunks + 1))
+    pools = lora_a + [lora_a[0]] * (MAX_SLICES - num_slices)
+    _shrink_kernel[shape.grid](
         x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
-        *cols, proj.rank.stride(0), in_dim, x.stride(0), num_sorted, num_chunks, lanes, split_k, k_per_split,
-        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
-        SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        USE_PDL=uses_pdl(config.is_pdl, x.device), SIGNAL=is_signal, PRECISION=dot_precision(x.dtype),
-        num_warps=config.shrink_warps, num_stages=config.shrink_stages,
+        *shape.cols, proj.rank.stride(0), shape.in_dim, x.stride(0), shape.num_sorted, shape.num_chunks, shape.lanes,
+        shape.split_k, shape.k_per_split, **shape.constexprs,
     )
-    if is_signal:
-        return ShrinkOut(parts, split_k, counters, num_chunks, is_signal=True)
-    return ShrinkOut(t[None], 1, counters, num_chunks, is_signal=False)
+    if shape.is_signal:
+        return ShrinkOut(parts, shape.split_k, counters, shape.num_chunks, is_signal=True)
+    return ShrinkOut(t[None], 1, counters, shape.num_chunks, is_signal=False)
 
 
 def lora_shrink(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import MAX_SLICES, LaunchPlan, LoRAPath, choose_plan
-from kubelora.kernels.lora_expand import _expand_kernel, launch_expand
+from kubelora.kernels.lora_expand import ExpandShape, _expand_kernel, launch_expand, plan_expand
 from kubelora.kernels.lora_fused import lora_fused
-from kubelora.kernels.lora_shrink import launch_shrink
+from kubelora.kernels.lora_shrink import ShrinkShape, launch_shrink, plan_shrink
 
 
 def is_interpreted() -> bool:
@@ -21,6 +23,41 @@ def with_tiles(step: LoRAStep) -> LoRAStep:
     if step.tiles is not None:
         return step
     return prepare_lora_step(step.token_slots.tolist(), step.num_slots, step.token_slots.device)
+
+
+@dataclass(frozen=True)
+class GroupLaunch:
+    """One launch pair of a step's projection: up to MAX_SLICES slices, their plan and host-side launch shapes."""
+
+    slices: list[int]
+    y_offsets: list[int]
+    plan: LaunchPlan
+    shrink: ShrinkShape | None  # None on the fused path
+    expand: ExpandShape | None
+
+
+def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
+                plan: LaunchPlan | None) -> list[GroupLaunch]:
+    """The step's launches for this projection, from sizes only (the same for every layer of the step)."""
+    widths = [b.shape[1] for b in lora_b]
+    offsets = [sum(widths[:s]) for s in range(len(widths))]
+    active = [s for s, r in enumerate(proj.max_rank) if r > 0]
+    groups = []
+    for first in range(0, len(active), MAX_SLICES):
+        slices = active[first : first + MAX_SLICES]
+        group_plan = plan or choose_plan(step, proj, slices)
+        y_offsets = [offsets[s] for s in slices]
+        if group_plan.path is LoRAPath.FUSED:
+            groups.append(GroupLaunch(slices, y_offsets, group_plan, None, None))
+            continue
+        is_signal = group_plan.path is LoRAPath.SIGNAL
+        shrink = plan_shrink(x.shape[1], proj, step, slices, group_plan.split, x.device, x.dtype,
+                             is_signal=is_signal)
+        expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_plan.split,
+                             shrink.split_k if is_signal else 1, shrink.num_chunks, is_signal, x.device,
+                             lora_b[0].dtype)
+        groups.append(GroupLaunch(slices, y_offsets, group_plan, shrink, expand))
+    return groups
 
 
 def add_lora_triton(
@@ -36,23 +73,27 @@ def add_lora_triton(
 
     Same arguments and semantics as `add_lora_torch`; slices of rank 0 everywhere are skipped entirely.
     plan: the launch (default: `choose_plan` for the step); the benchmark and tests pass one to compare.
+    The launch shapes of a step's own plan are computed by its first layer and kept in `proj.launch_cache`.
     """
     if not step.has_lora:
         return
     if x.device.type != "cuda" and not is_interpreted():
         raise RuntimeError("the triton LoRA backend off CUDA needs TRITON_INTERPRET=1 before kubelora.kernels loads")
     step = with_tiles(step)
-    widths = [b.shape[1] for b in lora_b]
-    offsets = [sum(widths[:s]) for s in range(len(widths))]
-    active = [s for s, r in enumerate(proj.max_rank) if r > 0]
-    for first in range(0, len(active), MAX_SLICES):
-        group = active[first : first + MAX_SLICES]
-        group_plan = plan or choose_plan(step, proj, group)
-        a_group, b_group = [lora_a[s] for s in group], [lora_b[s] for s in group]
-        y_offsets = [offsets[s] for s in group]
-        if group_plan.path is LoRAPath.FUSED:
-            lora_fused(y, x, a_group, b_group, proj, step, group, y_offsets, group_plan.fused)
-        else:
-            is_signal = group_plan.path is LoRAPath.SIGNAL
-            shrunk = launch_shrink(x, a_group, proj, step, group, group_plan.split, is_signal=is_signal)
-            launch_expand(y, shrunk, b_group, proj, step, group, y_offsets, group_plan.split)
+    if plan is None:
+        # Keyed by sizes; the step is kept and compared by identity (a proj may be paired with another step).
+        key = (x.shape[1], x.dtype, x.device, tuple(b.shape[1] for b in lora_b))
+        cached_step, groups = proj.launch_cache.get(key, (None, None))
+        if cached_step is not step:
+            groups = plan_groups(x, lora_b, proj, step, None)
+            proj.launch_cache[key] = (step, groups)
+    else:
+        groups = plan_groups(x, lora_b, proj, step, plan)
+    for group in groups:
+        a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
+        if group.shrink is None:
+            lora_fused(y, x, a_group, b_group, proj, step, group.slices, group.y_offsets, group.plan.fused)
+            continue
+        shrunk = launch_shrink(x, a_group, proj, step, group.slices, group.plan.split, shape=group.shrink)
+        launch_expand(y, shrunk, b_group, proj, step, group.slices, group.y_offsets, group.plan.split,
+                      shape=group.expand)

@@ -156,3 +156,17 @@ def test_pdl_only_where_it_can_run():
 
     assert not uses_pdl(True, torch.device("cpu"))
     assert not uses_pdl(False, torch.device("cuda", 0))
+
+
+def test_launch_shapes_are_planned_once_per_step(triton_backend, device, monkeypatch):
+    """Layers of one step reuse the first layer's launch shapes; a new step with the same proj plans again."""
+    p = build_problem(13, ODD_RANKS, [24, 8, 8], 40, "uniform", torch.float32, seed=12, device=device)
+    real = triton_backend.plan_groups
+    calls = []
+    monkeypatch.setattr(triton_backend, "plan_groups", lambda *args: calls.append(1) or real(*args))
+    for _ in range(3):
+        check_y(p, run_path(triton_backend, p, None))
+    assert len(calls) == 1
+    p.step = prepare_lora_step(p.slots, p.step.num_slots, device)
+    check_y(p, run_path(triton_backend, p, None))
+    assert len(calls) == 2
