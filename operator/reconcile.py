@@ -3,7 +3,8 @@
 `PoolReconciler.reconcile()` is idempotent and safe to run at any time (the pool's daemon runs it on a
 period and on triggers). Memory kept between runs is only an optimisation or a record that is also in
 the status: which source revision the operator loaded on which pod, transient-failure backoff, the last
-placement (hysteresis) and permanent failures (also in `status.failedRevision`).
+placement (hysteresis) and permanent failures (also in `status.failedRevision` and
+`status.failedPoolGeneration`: a failure holds for one source revision under one pool spec).
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ class PoolReconciler:
         self.namespace, self.name = namespace, name
         self._served: dict[tuple[str, str], str] = {}  # (pod, adapter) -> source revision loaded there
         self._retries: dict[tuple[str, str], Retry] = {}
-        self._permanent: dict[str, tuple[str, Failure]] = {}  # adapter -> (source revision, failure)
+        # adapter -> (source revision, pool generation, failure): the engine refused that revision while the pool
+        # had that spec; a new revision or a changed pool spec (say a raised maxLoraRank) tries once more.
+        self._permanent: dict[str, tuple[str, int, Failure]] = {}
+        self._pool_generation = 0
         self._previous: dict[str, tuple[str, ...]] | None = None
         self._published: tuple[int, str] | None = None  # (revision, payload without revision)
 
@@ -65,6 +69,7 @@ class PoolReconciler:
         body = await self._kube.get_custom(names.POOL_PLURAL, self.namespace, self.name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
+        self._pool_generation = int(body["metadata"].get("generation") or 0)
         try:
             pool = PoolSpec.from_body(body)
         except InvalidSpec as exc:
@@ -117,13 +122,16 @@ class PoolReconciler:
 
     def _permanent_failure(self, name: str, body: dict, revision: str) -> Failure | None:
         remembered = self._permanent.get(name)
-        if remembered is not None and remembered[0] == revision:
-            return remembered[1]
+        if remembered is not None and remembered[:2] == (revision, self._pool_generation):
+            return remembered[2]
         status = body.get("status") or {}
-        if status.get("failedRevision") == revision:
+        # After an operator restart the status tells; a status written before failedPoolGeneration existed
+        # counts as the current pool's.
+        failed_pool = status.get("failedPoolGeneration", self._pool_generation)
+        if status.get("failedRevision") == revision and failed_pool == self._pool_generation and remembered is None:
             ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
             failure = Failure(ready.get("reason", "LoadFailed"), ready.get("message", "the engine refused it"))
-            self._permanent[name] = (revision, failure)
+            self._permanent[name] = (revision, self._pool_generation, failure)
             return failure
         self._permanent.pop(name, None)
         return None
@@ -132,8 +140,8 @@ class PoolReconciler:
         """Adapters the engine refused during this run report Failed now, not one run later."""
         for name, want in list(adapters.desired.items()):
             remembered = self._permanent.get(name)
-            if remembered is not None and remembered[0] == want.source_revision:
-                adapters.frozen[name] = remembered[1]
+            if remembered is not None and remembered[:2] == (want.source_revision, self._pool_generation):
+                adapters.frozen[name] = remembered[2]
                 del adapters.desired[name]
 
     async def _admin_token(self, pool: PoolSpec) -> str | None:
@@ -215,7 +223,7 @@ class PoolReconciler:
                               involved: dict | None) -> None:
         if isinstance(action, Load) and exc.is_permanent:
             failure = Failure(exc.reason, f"pod {action.pod}: {exc}")
-            self._permanent[action.adapter.name] = (action.adapter.source_revision, failure)
+            self._permanent[action.adapter.name] = (action.adapter.source_revision, self._pool_generation, failure)
             await self._event(involved, "Warning", "LoadFailed", f"{failure.reason}: {failure.message}")
             return
         previous = self._retries.get(key)
@@ -288,7 +296,8 @@ class PoolReconciler:
                         for pod in self._holders(name, sorted(observation.adapters), observation, None)]
             return build_adapter_status(generation=generation, revision=revision, wanted=0, replicas=replicas,
                                         failure=failure,
-                                        failed_revision=revision if name in adapters.frozen else None)
+                                        failed_revision=revision if name in adapters.frozen else None,
+                                        failed_pool_generation=self._pool_generation)
         want = adapters.desired[name]
         replicas = [self._replica_status(name, pod, observation, want) for pod in placement.pods_of(name)]
         pending = None

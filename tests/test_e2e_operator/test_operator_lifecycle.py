@@ -298,6 +298,29 @@ def test_operator_lifecycle(operator_env, material, offline, adapter_server) -> 
 
     wait_for("a1 on the one remaining replica", scaled_in, timeout_s=90)
 
+    # Fixing the pool retries what the engine refused under the old spec: a raised maxLoraRank rolls the
+    # engine pod and "big" (rank 16) loads; the bad checksum is refused again and stays Failed.
+    step("pool fixed")
+    env.cluster.kubectl("patch", "lorapool", "pool1", "-n", env.namespace, "--type=merge",
+                        "-p", '{"spec": {"engine": {"maxLoraRank": 16}}}')
+
+    def big_ready() -> bool:
+        ready = ready_engine_pods(env)
+        return (len(ready) == 1 and adapter(env, "big")["status"]["phase"] == "Ready"
+                and "big" in served_adapters(next(iter(ready.values()))))
+
+    wait_for("big loaded under the fixed pool", big_ready, timeout_s=150)
+    (pod, ip), = ready_engine_pods(env).items()
+    assert complete(ip, "big") != offline["tiny"]
+    assert complete(ip, "a1") == offline["a1"]
+    generation = env.cluster.get_json("lorapool", "pool1", "-n", env.namespace)["metadata"]["generation"]
+
+    def refused_again() -> bool:
+        status = adapter(env, "badsha").get("status") or {}
+        return status.get("phase") == "Failed" and status.get("failedPoolGeneration") == generation
+
+    wait_for("badsha refused again under the new pool spec", refused_again, timeout_s=60)
+
     # Deleting the pool garbage-collects what it owns; its adapters turn Pending and delete without hanging.
     step("pool deleted")
     env.cluster.kubectl("delete", "lorapool", "pool1", "-n", env.namespace, "--timeout=60s", timeout_s=70)

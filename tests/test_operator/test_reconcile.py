@@ -161,11 +161,37 @@ async def test_a_bad_adapter_fails_alone_and_is_not_retried(world):
     fresh = PoolReconciler(kube, reconciler._session, reconciler._settings, NS, "p")
     await fresh.reconcile()
     assert sum(call == ("load", "big") for e in engines.values() for call in e.calls) == attempts
+    assert kube.status("big")["failedPoolGeneration"] == 1
     # A new source is a new revision: tried again.
     kube.objects[("loraadapters", "big")]["spec"]["source"]["path"] = "/adapters/fixed"
     kube.objects[("loraadapters", "big")]["metadata"]["generation"] = 2
     await fresh.reconcile()
     assert kube.status("big")["phase"] == "Ready"
+    assert kube.status("big")["failedRevision"] is None and kube.status("big")["failedPoolGeneration"] is None
+
+
+@pytest.mark.parametrize("is_restarted", [False, True], ids=["same-operator", "restarted-operator"])
+async def test_a_changed_pool_retries_a_failed_adapter_once(world, is_restarted):
+    kube, engines, reconciler = world
+    kube.add_adapter("big", "/adapters/big", replicas=1)
+    await reconciler.reconcile()
+    assert kube.status("big")["phase"] == "Failed"
+
+    def attempts() -> int:
+        return sum(call == ("load", "big") for e in engines.values() for call in e.calls)
+
+    first = attempts()
+    first_events = kube.events.count(("big", "Warning", "LoadFailed"))
+    pool = kube.objects[("lorapools", "p")]
+    pool["spec"]["engine"]["maxLoraRank"] = 16  # the pool's spec changes: its generation moves on
+    pool["metadata"]["generation"] = 2
+    if is_restarted:
+        reconciler = PoolReconciler(kube, reconciler._session, reconciler._settings, NS, "p")
+    for _ in range(3):  # tried once under the new pool spec (this fake engine still refuses), then left alone
+        await reconciler.reconcile()
+    assert attempts() == 2 * first  # the same calls once more (placed on one pod, registered on the other)
+    assert kube.status("big")["phase"] == "Failed" and kube.status("big")["failedPoolGeneration"] == 2
+    assert kube.events.count(("big", "Warning", "LoadFailed")) == 2 * first_events
 
 
 async def test_transient_errors_back_off_and_heal(world):
