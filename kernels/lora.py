@@ -209,11 +209,14 @@ def add_lora(
     backend: str = "torch",
 ) -> None:
     """Dispatch to the backend chosen once at engine start ("torch" reference or "triton")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"LoRA backend {backend!r} is not allowed: use one of {', '.join(BACKENDS)}")
+    if not step.has_lora or not any(proj.max_rank):  # e.g. the MLP of a step whose adapters adapt attention only
+        return
     if backend == "torch":
         add_lora_torch(y, x, lora_a, lora_b, proj, step)
-    elif backend == "triton":
+    else:
         from kubelora.kernels.lora_triton import add_lora_triton  # imported late: TRITON_INTERPRET is read then
 
         add_lora_triton(y, x, lora_a, lora_b, proj, step)
-    else:
-        raise ValueError(f"LoRA backend {backend!r} is not allowed: use one of {', '.join(BACKENDS)}")
+
