@@ -100,7 +100,8 @@ def build_engine_deployment(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
         "spec": {
             "replicas": pool.replicas,
             "selector": {"matchLabels": selector},
-            "template": {"metadata": {"labels": {**pool.pod_labels, **names.pool_labels(pool.name, "engine")}},
+            "template": {"metadata": {"labels": {**pool.pod_labels, **names.pool_labels(pool.name, "engine")},
+                                      "annotations": {names.ANNOTATION_POOL_SPEC: pool.fingerprint}},
                          "spec": pod_spec},
         },
     }

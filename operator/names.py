@@ -17,6 +17,9 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_POOL = "kubelora.io/pool"
 MANAGED_BY = "kubelora-operator"
+# On engine pods: the digest of the pool spec they were made from (specs.pool_fingerprint). A refusal by a pod
+# made from an older spec is not permanent: a rollout is replacing that pod.
+ANNOTATION_POOL_SPEC = "kubelora.io/pool-spec"
 
 
 def engine_name(pool: str) -> str:

@@ -4,7 +4,7 @@
 period and on triggers). Memory kept between runs is only an optimisation or a record that is also in
 the status: which source revision the operator loaded on which pod, transient-failure backoff, the last
 placement (hysteresis) and permanent failures (also in `status.failedRevision` and
-`status.failedPoolGeneration`: a failure holds for one source revision under one pool spec).
+`status.failedPoolSpec`: a failure holds for one source revision under one pool spec, see `pool_fingerprint`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kubelora.operator.observe import Observation, observe_pool
 from kubelora.operator.placement import Placement, PlacementRequest, place
 from kubelora.operator.plan import Action, DesiredAdapter, Load, ObservedAdapter, Unload, is_current, plan_pod
 from kubelora.operator.settings import OperatorSettings
-from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
+from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec, pool_fingerprint
 from kubelora.operator.status import (Failure, Phase, ReplicaState, ReplicaStatus, build_adapter_status,
                                       build_pool_status)
 from kubelora.operator.validation import validate_adapter
@@ -58,10 +58,11 @@ class PoolReconciler:
         self.namespace, self.name = namespace, name
         self._served: dict[tuple[str, str], str] = {}  # (pod, adapter) -> source revision loaded there
         self._retries: dict[tuple[str, str], Retry] = {}
-        # adapter -> (source revision, pool generation, failure): the engine refused that revision while the pool
-        # had that spec; a new revision or a changed pool spec (say a raised maxLoraRank) tries once more.
-        self._permanent: dict[str, tuple[str, int, Failure]] = {}
-        self._pool_generation = 0
+        # adapter -> (source revision, pool fingerprint, failure): the engine refused that revision under that
+        # pool spec; a new revision or a changed pool (say a raised maxLoraRank) tries once more.
+        self._permanent: dict[str, tuple[str, str, Failure]] = {}
+        self._pool_fingerprint = ""
+        self._stale_pods: set[str] = set()  # pods made from an older pool spec (being rolled out)
         self._previous: dict[str, tuple[str, ...]] | None = None
         self._published: tuple[int, str] | None = None  # (revision, payload without revision)
 
@@ -69,7 +70,7 @@ class PoolReconciler:
         body = await self._kube.get_custom(names.POOL_PLURAL, self.namespace, self.name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
-        self._pool_generation = int(body["metadata"].get("generation") or 0)
+        self._pool_fingerprint = pool_fingerprint(body)
         try:
             pool = PoolSpec.from_body(body)
         except InvalidSpec as exc:
@@ -122,16 +123,16 @@ class PoolReconciler:
 
     def _permanent_failure(self, name: str, body: dict, revision: str) -> Failure | None:
         remembered = self._permanent.get(name)
-        if remembered is not None and remembered[:2] == (revision, self._pool_generation):
+        if remembered is not None and remembered[:2] == (revision, self._pool_fingerprint):
             return remembered[2]
         status = body.get("status") or {}
-        # After an operator restart the status tells; a status written before failedPoolGeneration existed
-        # counts as the current pool's.
-        failed_pool = status.get("failedPoolGeneration", self._pool_generation)
-        if status.get("failedRevision") == revision and failed_pool == self._pool_generation and remembered is None:
+        # After an operator restart the status tells; a status written before failedPoolSpec existed counts
+        # as the current pool's.
+        failed_pool = status.get("failedPoolSpec", self._pool_fingerprint)
+        if status.get("failedRevision") == revision and failed_pool == self._pool_fingerprint and remembered is None:
             ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
             failure = Failure(ready.get("reason", "LoadFailed"), ready.get("message", "the engine refused it"))
-            self._permanent[name] = (revision, self._pool_generation, failure)
+            self._permanent[name] = (revision, self._pool_fingerprint, failure)
             return failure
         self._permanent.pop(name, None)
         return None
@@ -140,7 +141,7 @@ class PoolReconciler:
         """Adapters the engine refused during this run report Failed now, not one run later."""
         for name, want in list(adapters.desired.items()):
             remembered = self._permanent.get(name)
-            if remembered is not None and remembered[:2] == (want.source_revision, self._pool_generation):
+            if remembered is not None and remembered[:2] == (want.source_revision, self._pool_fingerprint):
                 adapters.frozen[name] = remembered[2]
                 del adapters.desired[name]
 
@@ -156,6 +157,9 @@ class PoolReconciler:
     async def _observe(self, client: EngineClient) -> Observation:
         observation = await observe_pool(self._kube, client, self.namespace, self.name)
         known = {p["metadata"]["name"] for p in observation.pods}
+        self._stale_pods = {p["metadata"]["name"] for p in observation.pods
+                            if (p["metadata"].get("annotations") or {}).get(names.ANNOTATION_POOL_SPEC)
+                            != self._pool_fingerprint}
         self._served = {k: v for k, v in self._served.items() if k[0] in known}
         self._retries = {k: v for k, v in self._retries.items() if k[0] in known}
         return observation
@@ -221,9 +225,11 @@ class PoolReconciler:
 
     async def _record_failure(self, action: Action, key: tuple[str, str], exc: EngineError,
                               involved: dict | None) -> None:
-        if isinstance(action, Load) and exc.is_permanent:
+        # A refusal is the adapter's own fault only on a pod made from the current pool spec; an older pod is
+        # being replaced (say maxLoraRank was just raised): back off and try again, on the new pod.
+        if isinstance(action, Load) and exc.is_permanent and action.pod not in self._stale_pods:
             failure = Failure(exc.reason, f"pod {action.pod}: {exc}")
-            self._permanent[action.adapter.name] = (action.adapter.source_revision, self._pool_generation, failure)
+            self._permanent[action.adapter.name] = (action.adapter.source_revision, self._pool_fingerprint, failure)
             await self._event(involved, "Warning", "LoadFailed", f"{failure.reason}: {failure.message}")
             return
         previous = self._retries.get(key)
@@ -297,7 +303,7 @@ class PoolReconciler:
             return build_adapter_status(generation=generation, revision=revision, wanted=0, replicas=replicas,
                                         failure=failure,
                                         failed_revision=revision if name in adapters.frozen else None,
-                                        failed_pool_generation=self._pool_generation)
+                                        failed_pool_spec=self._pool_fingerprint)
         want = adapters.desired[name]
         replicas = [self._replica_status(name, pod, observation, want) for pod in placement.pods_of(name)]
         pending = None

@@ -87,6 +87,7 @@ class PoolSpec:
     pod_labels: dict[str, str] = field(default_factory=dict)
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict[str, Any], ...] = ()
+    fingerprint: str = ""  # pool_fingerprint of the body: what the engine pods' checks depend on
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> PoolSpec:
@@ -115,7 +116,7 @@ class PoolSpec:
             router=RouterSettings(is_enabled=router.get("enabled", False), replicas=router.get("replicas", 1),
                                   image=router.get("image") or RouterSettings.image),
             pod_labels=dict(spec.get("podLabels") or {}), node_selector=dict(spec.get("nodeSelector") or {}),
-            tolerations=tuple(spec.get("tolerations") or ()),
+            tolerations=tuple(spec.get("tolerations") or ()), fingerprint=pool_fingerprint(body),
         )
 
 
@@ -178,3 +179,13 @@ def parse_replicas(value: int | str) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         raise InvalidSpec("InvalidSpec", f"spec.replicas must be an integer >= 1 or \"all\", got {value!r}") from None
+
+
+# Pool fields that do not change what an engine accepts: scaling or toggling the router retries nothing.
+_FINGERPRINT_EXCLUDED = ("replicas", "router")
+
+
+def pool_fingerprint(body: dict) -> str:
+    """A short digest of the pool spec an engine's adapter checks depend on (all but replicas and router)."""
+    spec = {k: v for k, v in (body.get("spec") or {}).items() if k not in _FINGERPRINT_EXCLUDED}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

@@ -64,7 +64,7 @@ class Failure:
 
 def build_adapter_status(*, generation: int, revision: str, wanted: int, replicas: list[ReplicaStatus],
                          failure: Failure | None = None, pending: Failure | None = None,
-                         failed_revision: str | None = None, failed_pool_generation: int | None = None) -> dict:
+                         failed_revision: str | None = None, failed_pool_spec: str | None = None) -> dict:
     """The adapter's status (conditions without lastTransitionTime: merge_conditions adds it)."""
     num_ready = sum(1 for r in replicas if r.state is ReplicaState.LOADED)
     phase, conditions = _phase_and_conditions(generation, wanted, num_ready, failure, pending, replicas)
@@ -72,7 +72,7 @@ def build_adapter_status(*, generation: int, revision: str, wanted: int, replica
               "desiredReplicas": wanted, "readyReplicas": num_ready,
               "replicas": [r.to_dict() for r in replicas], "conditions": conditions}
     status["failedRevision"] = failed_revision  # None clears it (a merge patch)
-    status["failedPoolGeneration"] = failed_pool_generation if failed_revision else None
+    status["failedPoolSpec"] = failed_pool_spec if failed_revision else None
     return status
 
 

@@ -98,3 +98,18 @@ def test_placement_configmap_is_the_router_contract():
     configmap = build_placement_configmap(pool(), OWNER, payload)
     assert configmap["metadata"]["name"] == "p-placement"
     assert json.loads(configmap["data"]["placement.json"]) == payload
+
+
+def test_engine_pods_carry_the_pool_spec_digest():
+    """Scaling keeps the digest (no rollout); an engine setting changes it (the pods are replaced)."""
+    from kubelora.operator.names import ANNOTATION_POOL_SPEC
+
+    def digest(body: dict) -> str:
+        template = build_engine_deployment(PoolSpec.from_body(body), OWNER)["spec"]["template"]
+        return template["metadata"]["annotations"][ANNOTATION_POOL_SPEC]
+
+    body = {"metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"model": {"path": "/models/m"}, "engine": {"maxLoraRank": 8}}}
+    scaled = {**body, "spec": {**body["spec"], "replicas": 3, "router": {"enabled": True}}}
+    raised = {**body, "spec": {**body["spec"], "engine": {"maxLoraRank": 16}}}
+    assert len(digest(body)) == 16 and digest(scaled) == digest(body) != digest(raised)

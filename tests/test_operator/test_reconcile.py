@@ -5,15 +5,18 @@ off and heal; a restarted (empty) pod and manual drift heal the same way; a dele
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from kubelora.operator import names
 from kubelora.operator import observe as observe_module
 from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.settings import OperatorSettings
+from kubelora.operator.specs import pool_fingerprint
 
 NS = "ns"
 
@@ -98,6 +101,12 @@ class FakeKube:
     def status(self, name):
         return self.objects[("loraadapters", name)].get("status", {})
 
+    def roll_pods(self):
+        """What a finished rollout leaves: every engine pod made from the pool's current spec."""
+        fingerprint = pool_fingerprint(self.objects[("lorapools", "p")])
+        for p in self.pods:
+            p["metadata"]["annotations"][names.ANNOTATION_POOL_SPEC] = fingerprint
+
 
 def pod(name: str, url: str) -> dict:
     return {"metadata": {"name": name, "annotations": {"test-url": url}},
@@ -118,6 +127,7 @@ async def world(aiohttp_server, monkeypatch):
         engines[name] = FakeEngine()
         server = await aiohttp_server(engines[name].app())
         kube.pods.append(pod(name, str(server.make_url("")).rstrip("/")))
+    kube.roll_pods()
     async with aiohttp.ClientSession() as session:
         settings = OperatorSettings(backoff_initial_s=0.01, backoff_max_s=0.01)
         yield kube, engines, PoolReconciler(kube, session, settings, NS, "p")
@@ -161,13 +171,13 @@ async def test_a_bad_adapter_fails_alone_and_is_not_retried(world):
     fresh = PoolReconciler(kube, reconciler._session, reconciler._settings, NS, "p")
     await fresh.reconcile()
     assert sum(call == ("load", "big") for e in engines.values() for call in e.calls) == attempts
-    assert kube.status("big")["failedPoolGeneration"] == 1
+    assert len(kube.status("big")["failedPoolSpec"]) == 16
     # A new source is a new revision: tried again.
     kube.objects[("loraadapters", "big")]["spec"]["source"]["path"] = "/adapters/fixed"
     kube.objects[("loraadapters", "big")]["metadata"]["generation"] = 2
     await fresh.reconcile()
     assert kube.status("big")["phase"] == "Ready"
-    assert kube.status("big")["failedRevision"] is None and kube.status("big")["failedPoolGeneration"] is None
+    assert kube.status("big")["failedRevision"] is None and kube.status("big")["failedPoolSpec"] is None
 
 
 @pytest.mark.parametrize("is_restarted", [False, True], ids=["same-operator", "restarted-operator"])
@@ -180,18 +190,27 @@ async def test_a_changed_pool_retries_a_failed_adapter_once(world, is_restarted)
     def attempts() -> int:
         return sum(call == ("load", "big") for e in engines.values() for call in e.calls)
 
-    first = attempts()
-    first_events = kube.events.count(("big", "Warning", "LoadFailed"))
+    first, first_spec = attempts(), kube.status("big")["failedPoolSpec"]
     pool = kube.objects[("lorapools", "p")]
-    pool["spec"]["engine"]["maxLoraRank"] = 16  # the pool's spec changes: its generation moves on
-    pool["metadata"]["generation"] = 2
+    pool["spec"]["replicas"] = 3  # scaling (and the router) change nothing an engine checks: no retry
+    pool["spec"]["router"] = {"enabled": True}
+    await reconciler.reconcile()
+    assert attempts() == first
+    # The engine settings change. Until the rollout ends, a refusal by a pod of the old spec is not final.
+    pool["spec"]["engine"]["maxLoraRank"] = 16
+    for _ in range(2):
+        await reconciler.reconcile()
+    assert attempts() > first and kube.status("big")["phase"] != "Failed"
+    kube.roll_pods()
     if is_restarted:
         reconciler = PoolReconciler(kube, reconciler._session, reconciler._settings, NS, "p")
-    for _ in range(3):  # tried once under the new pool spec (this fake engine still refuses), then left alone
+    await asyncio.sleep(0.05)  # past the retry backoff of the stale pods' refusals
+    await reconciler.reconcile()  # pods of the new spec refuse it too (this fake engine always does): final
+    assert kube.status("big")["phase"] == "Failed" and kube.status("big")["failedPoolSpec"] != first_spec
+    final = attempts()
+    for _ in range(3):
         await reconciler.reconcile()
-    assert attempts() == 2 * first  # the same calls once more (placed on one pod, registered on the other)
-    assert kube.status("big")["phase"] == "Failed" and kube.status("big")["failedPoolGeneration"] == 2
-    assert kube.events.count(("big", "Warning", "LoadFailed")) == 2 * first_events
+    assert attempts() == final
 
 
 async def test_transient_errors_back_off_and_heal(world):
