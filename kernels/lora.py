@@ -137,7 +137,7 @@ def prepare_lora_proj(
 ) -> LoRAProj:
     """Pack one projection's slot table (outer list: slots, inner: slices) into device tensors."""
     ranks = torch.tensor(rank, dtype=torch.int64).reshape(len(rank), -1)
-    max_rank = tuple(int(r) for r in ranks.max(dim=0).values) if len(rank) else ()
+    max_rank = tuple(max(column) for column in zip(*rank))  # host lists: no tensor op per step and kind
     return LoRAProj(
         row_start=torch.tensor(row_start, dtype=torch.int64).reshape(ranks.shape).to(device),
         rank=ranks.to(device),
