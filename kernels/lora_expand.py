@@ -47,17 +47,10 @@ def _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R: tl.constexpr, SIGNA
 
 
 @triton.jit
-def _expand_kernel(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, parts_ptr, counters_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
-    col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, lanes, plane, split_k, num_chunks, num_tiles,
-    NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT: tl.constexpr, MAX_CHUNKS: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr,
-    B_FIRST: tl.constexpr, USE_PDL: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
-):
-    # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
+def _select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1, width2, y_off0, y_off1, y_off2,
+                  first_nb1, first_nb2, NUM_S: tl.constexpr):
+    # The slice a column block belongs to (blocks run over the slices' widths laid end to end):
+    # (slice index, its B pool, its proj-table column, width, first column in y, block index within it).
     j = 0
     b_ptr = b0_ptr
     col = col0
@@ -80,6 +73,73 @@ def _expand_kernel(
         width = tl.where(in2, width2, width)
         y_off = tl.where(in2, y_off2, y_off)
         nb = tl.where(in2, pid_n - first_nb2, nb)
+    return j, b_ptr, col, width, y_off, nb
+
+
+@triton.jit
+def _b_chunks(b_rows, width, lanes0, rank, n_mask, BLOCK_R: tl.constexpr, N: tl.constexpr):
+    # The first N (1..4) rank chunks of B; the unused ones repeat chunk 0 (never multiplied).
+    b_c0 = _b_chunk(b_rows, width, lanes0, rank, n_mask)
+    b_c1 = b_c0
+    b_c2 = b_c0
+    b_c3 = b_c0
+    if N > 1:
+        b_c1 = _b_chunk(b_rows, width, BLOCK_R + lanes0, rank, n_mask)
+    if N > 2:
+        b_c2 = _b_chunk(b_rows, width, 2 * BLOCK_R + lanes0, rank, n_mask)
+    if N > 3:
+        b_c3 = _b_chunk(b_rows, width, 3 * BLOCK_R + lanes0, rank, n_mask)
+    return b_c0, b_c1, b_c2, b_c3
+
+
+@triton.jit
+def _t_chunks(parts_ptr, t_rows, lanes0, plane, split_k, m_mask, rank, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
+              N: tl.constexpr):
+    # The first N rank chunks of t, requested together; the unused ones repeat chunk 0.
+    t_c0 = _t_chunk(parts_ptr, t_rows, lanes0, plane, split_k, m_mask, rank, SPLIT)
+    t_c1 = t_c0
+    t_c2 = t_c0
+    t_c3 = t_c0
+    if N > 1:
+        t_c1 = _t_chunk(parts_ptr, t_rows, BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
+    if N > 2:
+        t_c2 = _t_chunk(parts_ptr, t_rows, 2 * BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
+    if N > 3:
+        t_c3 = _t_chunk(parts_ptr, t_rows, 3 * BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
+    return t_c0, t_c1, t_c2, t_c3
+
+
+@triton.jit
+def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank, BLOCK_R: tl.constexpr,
+                N: tl.constexpr, PRECISION: tl.constexpr):
+    # acc += scale * t_c @ b_c for the first N chunks, each only below the adapter's own rank.
+    acc = _add_dot(acc, t_c0, scale, b_c0, PRECISION)
+    if N > 1:
+        if rank > BLOCK_R:
+            acc = _add_dot(acc, t_c1, scale, b_c1, PRECISION)
+    if N > 2:
+        if rank > 2 * BLOCK_R:
+            acc = _add_dot(acc, t_c2, scale, b_c2, PRECISION)
+    if N > 3:
+        if rank > 3 * BLOCK_R:
+            acc = _add_dot(acc, t_c3, scale, b_c3, PRECISION)
+    return acc
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, b0_ptr, b1_ptr, b2_ptr, parts_ptr, counters_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
+    col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
+    y_stride, lanes, plane, split_k, num_chunks, num_tiles,
+    NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT: tl.constexpr, MAX_CHUNKS: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr,
+    B_FIRST: tl.constexpr, USE_PDL: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    j, b_ptr, col, width, y_off, nb = _select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
+                                                    width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
     slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
     rank = tl.load(rank_ptr + slot * meta_stride + col)
     row = tl.load(row_ptr + slot * meta_stride + col)
@@ -105,39 +165,14 @@ def _expand_kernel(
         # The first B_FIRST rank chunks of B are requested before t: launched early (programmatic dependent
         # launch) or on the signal path, metadata, y and these B rows load while the shrink still runs, and
         # after the wait only t is on the critical path. Rows past the adapter's rank are masked (no bytes).
-        b_c0 = _b_chunk(b_rows, width, lanes0, rank, n_mask)
-        b_c1 = b_c0
-        b_c2 = b_c0
-        b_c3 = b_c0
-        if B_FIRST > 1:
-            b_c1 = _b_chunk(b_rows, width, BLOCK_R + lanes0, rank, n_mask)
-        if B_FIRST > 2:
-            b_c2 = _b_chunk(b_rows, width, 2 * BLOCK_R + lanes0, rank, n_mask)
-        if B_FIRST > 3:
-            b_c3 = _b_chunk(b_rows, width, 3 * BLOCK_R + lanes0, rank, n_mask)
+        b_c0, b_c1, b_c2, b_c3 = _b_chunks(b_rows, width, lanes0, rank, n_mask, BLOCK_R, B_FIRST)
         _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R, SIGNAL, USE_PDL)
         # All t chunks are requested at once (lanes past the rank move no bytes); each chunk's product is
         # computed only up to the adapter's own rank (a runtime branch per tile).
-        t_c0 = _t_chunk(parts_ptr, t_rows, lanes0, plane, split_k, m_mask, rank, SPLIT)
-        t_c1 = t_c0
-        t_c2 = t_c0
-        t_c3 = t_c0
-        if B_FIRST > 1:
-            t_c1 = _t_chunk(parts_ptr, t_rows, BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
-        if B_FIRST > 2:
-            t_c2 = _t_chunk(parts_ptr, t_rows, 2 * BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
-        if B_FIRST > 3:
-            t_c3 = _t_chunk(parts_ptr, t_rows, 3 * BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
-        acc = _add_dot(acc, t_c0, scale, b_c0, PRECISION)
-        if B_FIRST > 1:
-            if rank > BLOCK_R:
-                acc = _add_dot(acc, t_c1, scale, b_c1, PRECISION)
-        if B_FIRST > 2:
-            if rank > 2 * BLOCK_R:
-                acc = _add_dot(acc, t_c2, scale, b_c2, PRECISION)
-        if B_FIRST > 3:
-            if rank > 3 * BLOCK_R:
-                acc = _add_dot(acc, t_c3, scale, b_c3, PRECISION)
+        t_c0, t_c1, t_c2, t_c3 = _t_chunks(parts_ptr, t_rows, lanes0, plane, split_k, m_mask, rank, BLOCK_R, SPLIT,
+                                           B_FIRST)
+        acc = _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank, BLOCK_R, B_FIRST,
+                          PRECISION)
         r_first = B_FIRST * BLOCK_R
     else:
         _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R, SIGNAL, USE_PDL)
