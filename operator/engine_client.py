@@ -53,6 +53,8 @@ class EngineClient:
                    "preload": is_preload}
         if adapter.sha256:
             payload["sha256"] = adapter.sha256
+        if adapter.auth_token:
+            payload["auth_token"] = adapter.auth_token  # kubelora's engine: a bearer token for the source host
         body = await self._call("POST", f"{base_url}/v1/load_lora_adapter", payload)
         return LoadResult(card=body.get("adapter") or {}, was_loaded=bool(body.get("was_loaded")))
 

@@ -11,7 +11,7 @@ engine that lost its adapters or a hand-made load all produce the same kind of p
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 RESIDENT = ("host", "device")
 
@@ -45,6 +45,7 @@ class DesiredAdapter:
     lora_path: str
     sha256: str | None
     source_revision: str
+    auth_token: str | None = field(default=None, repr=False, compare=False)  # from spec.source.authSecretRef
 
 
 @dataclass(frozen=True)

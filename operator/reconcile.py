@@ -42,6 +42,11 @@ class AdapterSet:
     requests: list[PlacementRequest] = field(default_factory=list)
     invalid: dict[str, Failure] = field(default_factory=dict)  # static validation: unloaded, not placed
     frozen: dict[str, Failure] = field(default_factory=dict)  # engine refused this revision: left as is
+    blocked: dict[str, Failure] = field(default_factory=dict)  # waiting on its source Secret: left as is
+
+    def left_alone(self) -> dict[str, Failure]:
+        """Adapters no call touches this run: what the pods hold of them stays."""
+        return {**self.frozen, **self.blocked}
 
 
 @dataclass
@@ -78,7 +83,7 @@ class PoolReconciler:
             return
         bodies = [a for a in await self._kube.list_custom(names.ADAPTER_PLURAL, self.namespace)
                   if (a.get("spec") or {}).get("pool") == self.name]
-        adapters = self._classify(bodies, pool)
+        adapters = self._classify(bodies, pool, await self._source_tokens(bodies))
         token = await self._admin_token(pool)
         client = EngineClient(self._session, token, self._settings.engine_timeout_s)
         observation = await self._observe(client)
@@ -93,7 +98,18 @@ class PoolReconciler:
 
     # ---- inputs ----
 
-    def _classify(self, bodies: list[dict], pool: PoolSpec) -> AdapterSet:
+    async def _source_tokens(self, bodies: list[dict]) -> dict[str, str | None]:
+        """adapter -> the token its spec.source.authSecretRef names (None: Secret or key missing)."""
+        refs = {}
+        for body in bodies:
+            ref = ((body.get("spec") or {}).get("source") or {}).get("authSecretRef")
+            if ref and ref.get("name") and not body["metadata"].get("deletionTimestamp"):
+                refs[body["metadata"]["name"]] = (ref["name"], ref.get("key", "token"))
+        values = await asyncio.gather(*(self._kube.read_secret_key(self.namespace, name, key)
+                                        for name, key in refs.values()))
+        return dict(zip(refs, values))
+
+    def _classify(self, bodies: list[dict], pool: PoolSpec, tokens: dict[str, str | None]) -> AdapterSet:
         adapters = AdapterSet(bodies={b["metadata"]["name"]: b for b in bodies})
         self._permanent = {k: v for k, v in self._permanent.items() if k in adapters.bodies}
         for name, body in adapters.bodies.items():
@@ -105,13 +121,20 @@ class PoolReconciler:
             except InvalidSpec as exc:
                 adapters.invalid[name] = Failure(exc.reason, str(exc))
                 continue
+            secret = spec.source.auth_secret
+            if secret is not None and not tokens.get(name):
+                # Not final: checked again every run, so creating the Secret is enough.
+                adapters.blocked[name] = Failure("SecretNotFound", f"spec.source.authSecretRef: Secret "
+                                                 f"{self.namespace}/{secret.name} has no key {secret.key!r}")
+                continue
             revision = spec.source.revision
             self._remember_served(name, body)
             failure = self._permanent_failure(name, body, revision)
             if failure is not None:
                 adapters.frozen[name] = failure
                 continue
-            adapters.desired[name] = DesiredAdapter(name, spec.source.lora_path, spec.source.sha256, revision)
+            adapters.desired[name] = DesiredAdapter(name, spec.source.lora_path, spec.source.sha256, revision,
+                                                    auth_token=tokens.get(name))
             adapters.requests.append(PlacementRequest(name, spec.replicas))
         return adapters
 
@@ -184,7 +207,7 @@ class PoolReconciler:
         for pod, observed in observation.adapters.items():
             served = {a: r for (p, a), r in self._served.items() if p == pod}
             actions += plan_pod(pod, adapters.desired, set(placement.adapters_on(pod)), observed, served,
-                                frozen=adapters.frozen)
+                                frozen=adapters.left_alone())
         now = time.monotonic()
         return [a for a in actions if self._retries.get((a.pod, _name(a)), Retry(0, 0.0, "")).retry_at <= now]
 
@@ -262,7 +285,7 @@ class PoolReconciler:
         held = {name: self._holders(name, placement.pods_of(name), observation, want)
                 for name, want in adapters.desired.items()}
         held.update({name: self._holders(name, sorted(observation.adapters), observation, None)
-                     for name in adapters.frozen})
+                     for name in adapters.left_alone()})
         replicas = [{"pod": pod, "url": url, "ready": pod in observation.urls}
                     for pod, url in observation.all_urls.items()]
         payload = {"pool": self.name, "baseModel": pool.served_name, "replicas": sorted(replicas,
@@ -296,8 +319,8 @@ class PoolReconciler:
             revision = AdapterSpec.from_body(body).source.revision
         except InvalidSpec:
             revision = ""
-        if name in adapters.invalid or name in adapters.frozen:
-            failure = adapters.invalid.get(name) or adapters.frozen[name]
+        failure = adapters.invalid.get(name) or adapters.left_alone().get(name)
+        if failure is not None:
             replicas = [self._replica_status(name, pod, observation, None)
                         for pod in self._holders(name, sorted(observation.adapters), observation, None)]
             return build_adapter_status(generation=generation, revision=revision, wanted=0, replicas=replicas,

@@ -125,10 +125,13 @@ class AdapterSource:
     path: str | None = None
     url: str | None = None
     sha256: str | None = None
+    auth_secret: SecretRef | None = None  # a bearer token for the url's host, from a Secret in the namespace
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.url is None):
             raise InvalidSpec("InvalidSpec", "spec.source needs exactly one of path and url")
+        if self.auth_secret is not None and self.url is None:
+            raise InvalidSpec("InvalidSpec", "spec.source.authSecretRef is for url sources only")
 
     @property
     def lora_path(self) -> str:
@@ -137,8 +140,14 @@ class AdapterSource:
 
     @property
     def revision(self) -> str:
-        """A change of path, url or sha256 is a new revision; 10 hex digits of a hash of the canonical form."""
-        canonical = json.dumps({"path": self.path, "url": self.url, "sha256": self.sha256}, sort_keys=True)
+        """A change of path, url, sha256 or credentials reference is a new revision; 10 hex digits of a hash.
+
+        (The Secret's value is not part of it: a rotated token serves the same artifact.)
+        """
+        fields = {"path": self.path, "url": self.url, "sha256": self.sha256}
+        if self.auth_secret is not None:  # absent otherwise, so revisions of older specs do not change
+            fields["auth"] = [self.auth_secret.name, self.auth_secret.key]
+        canonical = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:10]
 
 
@@ -164,11 +173,16 @@ class AdapterSpec:
         source = spec.get("source") or {}
         return cls(
             name=meta["name"], namespace=meta["namespace"], pool=spec.get("pool", ""),
-            source=AdapterSource(path=source.get("path"), url=source.get("url"), sha256=source.get("sha256")),
+            source=AdapterSource(path=source.get("path"), url=source.get("url"), sha256=source.get("sha256"),
+                                 auth_secret=_secret_ref(source.get("authSecretRef"))),
             replicas=parse_replicas(spec.get("replicas", 1)), rank=spec.get("rank"),
             targets=tuple(spec.get("targets") or ()), generation=int(meta.get("generation") or 0),
             uid=meta.get("uid", ""),
         )
+
+
+def _secret_ref(value: dict | None) -> SecretRef | None:
+    return SecretRef(value["name"], value.get("key", "token")) if value else None
 
 
 def parse_replicas(value: int | str) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -25,21 +26,28 @@ class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
         if not self._is_allowed(newurl):
             raise AdapterSourceError(f"adapter download redirected to a host that is not allowed: {newurl}",
                                      param="lora_path", code="url_not_allowed")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+            new.remove_header("Authorization")  # the source's credentials are for its own host only
+        return new
 
 
 def _fail(url: str, why: str) -> AdapterSourceError:
     return AdapterSourceError(f"cannot download {url}: {why}", param="lora_path", code="download_failed")
 
 
-def download(url: str, dest: Path, *, max_bytes: int, timeout_s: float, is_allowed: Callable[[str], bool]) -> str:
-    """Write the body of `url` to `dest`; return its sha256 hex digest."""
+def download(url: str, dest: Path, *, max_bytes: int, timeout_s: float, is_allowed: Callable[[str], bool],
+             auth_token: str | None = None) -> str:
+    """Write the body of `url` to `dest`; return its sha256 hex digest. auth_token: a bearer token for url's host."""
     opener = urllib.request.build_opener(_CheckedRedirects(is_allowed))
     digest = hashlib.sha256()
     written = 0
+    headers = {"User-Agent": "kubelora-engine"}
+    if auth_token is not None:
+        headers["Authorization"] = f"Bearer {auth_token}"
     try:
-        with opener.open(urllib.request.Request(url, headers={"User-Agent": "kubelora-engine"}),
-                         timeout=timeout_s) as response, open(dest, "wb") as out:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response, \
+                open(dest, "wb") as out:
             declared = response.headers.get("Content-Length")
             if declared is not None and declared.isdigit() and int(declared) > max_bytes:
                 raise _fail(url, f"{declared} bytes is more than the limit of {max_bytes}")

@@ -6,7 +6,7 @@ max-model-len is decided later, by the handler that knows the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubelora.engine.sampling_params import SamplingParams
@@ -69,6 +69,9 @@ class ChatRequest:
     add_generation_prompt: bool
 
 
+MAX_AUTH_TOKEN_CHARS = 4096
+
+
 @dataclass(frozen=True)
 class LoadAdapterRequest:
     lora_name: str
@@ -76,6 +79,9 @@ class LoadAdapterRequest:
     is_inplace: bool
     is_preload: bool
     sha256: str | None
+    # kubelora extension: a bearer token for an http(s) source (from a Secret the operator reads); never
+    # logged, never shown in cards.
+    auth_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -263,8 +269,12 @@ def parse_load_adapter(body: dict[str, Any]) -> LoadAdapterRequest:
     sha256 = f.take_str("sha256")
     if sha256 is not None and (len(sha256) != 64 or any(c not in "0123456789abcdefABCDEF" for c in sha256)):
         raise InvalidRequest("'sha256' must be 64 hex digits", param="sha256", code="invalid_value")
+    auth_token = f.take_str("auth_token")
+    if auth_token is not None and not (0 < len(auth_token) <= MAX_AUTH_TOKEN_CHARS and auth_token.isprintable()):
+        raise InvalidRequest(f"'auth_token' must be 1..{MAX_AUTH_TOKEN_CHARS} printable characters",
+                             param="auth_token", code="invalid_value")
     request = LoadAdapterRequest(name, path, f.take_bool("load_inplace", False), f.take_bool("preload", True),
-                                 sha256.lower() if sha256 else None)
+                                 sha256.lower() if sha256 else None, auth_token)
     f.take_any("lora_int_id")  # vLLM clients send it; ids are ours to assign
     f.finish()
     return request

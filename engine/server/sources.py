@@ -51,10 +51,12 @@ def _refuse(message: str, code: str = "path_not_allowed") -> AdapterSourceError:
     return AdapterSourceError(message, param="lora_path", code=code)
 
 
-def resolve_source(config: SourceConfig, source: str, sha256: str | None = None) -> ResolvedSource:
+def resolve_source(config: SourceConfig, source: str, sha256: str | None = None, *,
+                   auth_token: str | None = None) -> ResolvedSource:
+    """auth_token: sent as a bearer token to an http(s) source's host (not across redirects to another host)."""
     scheme = urllib.parse.urlsplit(source).scheme.lower()
     if scheme in ("http", "https"):
-        return ResolvedSource(fetch_url(config, source, sha256), source, sha256)
+        return ResolvedSource(fetch_url(config, source, sha256, auth_token), source, sha256)
     if scheme not in ("", "file"):
         raise _refuse(f"lora_path scheme {scheme!r} is not supported; use a path, file://, http:// or https://",
                       "unsupported_scheme")
@@ -123,7 +125,7 @@ def host_allowed(allowed_hosts: tuple[str, ...], url: str) -> bool:
     return False
 
 
-def fetch_url(config: SourceConfig, url: str, sha256: str | None) -> Path:
+def fetch_url(config: SourceConfig, url: str, sha256: str | None, auth_token: str | None = None) -> Path:
     """Download an archive, or the two adapter files under a URL "directory"; return the local directory.
 
     Downloads land in `cache_dir/<url digest>/<content digest>`, so the same bytes always give the same
@@ -140,8 +142,8 @@ def fetch_url(config: SourceConfig, url: str, sha256: str | None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".download-", dir=url_dir))
     try:
         is_archive = parts.path.lower().endswith(ARCHIVE_SUFFIXES)
-        digest = _fetch_archive(config, url, staging, sha256) if is_archive else _fetch_files(config, url, staging,
-                                                                                              sha256)
+        fetch = _fetch_archive if is_archive else _fetch_files
+        digest = fetch(config, url, staging, sha256, auth_token)
         final = url_dir / digest[:32]
         try:
             os.rename(staging / "content", final)
@@ -153,28 +155,27 @@ def fetch_url(config: SourceConfig, url: str, sha256: str | None) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _allowed(config: SourceConfig):
-    return lambda target: host_allowed(config.allowed_hosts, target)
+def _download(config: SourceConfig, url: str, dest: Path, auth_token: str | None) -> str:
+    return download(url, dest, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
+                    is_allowed=lambda target: host_allowed(config.allowed_hosts, target), auth_token=auth_token)
 
 
-def _fetch_archive(config: SourceConfig, url: str, staging: Path, sha256: str | None) -> str:
+def _fetch_archive(config: SourceConfig, url: str, staging: Path, sha256: str | None, auth_token: str | None) -> str:
     archive = staging / "archive"
-    digest = download(url, archive, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
-                      is_allowed=_allowed(config))
+    digest = _download(config, url, archive, auth_token)
     if sha256 is not None:
         _check_digest(digest, sha256, "archive")
     extract_archive(archive, urllib.parse.urlsplit(url).path, staging / "content", max_bytes=config.max_bytes)
     return digest
 
 
-def _fetch_files(config: SourceConfig, url: str, staging: Path, sha256: str | None) -> str:
+def _fetch_files(config: SourceConfig, url: str, staging: Path, sha256: str | None, auth_token: str | None) -> str:
     content = staging / "content"
     content.mkdir()
     base = url.rstrip("/") + "/"
     combined = hashlib.sha256()
     for name in ADAPTER_FILES:
-        digest = download(base + name, content / name, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
-                          is_allowed=_allowed(config))
+        digest = _download(config, base + name, content / name, auth_token)
         if name == WEIGHTS_FILE and sha256 is not None:
             _check_digest(digest, sha256, WEIGHTS_FILE)
         combined.update(digest.encode())

@@ -65,7 +65,26 @@ def adapter_server(cluster: LocalCluster, material: Material) -> Iterator[str]:
         server.server_close()
 
 
+SOURCE_TOKEN = "e2e-source-token"
+
+
+@pytest.fixture
+def source_token() -> str:
+    """The bearer token adapter_server wants for its /private/ URLs."""
+    return SOURCE_TOKEN
+
+
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """The adapters directory; under /private/ the same files, for a bearer token only."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's hook
+        if self.path.startswith("/private/"):
+            if self.headers.get("Authorization") != f"Bearer {SOURCE_TOKEN}":
+                self.send_error(401, "a bearer token is required")
+                return
+            self.path = self.path[len("/private"):]
+        super().do_GET()
+
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
         pass
 

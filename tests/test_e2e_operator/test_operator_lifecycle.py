@@ -41,6 +41,12 @@ kind: LoRAAdapter
 metadata: {{name: {name}}}
 spec: {{pool: pool1, source: {{url: "{url}", sha256: "{sha256}"}}}}
 """
+PRIVATE_ADAPTER = """
+apiVersion: kubelora.io/v1alpha1
+kind: LoRAAdapter
+metadata: {{name: private}}
+spec: {{pool: pool1, source: {{url: "{url}", authSecretRef: {{name: adapter-source}}}}}}
+"""
 ADAPTER = """
 apiVersion: kubelora.io/v1alpha1
 kind: LoRAAdapter
@@ -123,7 +129,7 @@ class Steps:
         self.last = now
 
 
-def test_operator_lifecycle(operator_env, material, offline, adapter_server) -> None:
+def test_operator_lifecycle(operator_env, material, offline, adapter_server, source_token) -> None:
     env = operator_env
     step = Steps()
     env.cluster.kubectl("create", "secret", "generic", "engine-admin", "-n", env.namespace,
@@ -150,12 +156,22 @@ def test_operator_lifecycle(operator_env, material, offline, adapter_server) -> 
     badsha = wait_phase(env, "badsha", "Failed")
     assert {c["type"]: c["reason"] for c in badsha["status"]["conditions"]}["Ready"] == "Sha256Mismatch"
     step("url adapters")
+    # A private URL: the token comes from a Secret the adapter names; until the Secret exists, nothing loads.
+    env.cluster.apply(PRIVATE_ADAPTER.format(url=f"http://{adapter_server}/private/a1"), namespace=env.namespace)
+    waiting = wait_phase(env, "private", "Failed")
+    assert {c["type"]: c["reason"] for c in waiting["status"]["conditions"]}["Ready"] == "SecretNotFound"
+    env.cluster.kubectl("create", "secret", "generic", "adapter-source", "-n", env.namespace,
+                        f"--from-literal=token={source_token}")
+    wait_phase(env, "private", "Ready", timeout_s=90)  # picked up by the next resync
+    step("private url adapter")
     (pod, ip), = ready_engine_pods(env).items()
     assert [r["pod"] for r in a1["status"]["replicas"]] == [pod]
     assert complete(ip, "a1") == offline["a1"] != offline["tiny"]
     assert complete(ip, "a2") == offline["a2"] != offline["a1"]
     assert complete(ip, "tiny") == offline["tiny"]
     assert complete(ip, "remote") == offline["a1"]  # downloaded over HTTP, sha256 checked
+    assert complete(ip, "private") == offline["a1"]  # downloaded with the Secret's bearer token
+    env.cluster.kubectl("delete", "loraadapter", "private", "-n", env.namespace, "--timeout=60s", timeout_s=70)
     assert "big" not in served_adapters(ip)
     unauthenticated = urllib.request.Request(f"http://{ip}:8000/v1/unload_lora_adapter", method="POST",
                                              data=b'{"lora_name": "a1"}', headers={"Content-Type": "application/json"})

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kubelora.operator import names
 from kubelora.operator import observe as observe_module
+from kubelora.operator.plan import DesiredAdapter
 from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.specs import pool_fingerprint
@@ -26,6 +27,7 @@ class FakeEngine:
         self.adapters: dict[str, dict] = {}
         self.calls: list[tuple[str, str]] = []
         self.fail_next: dict[str, int] = {}  # adapter -> number of 503s still to answer
+        self.payloads: list[dict] = []  # every load request's body
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -41,6 +43,7 @@ class FakeEngine:
         body = await request.json()
         name = body["lora_name"]
         self.calls.append(("load", name))
+        self.payloads.append(body)
         if "big" in body["lora_path"]:
             return web.json_response({"error": {"type": "adapter_load_error", "code": "adapter_rank_too_large",
                                                 "message": "r: rank 16 exceeds max_lora_rank 8"}}, status=400)
@@ -65,6 +68,7 @@ class FakeKube:
         self.pods: list[dict] = []
         self.applied: dict[str, dict] = {}
         self.events: list[tuple[str, str, str]] = []
+        self.secrets: dict[tuple[str, str], str] = {}  # (name, key) -> value
 
     async def get_custom(self, plural, namespace, name):
         found = self.objects.get((plural, name))
@@ -87,7 +91,7 @@ class FakeKube:
             self.objects[(plural, name)]["status"] = {**self.objects[(plural, name)].get("status", {}), **status}
 
     async def read_secret_key(self, namespace, name, key):
-        return None
+        return self.secrets.get((name, key))
 
     async def create_event(self, involved, event_type, reason, message):
         self.events.append((involved["metadata"]["name"], event_type, reason))
@@ -122,6 +126,7 @@ async def world(aiohttp_server, monkeypatch):
         "apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
         "metadata": {"name": "p", "namespace": NS, "uid": "uid-p", "generation": 1},
         "spec": {"model": {"path": "/models/base"}, "adapterRoots": ["/adapters"],
+                 "adapterUrlHosts": ["models.example"],
                  "engine": {"maxLoraRank": 8, "maxLoras": 2, "maxCpuLoras": 4}}}
     for name in ("e0", "e1"):
         engines[name] = FakeEngine()
@@ -211,6 +216,34 @@ async def test_a_changed_pool_retries_a_failed_adapter_once(world, is_restarted)
     for _ in range(3):
         await reconciler.reconcile()
     assert attempts() == final
+
+
+async def test_source_credentials_come_from_a_secret(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("ok", "/adapters/ok")
+    kube.add_adapter("private", "/unused")
+    kube.objects[("loraadapters", "private")]["spec"]["source"] = {
+        "url": "https://models.example/private", "authSecretRef": {"name": "creds"}}
+
+    def loads_of(name: str) -> list[dict]:
+        return [p for e in engines.values() for p in e.payloads if p["lora_name"] == name]
+
+    await reconciler.reconcile()  # the Secret does not exist yet: nothing is sent, the others load
+    assert kube.status("private")["phase"] == "Failed" and not loads_of("private")
+    assert {c["type"]: c["reason"] for c in kube.status("private")["conditions"]}["Ready"] == "SecretNotFound"
+    assert kube.status("private")["failedRevision"] is None and kube.status("ok")["phase"] == "Ready"
+    kube.secrets[("creds", "token")] = "tok-1"
+    await reconciler.reconcile()
+    assert kube.status("private")["phase"] == "Ready"
+    assert {p.get("auth_token") for p in loads_of("private")} == {"tok-1"}
+    assert all("auth_token" not in p for p in loads_of("ok"))
+    assert "tok-1" not in repr(DesiredAdapter("private", "https://models.example/private", None, "r", "tok-1"))
+    # The Secret goes away: the pods keep what they hold, nothing is unloaded, the status says why.
+    del kube.secrets[("creds", "token")]
+    await reconciler.reconcile()
+    assert kube.status("private")["phase"] == "Failed"
+    assert not any(call == ("unload", "private") for e in engines.values() for call in e.calls)
+    assert any("private" in e.adapters for e in engines.values())
 
 
 async def test_transient_errors_back_off_and_heal(world):

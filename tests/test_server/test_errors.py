@@ -95,6 +95,8 @@ async def test_bad_adapter_loads(api, material):
         (_load("model", material.adapters["a1"]), 400, "invalid_request_error", "lora_name", "invalid_value"),
         (_load("../x", material.adapters["a1"]), 400, "invalid_request_error", "lora_name", "invalid_value"),
         ({"lora_name": "x"}, 400, "invalid_request_error", "lora_path", "missing_field"),
+        ({**_load("x", material.adapters["a1"]), "auth_token": ""}, 400, "invalid_request_error", "auth_token",
+         "invalid_value"),
         (_load("a0", material.adapters["a1"]), 409, "conflict_error", "lora_name", "adapter_exists"),
     ]
     for body, status, type_, param, code in cases:

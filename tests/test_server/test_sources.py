@@ -26,9 +26,9 @@ def _adapter(directory: Path) -> Path:
     return directory
 
 
-def _refused(fn, *args, code: str | None = None) -> AdapterSourceError:
+def _refused(fn, *args, code: str | None = None, **kwargs) -> AdapterSourceError:
     with pytest.raises(AdapterSourceError) as info:
-        fn(*args)
+        fn(*args, **kwargs)
     assert info.value.status == 400
     if code:
         assert info.value.code == code
@@ -92,12 +92,28 @@ def test_unsupported_scheme(tmp_path):
     _refused(resolve_source, SourceConfig(cache_dir=tmp_path), "s3://bucket/a", code="unsupported_scheme")
 
 
+TOKEN = "s3cret-token"
+
+
 class _Handler(http.server.SimpleHTTPRequestHandler):
+    seen_auth: list[tuple[str, str | None]] = []  # (path, Authorization header) of every request
+
     def do_GET(self):  # noqa: N802 - http.server's hook
+        auth = self.headers.get("Authorization")
+        _Handler.seen_auth.append((self.path, auth))
         if self.path.startswith("/redirect-out"):
             self.send_response(302)
             self.send_header("Location", "http://elsewhere.invalid/a.tar.gz")
             self.end_headers()
+            return
+        if self.path.startswith("/hop/"):  # to another allowed host: /hop/<host:port>/<path>
+            _, _, target, rest = self.path.split("/", 3)
+            self.send_response(302)
+            self.send_header("Location", f"http://{target}/{rest}")
+            self.end_headers()
+            return
+        if self.path.startswith("/private/") and auth != f"Bearer {TOKEN}":
+            self.send_error(401, "a bearer token is required")
             return
         super().do_GET()
 
@@ -105,14 +121,18 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+def _serve(served: Path):
+    handler = lambda *a, **k: _Handler(*a, directory=str(served), **k)  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 @pytest.fixture
 def http_root(tmp_path):
     served = tmp_path / "served"
     served.mkdir()
-    handler = lambda *a, **k: _Handler(*a, directory=str(served), **k)  # noqa: E731
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = _serve(served)
     yield served, f"127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
@@ -200,3 +220,26 @@ def test_size_limit_and_hosts(tmp_path, http_root):
     _refused(resolve_source, _config(tmp_path, "other:1"), f"http://{host}/big.tar", code="url_not_allowed")
     _refused(resolve_source, _config(tmp_path, host), f"http://{host}/redirect-out", code="url_not_allowed")
     _refused(resolve_source, _config(tmp_path, host), f"http://u:p@{host}/big.tar", code="url_not_allowed")
+
+
+def test_bearer_token_for_the_source_host_only(tmp_path, http_root):
+    served, host = http_root
+    _adapter(served / "private" / "dir")
+    config = _config(tmp_path, host)
+    refused = _refused(resolve_source, config, f"http://{host}/private/dir/", code="download_failed")
+    assert "HTTP 401" in str(refused) and TOKEN not in str(refused)
+    resolved = resolve_source(config, f"http://{host}/private/dir/", auth_token=TOKEN)
+    assert (resolved.path / "adapter_config.json").read_bytes() == FILES["adapter_config.json"]
+    # A redirect to another (allowed) host does not carry the token there.
+    other = _serve(served)
+    other_host = f"127.0.0.1:{other.server_address[1]}"
+    try:
+        _Handler.seen_auth.clear()
+        two_hosts = SourceConfig(allowed_hosts=(host, other_host), cache_dir=tmp_path / "cache2")
+        _refused(resolve_source, two_hosts, f"http://{host}/hop/{other_host}/private/dir/", auth_token=TOKEN,
+                 code="download_failed")
+        assert ("/hop/" + other_host + "/private/dir/adapter_config.json", f"Bearer {TOKEN}") in _Handler.seen_auth
+        assert ("/private/dir/adapter_config.json", None) in _Handler.seen_auth
+    finally:
+        other.shutdown()
+        other.server_close()
