@@ -16,7 +16,8 @@ import triton.language as tl
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision
 from kubelora.kernels.lora_shrink import ShrinkOut, arrival_counters
-from kubelora.kernels.lora_tile import gdc_wait, release_tile, sum_splits, tile_meta, uses_pdl, wait_arrivals
+from kubelora.kernels.lora_tile import (gdc_wait, release_tile, select_slice, sum_splits, tile_meta, uses_pdl,
+                                        wait_arrivals)
 
 
 @triton.jit
@@ -44,36 +45,6 @@ def _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R: tl.constexpr, SIGNA
         wait_arrivals(arrivals_ptr, tl.where(count > 0, tl.cdiv(rank, BLOCK_R), 0), split_k)
     elif USE_PDL:  # launched early: t is complete once the whole shrink grid is
         gdc_wait()
-
-
-@triton.jit
-def _select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1, width2, y_off0, y_off1, y_off2,
-                  first_nb1, first_nb2, NUM_S: tl.constexpr):
-    # The slice a column block belongs to (blocks run over the slices' widths laid end to end):
-    # (slice index, its B pool, its proj-table column, width, first column in y, block index within it).
-    j = 0
-    b_ptr = b0_ptr
-    col = col0
-    width = width0
-    y_off = y_off0
-    nb = pid_n
-    if NUM_S > 1:
-        in1 = pid_n >= first_nb1
-        j = tl.where(in1, 1, j)
-        b_ptr = tl.where(in1, b1_ptr, b_ptr)
-        col = tl.where(in1, col1, col)
-        width = tl.where(in1, width1, width)
-        y_off = tl.where(in1, y_off1, y_off)
-        nb = tl.where(in1, pid_n - first_nb1, nb)
-    if NUM_S > 2:
-        in2 = pid_n >= first_nb2
-        j = tl.where(in2, 2, j)
-        b_ptr = tl.where(in2, b2_ptr, b_ptr)
-        col = tl.where(in2, col2, col)
-        width = tl.where(in2, width2, width)
-        y_off = tl.where(in2, y_off2, y_off)
-        nb = tl.where(in2, pid_n - first_nb2, nb)
-    return j, b_ptr, col, width, y_off, nb
 
 
 @triton.jit
@@ -138,7 +109,7 @@ def _expand_kernel(
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
-    j, b_ptr, col, width, y_off, nb = _select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
+    j, b_ptr, col, width, y_off, nb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
                                                     width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
     slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
     rank = tl.load(rank_ptr + slot * meta_stride + col)

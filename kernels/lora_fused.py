@@ -17,7 +17,7 @@ from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import MAX_SLICES, FusedConfig, dot_precision, num_lanes
 from kubelora.kernels.lora_expand import lora_expand_torch
 from kubelora.kernels.lora_shrink import lora_shrink_torch
-from kubelora.kernels.lora_tile import tile_meta
+from kubelora.kernels.lora_tile import select_slice, tile_meta
 
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program (H200: 227 KB of shared memory per block)
 
@@ -33,28 +33,13 @@ def _fused_kernel(
 ):
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
+    j, b_ptr, col, width, y_off, pb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
+                                                   width2, y_off0, y_off1, y_off2, first_pb1, first_pb2, NUM_S)
     a_ptr = a0_ptr
-    b_ptr = b0_ptr
-    col = col0
-    width = width0
-    y_off = y_off0
-    pb = pid_n
     if NUM_S > 1:
-        in1 = pid_n >= first_pb1
-        a_ptr = tl.where(in1, a1_ptr, a_ptr)
-        b_ptr = tl.where(in1, b1_ptr, b_ptr)
-        col = tl.where(in1, col1, col)
-        width = tl.where(in1, width1, width)
-        y_off = tl.where(in1, y_off1, y_off)
-        pb = tl.where(in1, pid_n - first_pb1, pb)
+        a_ptr = tl.where(j == 1, a1_ptr, a_ptr)
     if NUM_S > 2:
-        in2 = pid_n >= first_pb2
-        a_ptr = tl.where(in2, a2_ptr, a_ptr)
-        b_ptr = tl.where(in2, b2_ptr, b_ptr)
-        col = tl.where(in2, col2, col)
-        width = tl.where(in2, width2, width)
-        y_off = tl.where(in2, y_off2, y_off)
-        pb = tl.where(in2, pid_n - first_pb2, pb)
+        a_ptr = tl.where(j == 2, a2_ptr, a_ptr)
     slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
     rank = tl.load(rank_ptr + slot * meta_stride + col)
     row = tl.load(row_ptr + slot * meta_stride + col)

@@ -67,6 +67,38 @@ def tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, SLOT_TILES: tl
 
 
 @triton.jit
+def select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1, width2, y_off0, y_off1, y_off2,
+                  first_nb1, first_nb2, NUM_S: tl.constexpr):
+    """The slice column block pid_n belongs to (blocks run over the slices' widths laid end to end):
+
+    (slice index, its B pool, its proj-table column, width, first column in y, block index within it).
+    """
+    j = 0
+    b_ptr = b0_ptr
+    col = col0
+    width = width0
+    y_off = y_off0
+    nb = pid_n
+    if NUM_S > 1:
+        in1 = pid_n >= first_nb1
+        j = tl.where(in1, 1, j)
+        b_ptr = tl.where(in1, b1_ptr, b_ptr)
+        col = tl.where(in1, col1, col)
+        width = tl.where(in1, width1, width)
+        y_off = tl.where(in1, y_off1, y_off)
+        nb = tl.where(in1, pid_n - first_nb1, nb)
+    if NUM_S > 2:
+        in2 = pid_n >= first_nb2
+        j = tl.where(in2, 2, j)
+        b_ptr = tl.where(in2, b2_ptr, b_ptr)
+        col = tl.where(in2, col2, col)
+        width = tl.where(in2, width2, width)
+        y_off = tl.where(in2, y_off2, y_off)
+        nb = tl.where(in2, pid_n - first_nb2, nb)
+    return j, b_ptr, col, width, y_off, nb
+
+
+@triton.jit
 def sum_splits(parts_ptr, rows, plane, split_k, mask, SPLIT: tl.constexpr):
     """sum over s < split_k of parts[s * plane + rows], masked, in split order (deterministic).
 
