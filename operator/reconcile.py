@@ -4,7 +4,7 @@
 period and on triggers). Memory kept between runs is only an optimisation or a record that is also in
 the status: which source revision the operator loaded on which pod, transient-failure backoff, the last
 placement (hysteresis) and permanent failures (also in `status.failedRevision` and
-`status.failedPoolSpec`: a failure holds for one source revision under one pool spec, see `pool_fingerprint`).
+`status.failedPoolSpec`: a failure holds for one source revision under one pool spec, see `specs.pool_fingerprint`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kubelora.operator.observe import Observation, observe_pool
 from kubelora.operator.placement import Placement, PlacementRequest, place
 from kubelora.operator.plan import Action, DesiredAdapter, Load, ObservedAdapter, Unload, is_current, plan_pod
 from kubelora.operator.settings import OperatorSettings
-from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec, pool_fingerprint
+from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
 from kubelora.operator.status import (Failure, Phase, ReplicaState, ReplicaStatus, build_adapter_status,
                                       build_pool_status)
 from kubelora.operator.validation import validate_adapter
@@ -75,12 +75,12 @@ class PoolReconciler:
         body = await self._kube.get_custom(names.POOL_PLURAL, self.namespace, self.name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
-        self._pool_fingerprint = pool_fingerprint(body)
         try:
             pool = PoolSpec.from_body(body)
         except InvalidSpec as exc:
             await self._write_pool_status(body, None, Observation([]), None, 0, 0, Failure(exc.reason, str(exc)))
             return
+        self._pool_fingerprint = pool.fingerprint
         bodies = [a for a in await self._kube.list_custom(names.ADAPTER_PLURAL, self.namespace)
                   if (a.get("spec") or {}).get("pool") == self.name]
         adapters = self._classify(bodies, pool, await self._source_tokens(bodies))
