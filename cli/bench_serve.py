@@ -265,12 +265,16 @@ def write_markdown(path: str, config: ServeBenchConfig, env: dict[str, str], res
     Path(path).write_text("\n".join(text))
 
 
+# ServeBenchConfig's integer fields, each a `--kebab-case` flag of the same name.
+INT_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "rank",
+              "num_requests", "prompt_len", "output_len", "max_num_batched_tokens")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServeBenchConfig()
     parser.add_argument("--write", default=None, help="write the results as markdown to this path")
     parser.add_argument("--device", default=defaults.device)
-    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
-                 "rank", "num_requests", "prompt_len", "output_len", "max_num_batched_tokens"):
+    for name in INT_FIELDS:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=getattr(defaults, name))
     parser.add_argument("--adapters", type=int, nargs="+", default=list(defaults.adapter_counts),
                         help="adapter counts, one scenario each")
@@ -285,9 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kubelora bench serve", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    sizes = {k: getattr(args, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                                           "intermediate_size", "vocab_size", "rank", "num_requests", "prompt_len",
-                                           "output_len", "max_num_batched_tokens", "num_repeats")}
+    sizes = {k: getattr(args, k) for k in (*INT_FIELDS, "num_repeats")}
     config = ServeBenchConfig(device=args.device, adapter_counts=tuple(args.adapters), targets=args.targets,
                               is_torch_backend_compared=not args.no_torch_backend, profile_dir=args.profile_dir,
                               **sizes)
