@@ -16,16 +16,6 @@ from kubelora.kernels.lora import LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import KernelConfig, LaunchPlan, LoRAPath, choose_plan, forced_plan
 
 
-def _fused(**changes):
-    """A fused plan with FusedConfig changes."""
-
-    def plan_for(step: LoRAStep) -> LaunchPlan:
-        plan = forced_plan(step, LoRAPath.FUSED)
-        return replace(plan, fused=replace(plan.fused, **changes))
-
-    return plan_for
-
-
 def _forced(path: LoRAPath, is_pdl: bool = True, **changes):
     """A plan on path (PDL on unless told) with KernelConfig changes."""
 
