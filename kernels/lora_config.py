@@ -66,6 +66,32 @@ class FusedConfig:
             raise ValueError(f"FusedConfig.target_programs={self.target_programs}: must be >= 1")
 
 
+@dataclass(frozen=True)
+class PersistConfig:
+    """Tile sizes and grid of the persistent launch (`lora_persist.py`)."""
+
+    block_k: int = 256  # shrink: in_dim columns per loop step
+    block_n: int = 256  # expand: output columns per block (narrower at high ranks: the B block is in registers)
+    max_split: int = 8  # shrink: at most this many K splits
+    warps: int = 4
+    stages: int = 2  # software pipelining of the shrink's in_dim loop
+    programs_per_sm: int = 2  # wanted programs per multiprocessor (fewer if fewer fit at once)
+
+    def __post_init__(self) -> None:
+        for name in ("block_k", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"PersistConfig.{name}={value}: must be a power of two >= 16")
+        if not 1 <= self.max_split <= MAX_SPLIT:
+            raise ValueError(f"PersistConfig.max_split={self.max_split}: must be in 1..{MAX_SPLIT}")
+        if not 1 <= self.programs_per_sm <= 32:
+            raise ValueError(f"PersistConfig.programs_per_sm={self.programs_per_sm}: must be in 1..32")
+
+    def split_config(self, num_programs: int) -> KernelConfig:
+        """The shrink's K-split planning (`plan_split`): enough items for num_programs."""
+        return KernelConfig(block_k=self.block_k, max_split=self.max_split, target_programs=num_programs)
+
+
 # Per tile height, from the variations timed on the H200 (docs/kernels.md, run 6): decode (16) splits
 # in_dim because it has few tiles, but not so much that the split arrivals dominate (target 512, at most 8);
 # taller tiles split less (the final sum holds split x height x 16 floats in registers). Expand warps: 8
@@ -98,6 +124,8 @@ class LoRAPath(enum.Enum):
     # sums the shrink's partials itself: no t, no wait for the whole shrink grid (docs/kernels.md, v6).
     SIGNAL = "signal"
     FUSED = "fused"  # one launch: each column program recomputes its tile's shrink
+    # One launch of resident programs: shrink items, then expand items that wait once per tile (v7).
+    PERSIST = "persist"
 
 
 @dataclass(frozen=True)
@@ -105,6 +133,7 @@ class LaunchPlan:
     path: LoRAPath
     split: KernelConfig
     fused: FusedConfig
+    persist: PersistConfig = PersistConfig()
 
 
 DEFAULT_FUSED = FusedConfig()

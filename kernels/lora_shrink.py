@@ -39,19 +39,17 @@ def _store_slices(ptrs, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S: tl.
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
-    col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
+def shrink_tile(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride, in_dim,
+    x_stride, tile, chunk, ks, k_per_split,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
-    SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
+    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # Program (tile, rank chunk of BLOCK_R lanes, K split): all slices at once, so x is read once per split.
-    if USE_PDL:  # the expand may start now: it loads its y and B while this launch runs
-        gdc_launch_dependents()
-    tile = tl.program_id(0) // num_chunks
-    chunk = tl.program_id(0) % num_chunks
-    ks = tl.program_id(1)
+    """x[tile, K split ks] @ A_s[rank chunk]^T for every slice s: (acc0, acc1, acc2, start, count, rank0..2).
+
+    acc_j: [BLOCK_M, BLOCK_R] float32, the rank lanes chunk * BLOCK_R + [0, BLOCK_R) of slice j, rows past the
+    tile's count and lanes past the slice's rank zero; start, count: the tile's rows in sorted order.
+    """
     slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
@@ -85,21 +83,59 @@ def _shrink_kernel(
             acc1 = _shrink_dot(acc1, x_tile, a1_ptr, row1, rank1, offs_r, offs_k, k_mask, in_dim, PRECISION)
         if NUM_S > 2:
             acc2 = _shrink_dot(acc2, x_tile, a2_ptr, row2, rank2, offs_r, offs_k, k_mask, in_dim, PRECISION)
-    # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written.
+    return acc0, acc1, acc2, start, count, rank0, rank1, rank2
+
+
+@triton.jit
+def signal_partials(parts_ptr, arrival_ptr, ks, plane, lanes, start, count, chunk, acc0, acc1, acc2, rank0, rank1,
+                    rank2, NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Store one K split's partial sums (plane ks) and count them in the (tile, chunk) arrival counter.
+
+    Chunks past the slot's ranks and empty tiles are awaited by nobody, so they do not signal (their counters
+    stay zero for whoever resets them). The barrier makes every thread's partial visible before the release.
+    """
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_mask = offs_m < count
     rows = ((start + offs_m) * NUM_S)[:, None] * lanes + offs_r[None, :]
-    mask0 = m_mask[:, None] & (offs_r < rank0)[None, :]
-    mask1 = m_mask[:, None] & (offs_r < rank1)[None, :]
-    mask2 = m_mask[:, None] & (offs_r < rank2)[None, :]
+    _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, m_mask[:, None] & (offs_r < rank0)[None, :],
+                  m_mask[:, None] & (offs_r < rank1)[None, :], m_mask[:, None] & (offs_r < rank2)[None, :], NUM_S)
+    tl.debug_barrier()
+    if (count > 0) & (chunk * BLOCK_R < tl.maximum(tl.maximum(rank0, rank1), rank2)):
+        tl.atomic_add(arrival_ptr, 1, sem="release")
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
+    col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
+    NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
+    SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Program (tile, rank chunk of BLOCK_R lanes, K split): all slices at once, so x is read once per split.
+    if USE_PDL:  # the expand may start now: it loads its y and B while this launch runs
+        gdc_launch_dependents()
+    tile = tl.program_id(0) // num_chunks
+    chunk = tl.program_id(0) % num_chunks
+    ks = tl.program_id(1)
+    acc0, acc1, acc2, start, count, rank0, rank1, rank2 = shrink_tile(
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
+        in_dim, x_stride, tile, chunk, ks, k_per_split, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
+        PRECISION)
+    # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written.
     plane = num_sorted * NUM_S * lanes
-    if SIGNAL:
-        # Every split writes its partial and signals the (tile, chunk) counter the expand waits on; the
-        # expand sums the partials. Chunks past the slot's ranks and empty tiles are awaited by no expand
-        # program, so they do not signal (their counters stay zero for the tile's last consumer to reset).
-        _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S)
-        tl.debug_barrier()
-        if (count > 0) & (chunk * BLOCK_R < max_rank):
-            tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="release")
+    if SIGNAL:  # the expand waits on the (tile, chunk) counter and sums the partials itself
+        signal_partials(parts_ptr, arrivals_ptr + tl.program_id(0), ks, plane, lanes, start, count, chunk, acc0,
+                        acc1, acc2, rank0, rank1, rank2, NUM_S, BLOCK_M, BLOCK_R)
     else:
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = ((start + offs_m) * NUM_S)[:, None] * lanes + offs_r[None, :]
+        mask0 = m_mask[:, None] & (offs_r < rank0)[None, :]
+        mask1 = m_mask[:, None] & (offs_r < rank1)[None, :]
+        mask2 = m_mask[:, None] & (offs_r < rank2)[None, :]
         if SPLIT > 1:
             # Write this split's partial; the last split of the (tile, chunk) to arrive adds them all up. The
             # barrier makes every thread's partial visible before the (release) atomic; the arrival counter
@@ -136,7 +172,7 @@ def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
     return counters
 
 
-def _new_workspace(*shape: int, device: torch.device) -> torch.Tensor:
+def new_workspace(*shape: int, device: torch.device) -> torch.Tensor:
     # Uninitialised on purpose: every read is of something written before (tests poison it through here).
     return torch.empty(shape, device=device, dtype=torch.float32)
 
@@ -215,9 +251,9 @@ def launch_shrink(
         shape = plan_shrink(x.shape[1], proj, step, slices, config, x.device, x.dtype, split_k, is_signal)
     assert len(lora_a) == len(slices) and x.stride(1) == 1 and x.shape[1] == shape.in_dim
     num_slices = len(slices)
-    t = _new_workspace(0 if shape.is_signal else shape.num_sorted, num_slices, shape.lanes, device=x.device)
+    t = new_workspace(0 if shape.is_signal else shape.num_sorted, num_slices, shape.lanes, device=x.device)
     has_parts = shape.is_signal or shape.split_k > 1
-    parts = _new_workspace(shape.split_k if has_parts else 0, shape.num_sorted, num_slices, shape.lanes,
+    parts = new_workspace(shape.split_k if has_parts else 0, shape.num_sorted, num_slices, shape.lanes,
                            device=x.device)
     counters = arrival_counters(x.device, step.num_tiles * (shape.num_chunks + 1))
     pools = lora_a + [lora_a[0]] * (MAX_SLICES - num_slices)

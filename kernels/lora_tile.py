@@ -56,7 +56,7 @@ def tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, SLOT_TILES: tl
     count = tl.load(row + 2)
     if FOLDED:
         if SLOT_TILES:
-            slot = tile.to(tl.int64)
+            slot = tl.cast(tile, tl.int64)
         else:
             slot = tl.load(row)
         tok = tl.load(row + _HEAD + offs_m)

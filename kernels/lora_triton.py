@@ -1,4 +1,4 @@
-"""Triton path of `add_lora`: per projection (per 3 slices), one fused launch or a shrink + expand pair."""
+"""Triton path of `add_lora`: per projection (per 3 slices), a shrink + expand pair or one fused or persistent launch."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import MAX_SLICES, LaunchPlan, LoRAPath, choose_plan
 from kubelora.kernels.lora_expand import ExpandShape, _expand_kernel, launch_expand, plan_expand
 from kubelora.kernels.lora_fused import lora_fused
+from kubelora.kernels.lora_persist import PersistShape, launch_persist, plan_persist
 from kubelora.kernels.lora_shrink import ShrinkShape, launch_shrink, plan_shrink
 
 
@@ -32,8 +33,9 @@ class GroupLaunch:
     slices: list[int]
     y_offsets: list[int]
     plan: LaunchPlan
-    shrink: ShrinkShape | None  # None on the fused path
+    shrink: ShrinkShape | None  # None on the fused and persistent paths
     expand: ExpandShape | None
+    persist: PersistShape | None = None  # the persistent path's launch
 
 
 def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
@@ -49,6 +51,11 @@ def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, ste
         y_offsets = [offsets[s] for s in slices]
         if group_plan.path is LoRAPath.FUSED:
             groups.append(GroupLaunch(slices, y_offsets, group_plan, None, None))
+            continue
+        if group_plan.path is LoRAPath.PERSIST:
+            persist = plan_persist(x.shape[1], [widths[s] for s in slices], proj, step, slices, y_offsets,
+                                   group_plan.persist, x.device, x.dtype)
+            groups.append(GroupLaunch(slices, y_offsets, group_plan, None, None, persist))
             continue
         is_signal = group_plan.path is LoRAPath.SIGNAL
         shrink = plan_shrink(x.shape[1], proj, step, slices, group_plan.split, x.device, x.dtype,
@@ -91,6 +98,9 @@ def add_lora_triton(
         groups = plan_groups(x, lora_b, proj, step, plan)
     for group in groups:
         a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
+        if group.persist is not None:
+            launch_persist(y, x, a_group, b_group, proj, step, group.persist)
+            continue
         if group.shrink is None:
             lora_fused(y, x, a_group, b_group, proj, step, group.slices, group.y_offsets, group.plan.fused)
             continue

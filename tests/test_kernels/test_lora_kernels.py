@@ -31,7 +31,7 @@ CASES = [
 ]
 
 
-PATHS = [None, LoRAPath.SPLIT, LoRAPath.SIGNAL, LoRAPath.FUSED]  # None: the step's own choice (add_lora)
+PATHS = [None, LoRAPath.SPLIT, LoRAPath.SIGNAL, LoRAPath.FUSED, LoRAPath.PERSIST]  # None: the step's own choice (add_lora)
 
 
 def run_path(triton_backend, p, path: LoRAPath | None, is_folded: bool = True) -> torch.Tensor:
@@ -68,7 +68,7 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
     from kubelora.kernels import lora_shrink
 
     poisoned = lambda *shape, device: torch.full(shape, math.nan, device=device)  # noqa: E731
-    monkeypatch.setattr(lora_shrink, "_new_workspace", poisoned)
+    monkeypatch.setattr(lora_shrink, "new_workspace", poisoned)
     p = build_problem(30, ODD_RANKS, [24, 8, 8], 300, "zipf", torch.float32, seed=5, device=device, no_adapter=0.2)
     config = KernelConfig(block_k=16)
     slices = [0, 1, 2]
@@ -84,18 +84,25 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
     assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
 
 
+def _counting_plan(step, path: LoRAPath, split_k: int):
+    plan = forced_plan(step, path)
+    if path is LoRAPath.PERSIST:  # 16-wide in_dim steps, so 300 columns split up to 19 ways
+        return replace(plan, persist=replace(plan.persist, block_k=16, max_split=split_k, programs_per_sm=32))
+    return replace(plan, split=replace(plan.split, block_k=16, max_split=split_k, target_programs=4096))
+
+
+@pytest.mark.parametrize("path", [LoRAPath.SIGNAL, LoRAPath.PERSIST], ids=lambda p: p.value)
 @pytest.mark.parametrize("split_k", [1, 5])
-def test_signal_path_leaves_its_counters_at_zero(triton_backend, device, monkeypatch, split_k):
+def test_waiting_paths_leave_their_counters_at_zero(triton_backend, device, monkeypatch, split_k, path):
     """Mixed ranks (chunks no expand program waits on), empty tiles, poisoned workspaces, two launches in a row."""
     from kubelora.kernels import lora_shrink, lora_triton
 
     poisoned = lambda *shape, device: torch.full(shape, math.nan, device=device)  # noqa: E731
-    monkeypatch.setattr(lora_shrink, "_new_workspace", poisoned)
+    monkeypatch.setattr(lora_shrink, "new_workspace", poisoned)
     ranks = ODD_RANKS + [[40, 0, 2]] * 4
     p = build_problem(30, ranks, [24, 8, 8], 300, "zipf", torch.float32, seed=5, device=device, no_adapter=0.2)
     assert p.step.is_slot_tiles and set(p.slots) != set(range(-1, len(ranks)))  # some slot has an empty tile
-    plan = forced_plan(p.step, LoRAPath.SIGNAL)
-    plan = replace(plan, split=replace(plan.split, block_k=16, max_split=split_k, target_programs=4096))
+    plan = _counting_plan(p.step, path, split_k)
     for _ in range(2):
         y = p.y0.clone()
         lora_triton.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, plan)

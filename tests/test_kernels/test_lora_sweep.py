@@ -54,7 +54,7 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
 
 # (path, programmatic dependent launch); path None: the step's own launch (add_lora, PDL on decode steps).
 LAUNCHES = [(None, None), (LoRAPath.SPLIT, False), (LoRAPath.SIGNAL, None), (LoRAPath.SIGNAL, False),
-            (LoRAPath.FUSED, None)]
+            (LoRAPath.FUSED, None), (LoRAPath.PERSIST, None)]
 
 
 def launch_id(launch: tuple) -> str:
