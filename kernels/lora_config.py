@@ -33,6 +33,7 @@ class KernelConfig:
     b_first: int = 0  # expand: rank chunks of B (0..4) requested before t (with PDL: while the shrink runs)
     is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
     is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
+    is_per_slice: bool = False  # shrink: one program per slice (else all slices at once, x read once per split)
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n"):
@@ -64,32 +65,6 @@ class FusedConfig:
                 raise ValueError(f"FusedConfig.{name}={value}: must be a power of two >= 16")
         if self.target_programs < 1:
             raise ValueError(f"FusedConfig.target_programs={self.target_programs}: must be >= 1")
-
-
-@dataclass(frozen=True)
-class PersistConfig:
-    """Tile sizes and grid of the persistent launch (`lora_persist.py`)."""
-
-    block_k: int = 256  # shrink: in_dim columns per loop step
-    block_n: int = 256  # expand: output columns per block (narrower at high ranks: the B block is in registers)
-    max_split: int = 8  # shrink: at most this many K splits
-    warps: int = 4
-    stages: int = 2  # software pipelining of the shrink's in_dim loop
-    programs_per_sm: int = 2  # wanted programs per multiprocessor (fewer if fewer fit at once)
-
-    def __post_init__(self) -> None:
-        for name in ("block_k", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"PersistConfig.{name}={value}: must be a power of two >= 16")
-        if not 1 <= self.max_split <= MAX_SPLIT:
-            raise ValueError(f"PersistConfig.max_split={self.max_split}: must be in 1..{MAX_SPLIT}")
-        if not 1 <= self.programs_per_sm <= 32:
-            raise ValueError(f"PersistConfig.programs_per_sm={self.programs_per_sm}: must be in 1..32")
-
-    def split_config(self, num_programs: int) -> KernelConfig:
-        """The shrink's K-split planning (`plan_split`): enough items for num_programs."""
-        return KernelConfig(block_k=self.block_k, max_split=self.max_split, target_programs=num_programs)
 
 
 # Per tile height, from the variations timed on the H200 (docs/kernels.md, run 6): decode (16) splits
@@ -124,8 +99,6 @@ class LoRAPath(enum.Enum):
     # sums the shrink's partials itself: no t, no wait for the whole shrink grid (docs/kernels.md, v6).
     SIGNAL = "signal"
     FUSED = "fused"  # one launch: each column program recomputes its tile's shrink
-    # One launch of resident programs: shrink items, then expand items that wait once per tile (v7).
-    PERSIST = "persist"
 
 
 @dataclass(frozen=True)
@@ -133,7 +106,6 @@ class LaunchPlan:
     path: LoRAPath
     split: KernelConfig
     fused: FusedConfig
-    persist: PersistConfig = PersistConfig()
 
 
 DEFAULT_FUSED = FusedConfig()
@@ -167,11 +139,13 @@ def choose_plan(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> LaunchPlan
     return LaunchPlan(LoRAPath.SPLIT, config, DEFAULT_FUSED)
 
 
-def forced_plan(step: LoRAStep, path: LoRAPath, *, is_folded: bool = True, is_pdl: bool | None = None) -> LaunchPlan:
+def forced_plan(step: LoRAStep, path: LoRAPath, *, is_folded: bool = True, is_pdl: bool | None = None,
+                is_per_slice: bool | None = None) -> LaunchPlan:
     """The default configs of the step's tile height on a given path (tests and the benchmark compare paths).
 
-    is_pdl None keeps the default config's.
+    is_pdl, is_per_slice None keep the default config's.
     """
     split = DEFAULT_CONFIGS[step.block_m]
-    split = replace(split, is_folded=is_folded, is_pdl=split.is_pdl if is_pdl is None else is_pdl)
+    split = replace(split, is_folded=is_folded, is_pdl=split.is_pdl if is_pdl is None else is_pdl,
+                    is_per_slice=split.is_per_slice if is_per_slice is None else is_per_slice)
     return LaunchPlan(path, split, replace(DEFAULT_FUSED, is_folded=is_folded))

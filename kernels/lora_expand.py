@@ -103,7 +103,7 @@ def _expand_kernel(
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
     y_stride, lanes, plane, split_k, num_chunks, num_tiles,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT: tl.constexpr, MAX_CHUNKS: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr,
+    SPLIT: tl.constexpr, MAX_CHUNKS: tl.constexpr, GROUPS: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr,
     B_FIRST: tl.constexpr, USE_PDL: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
@@ -128,7 +128,11 @@ def _expand_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # t (split_k == 1) or the shrink's K-split partials (signal path), summed here: [split_k, sorted, NUM_S, lanes].
     t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes
-    arrivals_ptr = counters_ptr + tile * num_chunks
+    # The shrink's counters of this tile: [GROUPS, num_chunks], one group per slice or one for all slices.
+    tile_counters = counters_ptr + tile * GROUPS * num_chunks
+    arrivals_ptr = tile_counters
+    if GROUPS > 1:
+        arrivals_ptr += j * num_chunks
     lanes0 = tl.arange(0, BLOCK_R)
     b_rows = b_ptr + row * width + offs_n[None, :]
     r_first = 0
@@ -155,7 +159,7 @@ def _expand_kernel(
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
     if SIGNAL:
         if count > 0:
-            release_tile(arrivals_ptr, counters_ptr + num_tiles * num_chunks + tile, num_chunks,
+            release_tile(tile_counters, counters_ptr + num_tiles * GROUPS * num_chunks + tile, GROUPS * num_chunks,
                          tl.num_programs(0), MAX_CHUNKS)
         if USE_PDL:  # never wait on it for data (the counters do that), but end after the shrink grid
             gdc_wait()
@@ -194,8 +198,11 @@ class ExpandShape:
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
                 config: KernelConfig, shrunk_split_k: int, num_chunks: int, is_signal: bool, device: torch.device,
-                dtype: torch.dtype) -> ExpandShape:
-    """The expand launch's host-side parameters (see `lora_expand`), for a shrink of split_k planes."""
+                dtype: torch.dtype, groups: int = 1) -> ExpandShape:
+    """The expand launch's host-side parameters (see `lora_expand`), for a shrink of split_k planes.
+
+    groups: the shrink's slice groups, which lay out its arrival counters (signal path).
+    """
     assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
@@ -205,7 +212,7 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
                *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2])
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
-        SPLIT=triton.next_power_of_2(shrunk_split_k), MAX_CHUNKS=triton.next_power_of_2(num_chunks),
+        SPLIT=triton.next_power_of_2(shrunk_split_k), MAX_CHUNKS=triton.next_power_of_2(groups * num_chunks), GROUPS=groups,
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
         USE_PDL=use_pdl, SIGNAL=is_signal, PRECISION=dot_precision(dtype),
         num_warps=config.expand_warps, num_stages=config.expand_stages,
@@ -231,7 +238,7 @@ def launch_expand(
     """
     if shape is None:
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, shrunk.split_k,
-                            shrunk.num_chunks, shrunk.is_signal, y.device, lora_b[0].dtype)
+                            shrunk.num_chunks, shrunk.is_signal, y.device, lora_b[0].dtype, shrunk.groups)
     assert len(lora_b) == len(slices) and y.stride(1) == 1
     parts = shrunk.parts
     _expand_kernel[shape.grid](

@@ -87,75 +87,87 @@ def shrink_tile(
 
 
 @triton.jit
-def signal_partials(parts_ptr, arrival_ptr, ks, plane, lanes, start, count, chunk, acc0, acc1, acc2, rank0, rank1,
-                    rank2, NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Store one K split's partial sums (plane ks) and count them in the (tile, chunk) arrival counter.
-
-    Chunks past the slot's ranks and empty tiles are awaited by nobody, so they do not signal (their counters
-    stay zero for whoever resets them). The barrier makes every thread's partial visible before the release.
-    """
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_mask = offs_m < count
-    rows = ((start + offs_m) * NUM_S)[:, None] * lanes + offs_r[None, :]
-    _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, m_mask[:, None] & (offs_r < rank0)[None, :],
-                  m_mask[:, None] & (offs_r < rank1)[None, :], m_mask[:, None] & (offs_r < rank2)[None, :], NUM_S)
-    tl.debug_barrier()
-    if (count > 0) & (chunk * BLOCK_R < tl.maximum(tl.maximum(rank0, rank1), rank2)):
-        tl.atomic_add(arrival_ptr, 1, sem="release")
+def _pick(j, v0, v1, v2, NUM_S: tl.constexpr):
+    # Slice j's value of a per-slice triple (scalars or pointers).
+    v = v0
+    if NUM_S > 1:
+        v = tl.where(j == 1, v1, v)
+    if NUM_S > 2:
+        v = tl.where(j == 2, v2, v)
+    return v
 
 
 @triton.jit
 def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
-    NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    NUM_S: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
     SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # Program (tile, rank chunk of BLOCK_R lanes, K split): all slices at once, so x is read once per split.
+    # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
+    # is read once per split; GROUPS NUM_S: one slice per program, three times the programs, each with a third
+    # of the loads and products per in_dim step (docs/kernels.md, v7). program_id(0) is also the index of the
+    # (tile, group, chunk) arrival counter, so one group's chunks are contiguous.
     if USE_PDL:  # the expand may start now: it loads its y and B while this launch runs
         gdc_launch_dependents()
-    tile = tl.program_id(0) // num_chunks
+    tile = tl.program_id(0) // (GROUPS * num_chunks)
+    group = (tl.program_id(0) // num_chunks) % GROUPS
     chunk = tl.program_id(0) % num_chunks
     ks = tl.program_id(1)
-    acc0, acc1, acc2, start, count, rank0, rank1, rank2 = shrink_tile(
-        x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
-        in_dim, x_stride, tile, chunk, ks, k_per_split, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
-        PRECISION)
-    # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written.
-    plane = num_sorted * NUM_S * lanes
-    if SIGNAL:  # the expand waits on the (tile, chunk) counter and sums the partials itself
-        signal_partials(parts_ptr, arrivals_ptr + tl.program_id(0), ks, plane, lanes, start, count, chunk, acc0,
-                        acc1, acc2, rank0, rank1, rank2, NUM_S, BLOCK_M, BLOCK_R)
+    if GROUPS > 1:
+        a_ptr = _pick(group, a0_ptr, a1_ptr, a2_ptr, NUM_S)
+        col = _pick(group, col0, col1, col2, NUM_S)
+        acc0, acc1, acc2, start, count, rank0, rank1, rank2 = shrink_tile(
+            x_ptr, a_ptr, a_ptr, a_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col, col, col, meta_stride,
+            in_dim, x_stride, tile, chunk, ks, k_per_split, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
+            PRECISION)
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < count
-        offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
-        rows = ((start + offs_m) * NUM_S)[:, None] * lanes + offs_r[None, :]
-        mask0 = m_mask[:, None] & (offs_r < rank0)[None, :]
-        mask1 = m_mask[:, None] & (offs_r < rank1)[None, :]
-        mask2 = m_mask[:, None] & (offs_r < rank2)[None, :]
+        acc0, acc1, acc2, start, count, rank0, rank1, rank2 = shrink_tile(
+            x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
+            in_dim, x_stride, tile, chunk, ks, k_per_split, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
+            PRECISION)
+    # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written. This
+    # program's slices are group, group + 1, ...: PER of them.
+    PER = NUM_S // GROUPS
+    plane = num_sorted * NUM_S * lanes
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = ((start + offs_m) * NUM_S + group)[:, None] * lanes + offs_r[None, :]
+    mask0 = m_mask[:, None] & (offs_r < rank0)[None, :]
+    mask1 = m_mask[:, None] & (offs_r < rank1)[None, :]
+    mask2 = m_mask[:, None] & (offs_r < rank2)[None, :]
+    if SIGNAL:
+        # Every split writes its partial and signals the counter the expand waits on; the expand sums the
+        # partials. Chunks past the group's ranks and empty tiles are awaited by no expand program, so they do
+        # not signal (their counters stay zero for the tile's last consumer to reset). The barrier makes every
+        # thread's partial visible before the release.
+        _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, mask0, mask1, mask2, PER)
+        tl.debug_barrier()
+        if (count > 0) & (chunk * BLOCK_R < tl.maximum(tl.maximum(rank0, rank1), rank2)):
+            tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="release")
+    else:
         if SPLIT > 1:
-            # Write this split's partial; the last split of the (tile, chunk) to arrive adds them all up. The
-            # barrier makes every thread's partial visible before the (release) atomic; the arrival counter
+            # Write this split's partial; the last split of the (tile, group, chunk) to arrive adds them all up.
+            # The barrier makes every thread's partial visible before the (release) atomic; the arrival counter
             # is reset by that last program, ready for the next launch.
-            _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S)
+            _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, mask0, mask1, mask2, PER)
             tl.debug_barrier()
             arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
             is_last = arrived == split_k - 1
             if is_last:
                 acc0 = sum_splits(parts_ptr, rows, plane, split_k, mask0, SPLIT)
-                if NUM_S > 1:
+                if PER > 1:
                     acc1 = sum_splits(parts_ptr, rows + lanes, plane, split_k, mask1, SPLIT)
-                if NUM_S > 2:
+                if PER > 2:
                     acc2 = sum_splits(parts_ptr, rows + 2 * lanes, plane, split_k, mask2, SPLIT)
                 tl.store(arrivals_ptr + tl.program_id(0), 0)
             # Only the last arrival writes t (a tile of no rows for the others).
             m_mask = offs_m < tl.where(is_last, count, 0)
         t_mask = m_mask[:, None]
         _store_slices(t_ptr + rows, lanes, acc0, acc1, acc2, t_mask & (offs_r < rank0)[None, :],
-                      t_mask & (offs_r < rank1)[None, :], t_mask & (offs_r < rank2)[None, :], NUM_S)
+                      t_mask & (offs_r < rank1)[None, :], t_mask & (offs_r < rank2)[None, :], PER)
 
 
 _arrivals: dict[torch.device, torch.Tensor] = {}
@@ -192,9 +204,11 @@ class ShrinkOut:
 
     parts: torch.Tensor  # [split_k, num_lora_tokens, num_slices, lanes] float32; plane 0 is t when split_k == 1
     split_k: int  # planes the expand sums
-    counters: torch.Tensor  # int32: arrivals [num_tiles * num_chunks], then consumed [num_tiles] (signal path)
+    # int32: arrivals [num_tiles, groups, num_chunks], then consumed [num_tiles] (signal path)
+    counters: torch.Tensor
     num_chunks: int  # rank chunks of BLOCK_R lanes: lanes // BLOCK_R
     is_signal: bool  # the expand waits on the arrival counters and sums the planes itself
+    groups: int = 1  # slice groups of the shrink's programs: 1 (all slices) or one per slice
 
 
 @dataclass(frozen=True)
@@ -211,6 +225,7 @@ class ShrinkShape:
     k_per_split: int
     constexprs: dict = field(hash=False)  # the kernel's constexpr arguments, num_warps and num_stages
     is_signal: bool = False
+    groups: int = 1
 
 
 def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
@@ -220,16 +235,17 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
     assert 1 <= len(slices) <= MAX_SLICES
     lanes = num_lanes(proj, slices)
     num_chunks = lanes // BLOCK_R
-    split_k, k_per_split = plan_split(in_dim, step.num_tiles * num_chunks, config, split_k)
+    groups = len(slices) if config.is_per_slice else 1
+    split_k, k_per_split = plan_split(in_dim, step.num_tiles * groups * num_chunks, config, split_k)
     constexprs = dict(
-        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
+        NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
         USE_PDL=uses_pdl(config.is_pdl, device), SIGNAL=is_signal, PRECISION=dot_precision(dtype),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     cols = tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
-    return ShrinkShape((step.num_tiles * num_chunks, split_k), cols, in_dim, step.sorted_tokens.numel(), num_chunks,
-                       lanes, split_k, k_per_split, constexprs, is_signal)
+    return ShrinkShape((step.num_tiles * groups * num_chunks, split_k), cols, in_dim, step.sorted_tokens.numel(),
+                       num_chunks, lanes, split_k, k_per_split, constexprs, is_signal, groups)
 
 
 def launch_shrink(
@@ -255,7 +271,7 @@ def launch_shrink(
     has_parts = shape.is_signal or shape.split_k > 1
     parts = new_workspace(shape.split_k if has_parts else 0, shape.num_sorted, num_slices, shape.lanes,
                            device=x.device)
-    counters = arrival_counters(x.device, step.num_tiles * (shape.num_chunks + 1))
+    counters = arrival_counters(x.device, step.num_tiles * (shape.groups * shape.num_chunks + 1))
     pools = lora_a + [lora_a[0]] * (MAX_SLICES - num_slices)
     _shrink_kernel[shape.grid](
         x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
@@ -263,8 +279,8 @@ def launch_shrink(
         shape.split_k, shape.k_per_split, **shape.constexprs,
     )
     if shape.is_signal:
-        return ShrinkOut(parts, shape.split_k, counters, shape.num_chunks, is_signal=True)
-    return ShrinkOut(t[None], 1, counters, shape.num_chunks, is_signal=False)
+        return ShrinkOut(parts, shape.split_k, counters, shape.num_chunks, is_signal=True, groups=shape.groups)
+    return ShrinkOut(t[None], 1, counters, shape.num_chunks, is_signal=False, groups=shape.groups)
 
 
 def lora_shrink(

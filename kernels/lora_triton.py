@@ -1,4 +1,4 @@
-"""Triton path of `add_lora`: per projection (per 3 slices), a shrink + expand pair or one fused or persistent launch."""
+"""Triton path of `add_lora`: per projection (per 3 slices), a shrink + expand pair or one fused launch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import MAX_SLICES, LaunchPlan, LoRAPath, choose_plan
 from kubelora.kernels.lora_expand import ExpandShape, _expand_kernel, launch_expand, plan_expand
 from kubelora.kernels.lora_fused import lora_fused
-from kubelora.kernels.lora_persist import PersistShape, launch_persist, plan_persist
 from kubelora.kernels.lora_shrink import ShrinkShape, launch_shrink, plan_shrink
 
 
@@ -33,9 +32,8 @@ class GroupLaunch:
     slices: list[int]
     y_offsets: list[int]
     plan: LaunchPlan
-    shrink: ShrinkShape | None  # None on the fused and persistent paths
+    shrink: ShrinkShape | None  # None on the fused path
     expand: ExpandShape | None
-    persist: PersistShape | None = None  # the persistent path's launch
 
 
 def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
@@ -52,17 +50,12 @@ def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, ste
         if group_plan.path is LoRAPath.FUSED:
             groups.append(GroupLaunch(slices, y_offsets, group_plan, None, None))
             continue
-        if group_plan.path is LoRAPath.PERSIST:
-            persist = plan_persist(x.shape[1], [widths[s] for s in slices], proj, step, slices, y_offsets,
-                                   group_plan.persist, x.device, x.dtype)
-            groups.append(GroupLaunch(slices, y_offsets, group_plan, None, None, persist))
-            continue
         is_signal = group_plan.path is LoRAPath.SIGNAL
         shrink = plan_shrink(x.shape[1], proj, step, slices, group_plan.split, x.device, x.dtype,
                              is_signal=is_signal)
         expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_plan.split,
                              shrink.split_k if is_signal else 1, shrink.num_chunks, is_signal, x.device,
-                             lora_b[0].dtype)
+                             lora_b[0].dtype, shrink.groups)
         groups.append(GroupLaunch(slices, y_offsets, group_plan, shrink, expand))
     return groups
 
@@ -98,9 +91,6 @@ def add_lora_triton(
         groups = plan_groups(x, lora_b, proj, step, plan)
     for group in groups:
         a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
-        if group.persist is not None:
-            launch_persist(y, x, a_group, b_group, proj, step, group.persist)
-            continue
         if group.shrink is None:
             lora_fused(y, x, a_group, b_group, proj, step, group.slices, group.y_offsets, group.plan.fused)
             continue

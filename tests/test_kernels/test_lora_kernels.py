@@ -31,7 +31,7 @@ CASES = [
 ]
 
 
-PATHS = [None, LoRAPath.SPLIT, LoRAPath.SIGNAL, LoRAPath.FUSED, LoRAPath.PERSIST]  # None: the step's own choice (add_lora)
+PATHS = [None, LoRAPath.SPLIT, LoRAPath.SIGNAL, LoRAPath.FUSED]  # None: the step's own choice (add_lora)
 
 
 def run_path(triton_backend, p, path: LoRAPath | None, is_folded: bool = True) -> torch.Tensor:
@@ -73,7 +73,7 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
     config = KernelConfig(block_k=16)
     slices = [0, 1, 2]
     x, lora_a = p.x.float(), [a.float() for a in p.lora_a]
-    for _ in range(2):  # the second launch finds the arrival counters reset by the first
+    for config in (config, replace(config, is_per_slice=True)):  # each launch finds the counters reset
         t = lora_shrink.lora_shrink(x, lora_a, p.proj, p.step, slices, config, split_k)
         ref = lora_shrink.lora_shrink_torch(x, lora_a, p.proj, p.step, slices)
         assert t.shape == ref.shape and t.shape[2] % BLOCK_R == 0
@@ -84,16 +84,9 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
     assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
 
 
-def _counting_plan(step, path: LoRAPath, split_k: int):
-    plan = forced_plan(step, path)
-    if path is LoRAPath.PERSIST:  # 16-wide in_dim steps, so 300 columns split up to 19 ways
-        return replace(plan, persist=replace(plan.persist, block_k=16, max_split=split_k, programs_per_sm=32))
-    return replace(plan, split=replace(plan.split, block_k=16, max_split=split_k, target_programs=4096))
-
-
-@pytest.mark.parametrize("path", [LoRAPath.SIGNAL, LoRAPath.PERSIST], ids=lambda p: p.value)
+@pytest.mark.parametrize("is_per_slice", [False, True], ids=["slices", "per-slice"])
 @pytest.mark.parametrize("split_k", [1, 5])
-def test_waiting_paths_leave_their_counters_at_zero(triton_backend, device, monkeypatch, split_k, path):
+def test_signal_path_leaves_its_counters_at_zero(triton_backend, device, monkeypatch, split_k, is_per_slice):
     """Mixed ranks (chunks no expand program waits on), empty tiles, poisoned workspaces, two launches in a row."""
     from kubelora.kernels import lora_shrink, lora_triton
 
@@ -102,12 +95,26 @@ def test_waiting_paths_leave_their_counters_at_zero(triton_backend, device, monk
     ranks = ODD_RANKS + [[40, 0, 2]] * 4
     p = build_problem(30, ranks, [24, 8, 8], 300, "zipf", torch.float32, seed=5, device=device, no_adapter=0.2)
     assert p.step.is_slot_tiles and set(p.slots) != set(range(-1, len(ranks)))  # some slot has an empty tile
-    plan = _counting_plan(p.step, path, split_k)
+    plan = forced_plan(p.step, LoRAPath.SIGNAL, is_per_slice=is_per_slice)
+    plan = replace(plan, split=replace(plan.split, block_k=16, max_split=split_k, target_programs=4096))
     for _ in range(2):
         y = p.y0.clone()
         lora_triton.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, plan)
         check_y(p, y)
         assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
+
+
+@pytest.mark.parametrize("path", [LoRAPath.SPLIT, LoRAPath.SIGNAL], ids=lambda p: p.value)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}tok-{len(c[1])}ad-{c[4]}")
+def test_per_slice_shrink(triton_backend, device, case, path):
+    """One shrink program per slice (slices of different ranks, rank 0 slices, one and two slices)."""
+    num_tokens, ranks, widths, in_dim, dist, no_adapter = case
+    p = build_problem(num_tokens, ranks, widths, in_dim, dist, torch.float32, seed=11, device=device,
+                      no_adapter=no_adapter)
+    y = p.y0.clone()
+    triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step,
+                                   forced_plan(p.step, path, is_per_slice=True))
+    check_y(p, y)
 
 
 def test_expand_matches_reference(triton_backend, device):

@@ -54,12 +54,12 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
 
 # (path, programmatic dependent launch); path None: the step's own launch (add_lora, PDL on decode steps).
 LAUNCHES = [(None, None), (LoRAPath.SPLIT, False), (LoRAPath.SIGNAL, None), (LoRAPath.SIGNAL, False),
-            (LoRAPath.FUSED, None), (LoRAPath.PERSIST, None)]
+            (LoRAPath.FUSED, None), ("split-per-slice", None), ("signal-per-slice", None)]
 
 
 def launch_id(launch: tuple) -> str:
     path, is_pdl = launch
-    return ("auto" if path is None else path.value) + ("-no-pdl" if is_pdl is False else "")
+    return ("auto" if path is None else getattr(path, "value", path)) + ("-no-pdl" if is_pdl is False else "")
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=launch_id)
@@ -76,6 +76,9 @@ def test_sweep(dtype, case, launch):
     if path is None:
         add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
     else:
-        add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, forced_plan(p.step, path, is_pdl=is_pdl))
+        is_per_slice = isinstance(path, str)  # "<path>-per-slice": one shrink program per slice
+        path = LoRAPath(path.split("-")[0]) if is_per_slice else path
+        plan = forced_plan(p.step, path, is_pdl=is_pdl, is_per_slice=is_per_slice)
+        add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, plan)
     torch.cuda.synchronize()
     check_y(p, y)

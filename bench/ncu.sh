@@ -1,0 +1,22 @@
+# Nsight Compute on a few benchmark shapes (bench/profile.py), one device call: each kernel's duration, DRAM
+# throughput, occupancy and warp state; the full reports go under $OUT. Edit the list below to choose shapes.
+set -uo pipefail
+mkdir -p /tmp/p/kubelora; for d in kernels engine cli; do cp -r "$d" /tmp/p/kubelora/; done
+export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+echo "ncu: $NCU"
+i=0
+while IFS='|' read -r shape path; do
+  i=$((i+1))
+  timeout 120 "$NCU" --clock-control none --nvtx --nvtx-include "lora/" --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 -P bench/profile.py "$shape" "$path" > "$OUT/ncu_$i.txt" 2>&1
+  echo "== $shape $path rc $?"
+  grep -E "^  _|Duration|SM Active Cycles|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" "$OUT/ncu_$i.txt" | sed "s/  \\+/ /g" | head -30
+done <<'LIST'
+64 x 1 x 64|split
+64 x 1 x 64|split-slice
+16 x 8 x 64|split-slice
+256 x 32 x 8|split-slice
+1 x 1 x 8|signal-slice
+LIST
