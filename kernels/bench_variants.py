@@ -30,20 +30,29 @@ def _forced(path: LoRAPath, is_pdl: bool = True, **changes):
 # s1: expand_stages=1. Run 8 timed v4's tile policy and table and fused with target_programs 64 / 256 and
 # block_k 128; run 9 split+pdl with max_split 16 / 32 and fused with 512 / 1024-wide in_dim steps; runs 10..12
 # the signal path with and without PDL, with pipelined expands and 16 splits, fused, b_first 1, 512-wide
-# signal steps, 32-row tiles; run 17 a persistent launch; run 19 one shrink program per slice (docs/kernels.md, v7).
+# signal steps, 32-row tiles; run 17 a persistent launch; runs 19..20 one shrink program per slice (docs/kernels.md,
+# v7).
 PATH_VARIANTS = {
     "split+pdl s1": ({}, _forced(LoRAPath.SPLIT, expand_stages=1)),
-    "pdl k256 s1": ({}, _forced(LoRAPath.SPLIT, block_k=256, expand_stages=1)),
-    "pdl s1 split4": ({}, _forced(LoRAPath.SPLIT, expand_stages=1, max_split=4)),
     "signal+pdl k256 s1": ({}, _forced(LoRAPath.SIGNAL, block_k=256, expand_stages=1)),
     "slice s1": ({}, _forced(LoRAPath.SPLIT, is_pdl=False, expand_stages=1, is_per_slice=True)),
     "slice pdl s1": ({}, _forced(LoRAPath.SPLIT, expand_stages=1, is_per_slice=True)),
-    "slice pdl k256 s1": ({}, _forced(LoRAPath.SPLIT, block_k=256, expand_stages=1, is_per_slice=True)),
-    "slice pdl s1 split4": ({}, _forced(LoRAPath.SPLIT, expand_stages=1, max_split=4, is_per_slice=True)),
-    "slice pdl s1 split2": ({}, _forced(LoRAPath.SPLIT, expand_stages=1, max_split=2, is_per_slice=True)),
-    "slice pdl s1 t1024": ({}, _forced(LoRAPath.SPLIT, expand_stages=1, target_programs=1024, is_per_slice=True)),
-    "slice signal+pdl k256 s1": ({}, _forced(LoRAPath.SIGNAL, block_k=256, expand_stages=1, is_per_slice=True)),
-    "slice signal+pdl s1": ({}, _forced(LoRAPath.SIGNAL, expand_stages=1, is_per_slice=True)),
+    "slice pdl k256": ({}, _forced(LoRAPath.SPLIT, block_k=256, expand_stages=1, is_per_slice=True)),
+    "slice pdl t1024": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, expand_stages=1, is_per_slice=True)),
+    "slice pdl t1024 split16": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, max_split=16, expand_stages=1,
+                                            is_per_slice=True)),
+    "slice pdl t2048 split16": ({}, _forced(LoRAPath.SPLIT, target_programs=2048, max_split=16, expand_stages=1,
+                                            is_per_slice=True)),
+    "slice pdl k256 t1024": ({}, _forced(LoRAPath.SPLIT, block_k=256, target_programs=1024, expand_stages=1,
+                                         is_per_slice=True)),
+    "slice pdl t1024 n128": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, block_n=128, expand_stages=1,
+                                         is_per_slice=True)),
+    "slice pdl t1024 n512": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, block_n=512, expand_stages=1,
+                                         is_per_slice=True)),
+    "slice pdl t1024 w4": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, expand_warps=4, expand_stages=1,
+                                       is_per_slice=True)),
+    "slice pdl t1024 b2": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, b_first=2, expand_stages=1,
+                                       is_per_slice=True)),
     "auto": ({}, None),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl

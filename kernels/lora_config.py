@@ -111,32 +111,31 @@ class LaunchPlan:
 DEFAULT_FUSED = FusedConfig()
 
 
-# Decode steps (16-row tiles) by size, from the side-by-side variants of runs 10..12 (docs/kernels.md, v6):
-# the signal path with 256-wide in_dim steps wins while the step has at most 8 tiles of rank <= 16; 256-wide
-# steps also help the split path of rank <= 16 steps with up to 16 tiles and of one rank-64 tile; steps of
-# more rank chunks split in_dim at most 4 ways (the partial sums cost more than the programs gain).
-SIGNAL_MAX_TILES = 8
-WIDE_K_MAX_TILES = 16
+# Decode steps (16-row tiles) by size, from the side-by-side variants of run 19 (docs/kernels.md, v7): one shrink
+# program per slice wins on every step of rank <= 16 and on steps of up to 8 tiles at any rank (by 1..3 us), with
+# up to 1024 programs, or with 256-wide in_dim steps from 32 tiles on; bigger steps of several rank chunks keep
+# all slices in one program and split in_dim at most 4 ways (run 12). The signal path won the small steps in v6;
+# one program per slice beats it there too.
+PER_SLICE_MAX_TILES = 8
+WIDE_K_MIN_TILES = 32
 
 
 def choose_plan(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> LaunchPlan:
     """The launch for one step and projection, from host-side sizes only (no device sync).
 
-    Decode steps take the signal path when small, else the split path; taller tiles the split path with
-    the tile height's config. The fused launch measured slower on every decode shape (run 8, docs/kernels.md
+    Decode steps take the split path with one shrink program per slice unless they are big and of several
+    rank chunks; taller tiles the split path with the tile height's config. The fused launch measured slower on every decode shape (run 8, docs/kernels.md
     v5: its in_dim loop is one program's chain of dependent loads), so only a plan that asks for it gets it.
     """
     config = DEFAULT_CONFIGS[step.block_m]
     if step.block_m != 16:
         return LaunchPlan(LoRAPath.SPLIT, config, DEFAULT_FUSED)
     num_chunks = num_lanes(proj, slices) // BLOCK_R
-    if num_chunks == 1 and step.num_tiles <= SIGNAL_MAX_TILES:
-        return LaunchPlan(LoRAPath.SIGNAL, replace(config, block_k=256), DEFAULT_FUSED)
-    if (num_chunks == 1 and step.num_tiles <= WIDE_K_MAX_TILES) or step.num_tiles * num_chunks <= 4:
-        return LaunchPlan(LoRAPath.SPLIT, replace(config, block_k=256), DEFAULT_FUSED)
-    if num_chunks > 1:
-        return LaunchPlan(LoRAPath.SPLIT, replace(config, max_split=4), DEFAULT_FUSED)
-    return LaunchPlan(LoRAPath.SPLIT, config, DEFAULT_FUSED)
+    if num_chunks == 1 and step.num_tiles >= WIDE_K_MIN_TILES:
+        return LaunchPlan(LoRAPath.SPLIT, replace(config, is_per_slice=True, block_k=256), DEFAULT_FUSED)
+    if num_chunks == 1 or step.num_tiles <= PER_SLICE_MAX_TILES:
+        return LaunchPlan(LoRAPath.SPLIT, replace(config, is_per_slice=True, target_programs=1024), DEFAULT_FUSED)
+    return LaunchPlan(LoRAPath.SPLIT, replace(config, max_split=4), DEFAULT_FUSED)
 
 
 def forced_plan(step: LoRAStep, path: LoRAPath, *, is_folded: bool = True, is_pdl: bool | None = None,

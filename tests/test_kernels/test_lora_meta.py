@@ -95,14 +95,13 @@ def test_reference_matches_float64(dist):
     check_y(p, y)
 
 
-@pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "path", "block_k", "max_split"), [
-    (64, 8, 16, "signal", 256, 8),  # 8 tiles x 1 rank chunk
-    (16, 1, 64, "split", 256, 8),  # 1 tile x 4 chunks
-    (64, 16, 16, "split", 256, 8),  # up to 16 tiles of rank <= 16: 256-wide in_dim steps
-    (64, 1, 64, "split", 128, 4),  # 4 tiles x 4 chunks
-    (64, 32, 8, "split", 128, 8),
+@pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "is_per_slice", "block_k", "target", "max_split"), [
+    (64, 8, 16, True, 128, 1024, 8),  # rank <= 16: one shrink program per slice
+    (16, 1, 64, True, 128, 1024, 8),  # 1 tile x 4 chunks: up to 8 tiles at any rank too
+    (64, 32, 8, True, 256, 512, 8),  # 32 tiles of rank <= 16: 256-wide in_dim steps
+    (256, 8, 64, False, 128, 512, 4),  # 16 tiles x 4 chunks: all slices per program, at most 4 splits
 ])
-def test_choose_plan_by_step_size(num_tokens, num_adapters, rank, path, block_k, max_split):
+def test_choose_plan_by_step_size(num_tokens, num_adapters, rank, is_per_slice, block_k, target, max_split):
     from kubelora.kernels.lora_config import choose_plan
 
     slots = [i % num_adapters for i in range(num_tokens)]
@@ -111,5 +110,6 @@ def test_choose_plan_by_step_size(num_tokens, num_adapters, rank, path, block_k,
     rows = [[i * rank] * 3 for i in range(num_adapters)]
     proj = prepare_lora_proj(rows, ranks, [[1.0] * 3] * num_adapters, "cpu")
     plan = choose_plan(step, proj, [0, 1, 2])
-    assert step.block_m == 16 and plan.path.value == path
+    assert step.block_m == 16 and plan.path.value == "split" and plan.split.is_per_slice == is_per_slice
+    assert plan.split.target_programs == target
     assert (plan.split.block_k, plan.split.max_split) == (block_k, max_split)
