@@ -15,8 +15,8 @@ while IFS='|' read -r shape path; do
   grep -E "^  _|Duration|SM Active Cycles|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" "$OUT/ncu_$i.txt" | sed "s/  \\+/ /g" | head -30
 done <<'LIST'
 64 x 1 x 64|split
-64 x 1 x 64|split-slice
-16 x 8 x 64|split-slice
-256 x 32 x 8|split-slice
-1 x 1 x 8|signal-slice
+64 x 1 x 64|slice
+16 x 8 x 64|slice
+256 x 32 x 8|slice
+1 x 1 x 8|slice
 LIST

@@ -1,8 +1,8 @@
-"""One benchmark shape's LoRA launch, for Nsight Compute: `ncu --nvtx --nvtx-include "lora/" ... profile.py SHAPE PATH`.
+"""One benchmark shape's LoRA launch, for Nsight Compute: `ncu --nvtx --nvtx-include "lora/" ... profile.py SHAPE LAUNCH`.
 
-SHAPE is a `kubelora bench kernels` shape name (e.g. "64 x 32 x 16"); PATH is `auto` (the step's own launch), a
-`LoRAPath` value, or one followed by `-slice` (one shrink program per slice). Three warm-up calls, then two calls
-inside the NVTX range `lora` on other input sets.
+SHAPE is a `kubelora bench kernels` shape name (e.g. "64 x 32 x 16"); LAUNCH is `auto` (the step's own launch),
+`split` (the tile height's default config) or `slice` (the same with one shrink program per slice). Three warm-up
+calls, then two calls inside the NVTX range `lora` on other input sets.
 """
 
 from __future__ import annotations
@@ -12,21 +12,19 @@ import sys
 import torch
 
 from kubelora.kernels.bench_lora import default_shapes, ours, shape_sets
-from kubelora.kernels.lora_config import LoRAPath, forced_plan
+from kubelora.kernels.lora_config import step_config
 
 
-def main(name: str, path: str) -> None:
+def main(name: str, launch: str) -> None:
     shape = next(s for s in default_shapes() if s.name == name)
     _, sets = shape_sets(shape, torch.bfloat16)
-    is_per_slice = path.endswith("-slice")
-    path = path.removesuffix("-slice")
-    plan = None if path == "auto" else forced_plan(sets[0].step, LoRAPath(path), is_per_slice=is_per_slice)
+    config = None if launch == "auto" else step_config(sets[0].step, is_per_slice=launch == "slice")
     for st in sets[:3]:
-        ours(plan)(st)
+        ours(config)(st)
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_push("lora")
     for st in sets[3:5]:
-        ours(plan)(st)
+        ours(config)(st)
     torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
 

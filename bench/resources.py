@@ -16,35 +16,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kubelora.kernels.lora_expand import _expand_kernel
-from kubelora.kernels.lora_fused import _fused_kernel
 from kubelora.kernels.lora_shrink import _shrink_kernel
 
 POINTERS = {"sorted_ptr": "*i64", "tiles_ptr": "*i64", "rank_ptr": "*i64", "row_ptr": "*i64", "scale_ptr": "*fp32",
-            "t_ptr": "*fp32", "parts_ptr": "*fp32", "arrivals_ptr": "*i32", "counters_ptr": "*i32"}
+            "t_ptr": "*fp32", "parts_ptr": "*fp32", "arrivals_ptr": "*i32"}
 # Arguments the launcher sees as multiples of 16 at the benchmark's sizes (Triton specializes on that).
 DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
              "k_per_split"}
-COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SIGNAL=False, SPLIT=1, MAX_CHUNKS=1, GROUPS=1)
+COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1)
 SHAPES = [
-    ("fused m16 r16 n256 k256", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=16, SUB=1), 4, 3),
-    ("fused m16 r16 n256 k256 sub4", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=16, SUB=4), 4, 3),
-    ("fused m16 r64 n256 k256 sub4", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=64, SUB=4), 4, 3),
-    ("fused m16 r64 n256 k256 w8", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=64, SUB=2), 8, 3),
-    ("fused m16 r128 n256 k128", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, R_PAD=128, SUB=1), 4, 3),
-    ("fused m16 r128 n256 k128 w8", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, R_PAD=128, SUB=4), 8, 3),
-    ("fused m16 r32 n256 k256 sub4", _fused_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=256, R_PAD=32, SUB=4), 4, 3),
-    ("fused m32 r16 n256 k256 sub4", _fused_kernel, dict(BLOCK_M=32, BLOCK_N=256, BLOCK_K=256, R_PAD=16, SUB=4), 4, 3),
-    ("fused m64 r16 n256 k256", _fused_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=256, R_PAD=16, SUB=1), 4, 3),
     ("shrink m16 k128 split8", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=False), 4, 3),
     ("shrink m16 pdl", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True), 4, 3),
     ("shrink m16 k128 split8 per-slice", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8,
                                                               USE_PDL=True, GROUPS=3), 4, 3),
-    ("shrink m16 signal per-slice", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8, USE_PDL=True,
-                                                         SIGNAL=True, GROUPS=3), 4, 3),
-    ("shrink m16 signal", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True,
-                                                SIGNAL=True), 4, 3),
-    ("expand m16 n256 signal pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4,
-                                                         USE_PDL=True, SIGNAL=True, SPLIT=8, MAX_CHUNKS=4), 8, 1),
     ("expand m16 n256 pdl b4", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4, USE_PDL=True), 8,
      2),
     ("expand m16 n256", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=0, USE_PDL=False), 8, 2),

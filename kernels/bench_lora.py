@@ -20,7 +20,7 @@ import torch
 from kubelora.kernels.bench_baselines import BenchSet, build_sets, gather_bmm, per_adapter_loop, torch_reference
 from kubelora.kernels.bench_report import Row, format_table, write_markdown
 from kubelora.kernels.lora import prepare_lora_step
-from kubelora.kernels.lora_config import LaunchPlan
+from kubelora.kernels.lora_config import KernelConfig
 
 L2_BYTES = 60 * 2**20
 DEVICE = "cuda"  # the CPU smoke test of the bench code sets "cpu" (Triton's interpreter)
@@ -106,18 +106,18 @@ def time_graph(fn, sets: list[BenchSet], trials: int = 7, min_ms: float = 10.0) 
     return statistics.median(times)
 
 
-def ours(plan: LaunchPlan | None = None):
-    """Our op on a set; plan None: the launch the step chooses (add_lora's)."""
+def ours(config: KernelConfig | None = None):
+    """Our op on a set; config None: the launch the step chooses (add_lora's)."""
     from kubelora.kernels.lora_triton import add_lora_triton
 
-    return lambda st: add_lora_triton(st.y, st.x, st.lora_a, st.lora_b, st.proj, st.step, plan)
+    return lambda st: add_lora_triton(st.y, st.x, st.lora_a, st.lora_b, st.proj, st.step, config)
 
 
-def check_ours(sets: list[BenchSet], plan: LaunchPlan | None = None) -> float:
+def check_ours(sets: list[BenchSet], config: KernelConfig | None = None) -> float:
     """Relative error of our delta against the reference's, on set 0 (fresh copies of y)."""
     st = sets[0]
     y0 = st.y.clone()
-    ours(plan)(st)
+    ours(config)(st)
     delta = st.y.float() - y0.float()
     st.y.copy_(y0)
     torch_reference(st)

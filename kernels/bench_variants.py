@@ -13,46 +13,36 @@ from kubelora.kernels import bench_lora
 from kubelora.kernels.bench_baselines import BenchSet, torch_reference
 from kubelora.kernels.bench_lora import Shape, check_ours, ours, shape_sets, time_graph
 from kubelora.kernels.lora import LoRAStep, prepare_lora_step
-from kubelora.kernels.lora_config import KernelConfig, LaunchPlan, LoRAPath, choose_plan, forced_plan
+from kubelora.kernels.lora_config import KernelConfig, choose_config, step_config
 
 
-def _forced(path: LoRAPath, is_pdl: bool = True, **changes):
-    """A plan on path (PDL on unless told) with KernelConfig changes."""
+def _forced(**changes):
+    """The default config of the step's tile height with KernelConfig changes."""
 
-    def plan_for(step: LoRAStep) -> LaunchPlan:
-        plan = forced_plan(step, path, is_pdl=is_pdl)
-        return replace(plan, split=replace(plan.split, **changes))
+    def config_for(step: LoRAStep) -> KernelConfig:
+        return step_config(step, **changes)
 
-    return plan_for
+    return config_for
 
 
-# label -> (prepare_lora_step keyword changes, the plan for the step; None: the step's own choice).
-# s1: expand_stages=1. Run 8 timed v4's tile policy and table and fused with target_programs 64 / 256 and
-# block_k 128; run 9 split+pdl with max_split 16 / 32 and fused with 512 / 1024-wide in_dim steps; runs 10..12
-# the signal path with and without PDL, with pipelined expands and 16 splits, fused, b_first 1, 512-wide
-# signal steps, 32-row tiles; run 17 a persistent launch; runs 19..20 one shrink program per slice (docs/kernels.md,
-# v7).
+# label -> (prepare_lora_step keyword changes, the config for the step; None: the step's own choice).
+# s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice; t1024: up to 1024
+# shrink programs. Run 8 timed v4's tile policy and table and a fused one-launch path; run 9 max_split 16 / 32;
+# runs 10..12 a signal path (the expand waiting on per-tile counters), b_first 1, 32-row tiles; run 17 a
+# persistent launch; runs 19..20 one shrink program per slice (docs/kernels.md). The fused and signal paths lost
+# every shape to one program per slice and are gone (their code is in git history, docs/kernels.md says where).
 PATH_VARIANTS = {
-    "split+pdl s1": ({}, _forced(LoRAPath.SPLIT, expand_stages=1)),
-    "signal+pdl k256 s1": ({}, _forced(LoRAPath.SIGNAL, block_k=256, expand_stages=1)),
-    "slice s1": ({}, _forced(LoRAPath.SPLIT, is_pdl=False, expand_stages=1, is_per_slice=True)),
-    "slice pdl s1": ({}, _forced(LoRAPath.SPLIT, expand_stages=1, is_per_slice=True)),
-    "slice pdl k256": ({}, _forced(LoRAPath.SPLIT, block_k=256, expand_stages=1, is_per_slice=True)),
-    "slice pdl t1024": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, expand_stages=1, is_per_slice=True)),
-    "slice pdl t1024 split16": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, max_split=16, expand_stages=1,
-                                            is_per_slice=True)),
-    "slice pdl t2048 split16": ({}, _forced(LoRAPath.SPLIT, target_programs=2048, max_split=16, expand_stages=1,
-                                            is_per_slice=True)),
-    "slice pdl k256 t1024": ({}, _forced(LoRAPath.SPLIT, block_k=256, target_programs=1024, expand_stages=1,
-                                         is_per_slice=True)),
-    "slice pdl t1024 n128": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, block_n=128, expand_stages=1,
-                                         is_per_slice=True)),
-    "slice pdl t1024 n512": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, block_n=512, expand_stages=1,
-                                         is_per_slice=True)),
-    "slice pdl t1024 w4": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, expand_warps=4, expand_stages=1,
-                                       is_per_slice=True)),
-    "slice pdl t1024 b2": ({}, _forced(LoRAPath.SPLIT, target_programs=1024, b_first=2, expand_stages=1,
-                                       is_per_slice=True)),
+    "split+pdl s1": ({}, _forced()),
+    "split s1": ({}, _forced(is_pdl=False)),
+    "pdl s1 split4": ({}, _forced(max_split=4)),
+    "slice s1": ({}, _forced(is_pdl=False, is_per_slice=True)),
+    "slice pdl s1": ({}, _forced(is_per_slice=True)),
+    "slice pdl k256": ({}, _forced(block_k=256, is_per_slice=True)),
+    "slice pdl t1024": ({}, _forced(target_programs=1024, is_per_slice=True)),
+    "slice pdl t1024 split16": ({}, _forced(target_programs=1024, max_split=16, is_per_slice=True)),
+    "slice pdl t1024 n128": ({}, _forced(target_programs=1024, block_n=128, is_per_slice=True)),
+    "slice pdl t1024 w4": ({}, _forced(target_programs=1024, expand_warps=4, is_per_slice=True)),
+    "slice pdl t1024 n128 w4": ({}, _forced(target_programs=1024, block_n=128, expand_warps=4, is_per_slice=True)),
     "auto": ({}, None),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
@@ -72,14 +62,14 @@ def probe_pdl() -> None:
     """
     shape = Shape("probe", tuple(i % 4 for i in range(16)), (16,) * 4)
     _, sets = shape_sets(shape, torch.bfloat16)
-    plan = forced_plan(sets[0].step, LoRAPath.SPLIT, is_pdl=True)
-    eager_error = check_ours(sets, plan)
+    config = step_config(sets[0].step, is_pdl=True)
+    eager_error = check_ours(sets, config)
     st = sets[0]
     fresh_y = st.y.clone()
-    ours(plan)(st)  # first call outside the graph: allocates the arrival counters
+    ours(config)(st)  # first call outside the graph: allocates the arrival counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ours(plan)(st)
+        ours(config)(st)
     st.y.copy_(fresh_y)
     graph.replay()
     graph_delta = st.y.float() - fresh_y.float()
@@ -100,16 +90,16 @@ def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool) -> li
         default_step = sets[0].step
         fresh_y = sets[0].y.clone()  # the check's delta is taken on a fresh y, not one grown by the replays
         times = {}
-        for label, (step_changes, plan_for) in PATH_VARIANTS.items():
+        for label, (step_changes, config_for) in PATH_VARIANTS.items():
             if label in PDL_VARIANTS and not with_pdl:
                 continue
             try:
                 step = _with_step(sets, shape, step_changes)
-                plan = None if plan_for is None else plan_for(step)
+                config = None if config_for is None else config_for(step)
                 sets[0].y.copy_(fresh_y)
-                if check_ours(sets, plan) > 2e-2:
+                if check_ours(sets, config) > 2e-2:
                     label += " BAD"
-                times[label] = time_graph(ours(plan), sets, trials=5)
+                times[label] = time_graph(ours(config), sets, trials=5)
             except Exception as err:  # a variant that fails (compile, capture) is reported, the others still run
                 print(f"  {shape.name} {label}: {type(err).__name__}: {str(err).splitlines()[0][:160]}", flush=True)
         timings = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
@@ -153,21 +143,21 @@ TUNE_VARIANTS = {
 
 
 def tune(shapes: list[Shape], dtype: torch.dtype) -> list[str]:
-    """Time one-at-a-time variations of each shape's own launch (path and config from choose_plan)."""
+    """Time one-at-a-time variations of each shape's own launch (its config from choose_config)."""
     lines = []
     for shape in shapes:
         _, sets = shape_sets(shape, dtype)
         step = sets[0].step
         slices = list(range(len(bench_lora.WIDTHS)))
-        base = choose_plan(step, sets[0].proj, slices)
-        times = {f"auto ({base.path.value} k{base.split.block_k} split{base.split.max_split})":
-                 time_graph(ours(base), sets)}
-        times.update(split_times(sets, base.split))
+        base = choose_config(step, sets[0].proj, slices)
+        label = f"auto ({'slice ' if base.is_per_slice else ''}k{base.block_k} split{base.max_split})"
+        times = {label: time_graph(ours(base), sets)}
+        times.update(split_times(sets, base))
         for label, (change, heights) in TUNE_VARIANTS.items():
             try:
                 variant_step = _with_step(sets, shape, {} if heights is None else dict(tile_heights=heights))
-                plan = choose_plan(variant_step, sets[0].proj, slices)
-                times[label] = time_graph(ours(replace(plan, split=replace(plan.split, **change))), sets)
+                config = choose_config(variant_step, sets[0].proj, slices)
+                times[label] = time_graph(ours(replace(config, **change)), sets)
             except Exception as err:  # a variant that does not compile (e.g. out of shared memory) is skipped
                 print(f"  {label}: {str(err).splitlines()[0][:120]}")
         _with_step(sets, shape, {})

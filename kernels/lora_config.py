@@ -1,8 +1,7 @@
-"""Launch parameters of the LoRA kernels (shrink + expand, or the fused launch) and which one a step takes."""
+"""Launch parameters of the LoRA kernels (shrink + expand) and which ones a step takes."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, replace
 
 import torch
@@ -46,27 +45,6 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.max_split must be in 1..{MAX_SPLIT}, target_programs >= 1")
 
 
-@dataclass(frozen=True)
-class FusedConfig:
-    """Tile sizes of the fused launch."""
-
-    block_n: int = 256  # output columns per block (a program runs SUB blocks of one slice)
-    block_k: int = 256  # in_dim columns per shrink loop step
-    warps: int = 4
-    wide_warps: int = 8  # from 64 lanes on: the B block held through the shrink loop needs more threads
-    stages: int = 3  # software pipelining of the shrink loop
-    target_programs: int = 128  # more blocks per program while over this many programs (each re-reads A)
-    is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"FusedConfig.{name}={value}: must be a power of two >= 16")
-        if self.target_programs < 1:
-            raise ValueError(f"FusedConfig.target_programs={self.target_programs}: must be >= 1")
-
-
 # Per tile height, from the variations timed on the H200 (docs/kernels.md, run 6): decode (16) splits
 # in_dim because it has few tiles, but not so much that the split arrivals dominate (target 512, at most 8);
 # taller tiles split less (the final sum holds split x height x 16 floats in registers). Expand warps: 8
@@ -91,60 +69,32 @@ def num_lanes(proj: LoRAProj, slices: list[int]) -> int:
     return -(-max_rank // BLOCK_R) * BLOCK_R
 
 
-class LoRAPath(enum.Enum):
-    """How one projection call runs (per group of up to MAX_SLICES slices)."""
-
-    SPLIT = "split"  # shrink (in_dim split, last arrival sums) then expand: two launches
-    # Two launches; the expand starts each tile once its (tile, rank chunk) arrival counters are complete and
-    # sums the shrink's partials itself: no t, no wait for the whole shrink grid (docs/kernels.md, v6).
-    SIGNAL = "signal"
-    FUSED = "fused"  # one launch: each column program recomputes its tile's shrink
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    path: LoRAPath
-    split: KernelConfig
-    fused: FusedConfig
-
-
-DEFAULT_FUSED = FusedConfig()
-
-
-# Decode steps (16-row tiles) by size, from the side-by-side variants of run 19 (docs/kernels.md, v7): one shrink
-# program per slice wins on every step of rank <= 16 and on steps of up to 8 tiles at any rank (by 1..3 us), with
-# up to 1024 programs, or with 256-wide in_dim steps from 32 tiles on; bigger steps of several rank chunks keep
-# all slices in one program and split in_dim at most 4 ways (run 12). The signal path won the small steps in v6;
-# one program per slice beats it there too.
+# Decode steps (16-row tiles) by size, from the side-by-side variants of runs 19 and 20 (docs/kernels.md, v7): one
+# shrink program per slice wins on every step of rank <= 16 and on steps of up to 8 tiles at any rank (by 1..3
+# us), with up to 1024 programs, or with 256-wide in_dim steps from 32 tiles on; bigger steps of several rank
+# chunks keep all slices in one program and split in_dim at most 4 ways (run 12). It also beat the signal path
+# (the expand waiting on per-tile counters, v6) and the fused one-launch path (v5), since removed.
 PER_SLICE_MAX_TILES = 8
 WIDE_K_MIN_TILES = 32
 
 
-def choose_plan(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> LaunchPlan:
-    """The launch for one step and projection, from host-side sizes only (no device sync).
+def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelConfig:
+    """The launch configuration for one step and projection, from host-side sizes only (no device sync).
 
-    Decode steps take the split path with one shrink program per slice unless they are big and of several
-    rank chunks; taller tiles the split path with the tile height's config. The fused launch measured slower on every decode shape (run 8, docs/kernels.md
-    v5: its in_dim loop is one program's chain of dependent loads), so only a plan that asks for it gets it.
+    Decode steps run one shrink program per slice unless they are big and of several rank chunks; taller
+    tiles take their height's config.
     """
     config = DEFAULT_CONFIGS[step.block_m]
     if step.block_m != 16:
-        return LaunchPlan(LoRAPath.SPLIT, config, DEFAULT_FUSED)
+        return config
     num_chunks = num_lanes(proj, slices) // BLOCK_R
     if num_chunks == 1 and step.num_tiles >= WIDE_K_MIN_TILES:
-        return LaunchPlan(LoRAPath.SPLIT, replace(config, is_per_slice=True, block_k=256), DEFAULT_FUSED)
+        return replace(config, is_per_slice=True, block_k=256)
     if num_chunks == 1 or step.num_tiles <= PER_SLICE_MAX_TILES:
-        return LaunchPlan(LoRAPath.SPLIT, replace(config, is_per_slice=True, target_programs=1024), DEFAULT_FUSED)
-    return LaunchPlan(LoRAPath.SPLIT, replace(config, max_split=4), DEFAULT_FUSED)
+        return replace(config, is_per_slice=True, target_programs=1024)
+    return replace(config, max_split=4)
 
 
-def forced_plan(step: LoRAStep, path: LoRAPath, *, is_folded: bool = True, is_pdl: bool | None = None,
-                is_per_slice: bool | None = None) -> LaunchPlan:
-    """The default configs of the step's tile height on a given path (tests and the benchmark compare paths).
-
-    is_pdl, is_per_slice None keep the default config's.
-    """
-    split = DEFAULT_CONFIGS[step.block_m]
-    split = replace(split, is_folded=is_folded, is_pdl=split.is_pdl if is_pdl is None else is_pdl,
-                    is_per_slice=split.is_per_slice if is_per_slice is None else is_per_slice)
-    return LaunchPlan(path, split, replace(DEFAULT_FUSED, is_folded=is_folded))
+def step_config(step: LoRAStep, **changes) -> KernelConfig:
+    """The default config of the step's tile height with KernelConfig changes (tests and the benchmark)."""
+    return replace(DEFAULT_CONFIGS[step.block_m], **changes)

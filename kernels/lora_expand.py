@@ -14,10 +14,8 @@ import triton
 import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
-from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision
-from kubelora.kernels.lora_shrink import ShrinkOut, arrival_counters
-from kubelora.kernels.lora_tile import (gdc_wait, release_tile, select_slice, sum_splits, tile_meta, uses_pdl,
-                                        wait_arrivals)
+from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes
+from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_meta, uses_pdl
 
 
 @triton.jit
@@ -27,24 +25,15 @@ def _b_chunk(b_rows, width, offs_r, rank, n_mask):
 
 
 @triton.jit
-def _t_chunk(parts_ptr, t_rows, offs_r, plane, split_k, m_mask, rank, SPLIT: tl.constexpr):
-    # t[:, offs_r] ([BLOCK_M, BLOCK_R] float32), summed over the shrink's split_k planes (1: t itself).
-    return sum_splits(parts_ptr, t_rows + offs_r[None, :], plane, split_k, m_mask[:, None] & (offs_r < rank)[None, :],
-                      SPLIT)
+def _t_chunk(t_ptr, t_rows, offs_r, m_mask, rank):
+    # t[:, offs_r] ([BLOCK_M, BLOCK_R] float32), through L2 only (.cg): the shrink launch wrote it.
+    return tl.load(t_ptr + t_rows + offs_r[None, :], mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0,
+                   cache_modifier=".cg")
 
 
 @triton.jit
 def _add_dot(acc, t, scale, b, PRECISION: tl.constexpr):
     return tl.dot((t * scale).to(b.dtype), b, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R: tl.constexpr, SIGNAL: tl.constexpr,
-                USE_PDL: tl.constexpr):
-    if SIGNAL:  # this tile's rank chunks of t are complete once their counters read split_k
-        wait_arrivals(arrivals_ptr, tl.where(count > 0, tl.cdiv(rank, BLOCK_R), 0), split_k)
-    elif USE_PDL:  # launched early: t is complete once the whole shrink grid is
-        gdc_wait()
 
 
 @triton.jit
@@ -64,19 +53,18 @@ def _b_chunks(b_rows, width, lanes0, rank, n_mask, BLOCK_R: tl.constexpr, N: tl.
 
 
 @triton.jit
-def _t_chunks(parts_ptr, t_rows, lanes0, plane, split_k, m_mask, rank, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-              N: tl.constexpr):
+def _t_chunks(t_ptr, t_rows, lanes0, m_mask, rank, BLOCK_R: tl.constexpr, N: tl.constexpr):
     # The first N rank chunks of t, requested together; the unused ones repeat chunk 0.
-    t_c0 = _t_chunk(parts_ptr, t_rows, lanes0, plane, split_k, m_mask, rank, SPLIT)
+    t_c0 = _t_chunk(t_ptr, t_rows, lanes0, m_mask, rank)
     t_c1 = t_c0
     t_c2 = t_c0
     t_c3 = t_c0
     if N > 1:
-        t_c1 = _t_chunk(parts_ptr, t_rows, BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
+        t_c1 = _t_chunk(t_ptr, t_rows, BLOCK_R + lanes0, m_mask, rank)
     if N > 2:
-        t_c2 = _t_chunk(parts_ptr, t_rows, 2 * BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
+        t_c2 = _t_chunk(t_ptr, t_rows, 2 * BLOCK_R + lanes0, m_mask, rank)
     if N > 3:
-        t_c3 = _t_chunk(parts_ptr, t_rows, 3 * BLOCK_R + lanes0, plane, split_k, m_mask, rank, SPLIT)
+        t_c3 = _t_chunk(t_ptr, t_rows, 3 * BLOCK_R + lanes0, m_mask, rank)
     return t_c0, t_c1, t_c2, t_c3
 
 
@@ -99,12 +87,12 @@ def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, parts_ptr, counters_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
+    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, lanes, plane, split_k, num_chunks, num_tiles,
+    y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT: tl.constexpr, MAX_CHUNKS: tl.constexpr, GROUPS: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr,
-    B_FIRST: tl.constexpr, USE_PDL: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
+    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     pid_n = tl.program_id(0)
@@ -126,43 +114,31 @@ def _expand_kernel(
     y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # t (split_k == 1) or the shrink's K-split partials (signal path), summed here: [split_k, sorted, NUM_S, lanes].
-    t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes
-    # The shrink's counters of this tile: [GROUPS, num_chunks], one group per slice or one for all slices.
-    tile_counters = counters_ptr + tile * GROUPS * num_chunks
-    arrivals_ptr = tile_counters
-    if GROUPS > 1:
-        arrivals_ptr += j * num_chunks
+    t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
     lanes0 = tl.arange(0, BLOCK_R)
     b_rows = b_ptr + row * width + offs_n[None, :]
     r_first = 0
     if B_FIRST > 0:
         # The first B_FIRST rank chunks of B are requested before t: launched early (programmatic dependent
-        # launch) or on the signal path, metadata, y and these B rows load while the shrink still runs, and
-        # after the wait only t is on the critical path. Rows past the adapter's rank are masked (no bytes).
+        # launch), metadata, y and these B rows load while the shrink still runs, and after the wait only t
+        # is on the critical path. Rows past the adapter's rank are masked (no bytes).
         b_c0, b_c1, b_c2, b_c3 = _b_chunks(b_rows, width, lanes0, rank, n_mask, BLOCK_R, B_FIRST)
-        _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R, SIGNAL, USE_PDL)
+        if USE_PDL:  # launched early: t is complete once the whole shrink grid is
+            gdc_wait()
         # All t chunks are requested at once (lanes past the rank move no bytes); each chunk's product is
         # computed only up to the adapter's own rank (a runtime branch per tile).
-        t_c0, t_c1, t_c2, t_c3 = _t_chunks(parts_ptr, t_rows, lanes0, plane, split_k, m_mask, rank, BLOCK_R, SPLIT,
-                                           B_FIRST)
+        t_c0, t_c1, t_c2, t_c3 = _t_chunks(t_ptr, t_rows, lanes0, m_mask, rank, BLOCK_R, B_FIRST)
         acc = _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank, BLOCK_R, B_FIRST,
                           PRECISION)
         r_first = B_FIRST * BLOCK_R
-    else:
-        _wait_for_t(arrivals_ptr, count, rank, split_k, BLOCK_R, SIGNAL, USE_PDL)
+    elif USE_PDL:
+        gdc_wait()
     # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
     for r0 in range(r_first, rank, BLOCK_R):
         b = _b_chunk(b_rows, width, r0 + lanes0, rank, n_mask)
-        t = _t_chunk(parts_ptr, t_rows, r0 + lanes0, plane, split_k, m_mask, rank, SPLIT)
+        t = _t_chunk(t_ptr, t_rows, r0 + lanes0, m_mask, rank)
         acc = _add_dot(acc, t, scale, b, PRECISION)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
-    if SIGNAL:
-        if count > 0:
-            release_tile(tile_counters, counters_ptr + num_tiles * GROUPS * num_chunks + tile, GROUPS * num_chunks,
-                         tl.num_programs(0), MAX_CHUNKS)
-        if USE_PDL:  # never wait on it for data (the counters do that), but end after the shrink grid
-            gdc_wait()
 
 
 def lora_expand(
@@ -181,10 +157,7 @@ def lora_expand(
     lora_b[j]: [num_rows, d_j], the pool of slice slices[j]; y_offsets[j]: its first column in y.
     Rows of tokens without adapter and slices of rank 0 are not touched.
     """
-    assert t.is_contiguous()
-    counters = arrival_counters(t.device, 1)  # not read without the signal path
-    launch_expand(y, ShrinkOut(t[None], 1, counters, t.shape[2] // BLOCK_R, False), lora_b, proj, step, slices,
-                  y_offsets, config)
+    launch_expand(y, t, lora_b, proj, step, slices, y_offsets, config)
 
 
 @dataclass(frozen=True)
@@ -197,12 +170,8 @@ class ExpandShape:
 
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
-                config: KernelConfig, shrunk_split_k: int, num_chunks: int, is_signal: bool, device: torch.device,
-                dtype: torch.dtype, groups: int = 1) -> ExpandShape:
-    """The expand launch's host-side parameters (see `lora_expand`), for a shrink of split_k planes.
-
-    groups: the shrink's slice groups, which lay out its arrival counters (signal path).
-    """
+                config: KernelConfig, device: torch.device, dtype: torch.dtype) -> ExpandShape:
+    """The expand launch's host-side parameters (see `lora_expand`)."""
     assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
@@ -210,20 +179,19 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     use_pdl = uses_pdl(config.is_pdl, device)
     scalars = (*(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
                *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2])
+    num_chunks = num_lanes(proj, slices) // BLOCK_R
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
-        SPLIT=triton.next_power_of_2(shrunk_split_k), MAX_CHUNKS=triton.next_power_of_2(groups * num_chunks), GROUPS=groups,
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
-        USE_PDL=use_pdl, SIGNAL=is_signal, PRECISION=dot_precision(dtype),
-        num_warps=config.expand_warps, num_stages=config.expand_stages,
-        **({"launch_pdl": True} if use_pdl else {}),
+        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), num_warps=config.expand_warps,
+        num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
     return ExpandShape((sum(num_blocks), step.num_tiles), scalars, constexprs)
 
 
 def launch_expand(
     y: torch.Tensor,
-    shrunk: ShrinkOut,
+    t: torch.Tensor,
     lora_b: list[torch.Tensor],
     proj: LoRAProj,
     step: LoRAStep,
@@ -232,21 +200,14 @@ def launch_expand(
     config: KernelConfig,
     shape: ExpandShape | None = None,
 ) -> None:
-    """The expand launch (see `lora_expand`) on a shrink's output: t, or the partials of the signal path.
-
-    shape: this step's `plan_expand` result when the caller has it (config then unused).
-    """
+    """The expand launch (see `lora_expand`); shape: this step's `plan_expand` result (config then unused)."""
     if shape is None:
-        shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, shrunk.split_k,
-                            shrunk.num_chunks, shrunk.is_signal, y.device, lora_b[0].dtype, shrunk.groups)
-    assert len(lora_b) == len(slices) and y.stride(1) == 1
-    parts = shrunk.parts
+        shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
+                            lora_b[0].dtype)
+    assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
     _expand_kernel[shape.grid](
-        y, *(lora_b + [lora_b[0]] * (MAX_SLICES - len(slices))), parts, shrunk.counters, step.sorted_tokens,
-        step.tiles, proj.rank, proj.row_start, proj.scale, *shape.scalars,
-        y.stride(0), parts.shape[3], parts.shape[1] * parts.shape[2] * parts.shape[3], shrunk.split_k,
-        shrunk.num_chunks, step.num_tiles,
-        **shape.constexprs,
+        y, *(lora_b + [lora_b[0]] * (MAX_SLICES - len(slices))), t, step.sorted_tokens, step.tiles, proj.rank,
+        proj.row_start, proj.scale, *shape.scalars, y.stride(0), t.shape[2], **shape.constexprs,
     )
 
 

@@ -103,7 +103,7 @@ def _shrink_kernel(
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
     NUM_S: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
-    SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
     # is read once per split; GROUPS NUM_S: one slice per program, three times the programs, each with a third
@@ -138,36 +138,26 @@ def _shrink_kernel(
     mask0 = m_mask[:, None] & (offs_r < rank0)[None, :]
     mask1 = m_mask[:, None] & (offs_r < rank1)[None, :]
     mask2 = m_mask[:, None] & (offs_r < rank2)[None, :]
-    if SIGNAL:
-        # Every split writes its partial and signals the counter the expand waits on; the expand sums the
-        # partials. Chunks past the group's ranks and empty tiles are awaited by no expand program, so they do
-        # not signal (their counters stay zero for the tile's last consumer to reset). The barrier makes every
-        # thread's partial visible before the release.
+    if SPLIT > 1:
+        # Write this split's partial; the last split of the (tile, group, chunk) to arrive adds them all up.
+        # The barrier makes every thread's partial visible before the (release) atomic; the arrival counter
+        # is reset by that last program, ready for the next launch.
         _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, mask0, mask1, mask2, PER)
         tl.debug_barrier()
-        if (count > 0) & (chunk * BLOCK_R < tl.maximum(tl.maximum(rank0, rank1), rank2)):
-            tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="release")
-    else:
-        if SPLIT > 1:
-            # Write this split's partial; the last split of the (tile, group, chunk) to arrive adds them all up.
-            # The barrier makes every thread's partial visible before the (release) atomic; the arrival counter
-            # is reset by that last program, ready for the next launch.
-            _store_slices(parts_ptr + ks * plane + rows, lanes, acc0, acc1, acc2, mask0, mask1, mask2, PER)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
-            is_last = arrived == split_k - 1
-            if is_last:
-                acc0 = sum_splits(parts_ptr, rows, plane, split_k, mask0, SPLIT)
-                if PER > 1:
-                    acc1 = sum_splits(parts_ptr, rows + lanes, plane, split_k, mask1, SPLIT)
-                if PER > 2:
-                    acc2 = sum_splits(parts_ptr, rows + 2 * lanes, plane, split_k, mask2, SPLIT)
-                tl.store(arrivals_ptr + tl.program_id(0), 0)
-            # Only the last arrival writes t (a tile of no rows for the others).
-            m_mask = offs_m < tl.where(is_last, count, 0)
-        t_mask = m_mask[:, None]
-        _store_slices(t_ptr + rows, lanes, acc0, acc1, acc2, t_mask & (offs_r < rank0)[None, :],
-                      t_mask & (offs_r < rank1)[None, :], t_mask & (offs_r < rank2)[None, :], PER)
+        arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel")
+        is_last = arrived == split_k - 1
+        if is_last:
+            acc0 = sum_splits(parts_ptr, rows, plane, split_k, mask0, SPLIT)
+            if PER > 1:
+                acc1 = sum_splits(parts_ptr, rows + lanes, plane, split_k, mask1, SPLIT)
+            if PER > 2:
+                acc2 = sum_splits(parts_ptr, rows + 2 * lanes, plane, split_k, mask2, SPLIT)
+            tl.store(arrivals_ptr + tl.program_id(0), 0)
+        # Only the last arrival writes t (a tile of no rows for the others).
+        m_mask = offs_m < tl.where(is_last, count, 0)
+    t_mask = m_mask[:, None]
+    _store_slices(t_ptr + rows, lanes, acc0, acc1, acc2, t_mask & (offs_r < rank0)[None, :],
+                  t_mask & (offs_r < rank1)[None, :], t_mask & (offs_r < rank2)[None, :], PER)
 
 
 _arrivals: dict[torch.device, torch.Tensor] = {}
@@ -199,19 +189,6 @@ def plan_split(in_dim: int, num_programs: int, config: KernelConfig, split_k: in
 
 
 @dataclass(frozen=True)
-class ShrinkOut:
-    """What a shrink launch leaves for its expand: t itself, or (signal path) the K-split partial sums."""
-
-    parts: torch.Tensor  # [split_k, num_lora_tokens, num_slices, lanes] float32; plane 0 is t when split_k == 1
-    split_k: int  # planes the expand sums
-    # int32: arrivals [num_tiles, groups, num_chunks], then consumed [num_tiles] (signal path)
-    counters: torch.Tensor
-    num_chunks: int  # rank chunks of BLOCK_R lanes: lanes // BLOCK_R
-    is_signal: bool  # the expand waits on the arrival counters and sums the planes itself
-    groups: int = 1  # slice groups of the shrink's programs: 1 (all slices) or one per slice
-
-
-@dataclass(frozen=True)
 class ShrinkShape:
     """Host-side parameters of one shrink launch, from sizes only: computed once per step, reused per layer."""
 
@@ -224,13 +201,11 @@ class ShrinkShape:
     split_k: int
     k_per_split: int
     constexprs: dict = field(hash=False)  # the kernel's constexpr arguments, num_warps and num_stages
-    is_signal: bool = False
-    groups: int = 1
+    groups: int = 1  # slice groups of the programs: 1 (all slices per program) or one per slice
 
 
 def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
-                device: torch.device, dtype: torch.dtype, split_k: int | None = None,
-                is_signal: bool = False) -> ShrinkShape:
+                device: torch.device, dtype: torch.dtype, split_k: int | None = None) -> ShrinkShape:
     """The shrink launch's host-side parameters (see `lora_shrink`)."""
     assert 1 <= len(slices) <= MAX_SLICES
     lanes = num_lanes(proj, slices)
@@ -240,12 +215,12 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
     constexprs = dict(
         NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        USE_PDL=uses_pdl(config.is_pdl, device), SIGNAL=is_signal, PRECISION=dot_precision(dtype),
+        USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     cols = tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
     return ShrinkShape((step.num_tiles * groups * num_chunks, split_k), cols, in_dim, step.sorted_tokens.numel(),
-                       num_chunks, lanes, split_k, k_per_split, constexprs, is_signal, groups)
+                       num_chunks, lanes, split_k, k_per_split, constexprs, groups)
 
 
 def launch_shrink(
@@ -256,31 +231,27 @@ def launch_shrink(
     slices: list[int],
     config: KernelConfig,
     split_k: int | None = None,
-    is_signal: bool = False,
     shape: ShrinkShape | None = None,
-) -> ShrinkOut:
-    """The shrink launch (see `lora_shrink`); with is_signal it leaves the partials and arrival counts.
+) -> torch.Tensor:
+    """The shrink launch (see `lora_shrink`).
 
-    shape: this step's `plan_shrink` result when the caller has it (config, split_k, is_signal then unused).
+    shape: this step's `plan_shrink` result when the caller has it (config and split_k then unused).
     """
     if shape is None:
-        shape = plan_shrink(x.shape[1], proj, step, slices, config, x.device, x.dtype, split_k, is_signal)
+        shape = plan_shrink(x.shape[1], proj, step, slices, config, x.device, x.dtype, split_k)
     assert len(lora_a) == len(slices) and x.stride(1) == 1 and x.shape[1] == shape.in_dim
     num_slices = len(slices)
-    t = new_workspace(0 if shape.is_signal else shape.num_sorted, num_slices, shape.lanes, device=x.device)
-    has_parts = shape.is_signal or shape.split_k > 1
-    parts = new_workspace(shape.split_k if has_parts else 0, shape.num_sorted, num_slices, shape.lanes,
-                           device=x.device)
-    counters = arrival_counters(x.device, step.num_tiles * (shape.groups * shape.num_chunks + 1))
+    t = new_workspace(shape.num_sorted, num_slices, shape.lanes, device=x.device)
+    parts = new_workspace(shape.split_k if shape.split_k > 1 else 0, shape.num_sorted, num_slices, shape.lanes,
+                          device=x.device)
+    counters = arrival_counters(x.device, step.num_tiles * shape.groups * shape.num_chunks)
     pools = lora_a + [lora_a[0]] * (MAX_SLICES - num_slices)
     _shrink_kernel[shape.grid](
         x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
         *shape.cols, proj.rank.stride(0), shape.in_dim, x.stride(0), shape.num_sorted, shape.num_chunks, shape.lanes,
         shape.split_k, shape.k_per_split, **shape.constexprs,
     )
-    if shape.is_signal:
-        return ShrinkOut(parts, shape.split_k, counters, shape.num_chunks, is_signal=True, groups=shape.groups)
-    return ShrinkOut(t[None], 1, counters, shape.num_chunks, is_signal=False, groups=shape.groups)
+    return t
 
 
 def lora_shrink(
@@ -299,7 +270,7 @@ def lora_shrink(
     rank rounded up to BLOCK_R. Lanes at or past a token's rank are not written; the expand never reads
     them. split_k (default: planned from config) splits the in_dim reduction over that many programs.
     """
-    return launch_shrink(x, lora_a, proj, step, slices, config, split_k).parts[0]
+    return launch_shrink(x, lora_a, proj, step, slices, config, split_k)
 
 
 def lora_shrink_torch(

@@ -109,28 +109,3 @@ def sum_splits(parts_ptr, rows, plane, split_k, mask, SPLIT: tl.constexpr):
     ptrs = parts_ptr + offs_s[:, None, None] * plane + rows[None, :, :]
     parts = tl.load(ptrs, mask=(offs_s < split_k)[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg")
     return tl.sum(parts, axis=0)
-
-
-@triton.jit
-def wait_arrivals(counters_ptr, num_chunks, split_k):
-    """Spin until each of the first num_chunks counters reads split_k (acquire), then a CTA barrier.
-
-    The acquire is one thread's (Triton runs a scalar atomic once per program); the barrier orders every
-    thread's later loads after it. Only called where every awaited arrival is already scheduled: the
-    producers are an earlier launch, or a primary grid all of whose programs have started (PDL).
-    """
-    for c in range(0, num_chunks):
-        seen = tl.atomic_add(counters_ptr + c, 0, sem="acquire")
-        while seen < split_k:
-            seen = tl.atomic_add(counters_ptr + c, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def release_tile(arrivals_ptr, consumed_ptr, num_chunks, num_consumers, MAX_CHUNKS: tl.constexpr):
-    """Count this program as done with its tile; the tile's last consumer zeroes its counters for the next launch."""
-    done = tl.atomic_add(consumed_ptr, 1, sem="acq_rel")
-    if done == num_consumers - 1:
-        offs_c = tl.arange(0, MAX_CHUNKS)
-        tl.store(arrivals_ptr + offs_c, tl.zeros([MAX_CHUNKS], dtype=tl.int32), mask=offs_c < num_chunks)
-        tl.store(consumed_ptr, 0)

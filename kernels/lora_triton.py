@@ -1,4 +1,4 @@
-"""Triton path of `add_lora`: per projection (per 3 slices), a shrink + expand pair or one fused launch."""
+"""Triton path of `add_lora`: per projection (per 3 slices), a shrink launch and an expand launch."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
-from kubelora.kernels.lora_config import MAX_SLICES, LaunchPlan, LoRAPath, choose_plan
+from kubelora.kernels.lora_config import MAX_SLICES, KernelConfig, choose_config
 from kubelora.kernels.lora_expand import ExpandShape, _expand_kernel, launch_expand, plan_expand
-from kubelora.kernels.lora_fused import lora_fused
 from kubelora.kernels.lora_shrink import ShrinkShape, launch_shrink, plan_shrink
 
 
@@ -27,17 +26,17 @@ def with_tiles(step: LoRAStep) -> LoRAStep:
 
 @dataclass(frozen=True)
 class GroupLaunch:
-    """One launch pair of a step's projection: up to MAX_SLICES slices, their plan and host-side launch shapes."""
+    """One launch pair of a step's projection: up to MAX_SLICES slices, their config and host-side launch shapes."""
 
     slices: list[int]
     y_offsets: list[int]
-    plan: LaunchPlan
-    shrink: ShrinkShape | None  # None on the fused path
-    expand: ExpandShape | None
+    config: KernelConfig
+    shrink: ShrinkShape
+    expand: ExpandShape
 
 
 def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
-                plan: LaunchPlan | None) -> list[GroupLaunch]:
+                config: KernelConfig | None) -> list[GroupLaunch]:
     """The step's launches for this projection, from sizes only (the same for every layer of the step)."""
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:s]) for s in range(len(widths))]
@@ -45,18 +44,12 @@ def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, ste
     groups = []
     for first in range(0, len(active), MAX_SLICES):
         slices = active[first : first + MAX_SLICES]
-        group_plan = plan or choose_plan(step, proj, slices)
+        group_config = config or choose_config(step, proj, slices)
         y_offsets = [offsets[s] for s in slices]
-        if group_plan.path is LoRAPath.FUSED:
-            groups.append(GroupLaunch(slices, y_offsets, group_plan, None, None))
-            continue
-        is_signal = group_plan.path is LoRAPath.SIGNAL
-        shrink = plan_shrink(x.shape[1], proj, step, slices, group_plan.split, x.device, x.dtype,
-                             is_signal=is_signal)
-        expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_plan.split,
-                             shrink.split_k if is_signal else 1, shrink.num_chunks, is_signal, x.device,
-                             lora_b[0].dtype, shrink.groups)
-        groups.append(GroupLaunch(slices, y_offsets, group_plan, shrink, expand))
+        shrink = plan_shrink(x.shape[1], proj, step, slices, group_config, x.device, x.dtype)
+        expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_config, x.device,
+                             lora_b[0].dtype)
+        groups.append(GroupLaunch(slices, y_offsets, group_config, shrink, expand))
     return groups
 
 
@@ -67,20 +60,21 @@ def add_lora_triton(
     lora_b: list[torch.Tensor],
     proj: LoRAProj,
     step: LoRAStep,
-    plan: LaunchPlan | None = None,
+    config: KernelConfig | None = None,
 ) -> None:
     """Triton: y[t, off_s:off_s+d_s] += scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slot of t.
 
     Same arguments and semantics as `add_lora_torch`; slices of rank 0 everywhere are skipped entirely.
-    plan: the launch (default: `choose_plan` for the step); the benchmark and tests pass one to compare.
-    The launch shapes of a step's own plan are computed by its first layer and kept in `proj.launch_cache`.
+    config: the launch configuration (default: `choose_config` for the step); the benchmark and tests pass
+    one to compare. The launch shapes of a step's own choice are computed by its first layer and kept in
+    `proj.launch_cache`.
     """
     if not step.has_lora:
         return
     if x.device.type != "cuda" and not is_interpreted():
         raise RuntimeError("the triton LoRA backend off CUDA needs TRITON_INTERPRET=1 before kubelora.kernels loads")
     step = with_tiles(step)
-    if plan is None:
+    if config is None:
         # Keyed by sizes; the step is kept and compared by identity (a proj may be paired with another step).
         key = (x.shape[1], x.dtype, x.device, tuple(b.shape[1] for b in lora_b))
         cached_step, groups = proj.launch_cache.get(key, (None, None))
@@ -88,12 +82,8 @@ def add_lora_triton(
             groups = plan_groups(x, lora_b, proj, step, None)
             proj.launch_cache[key] = (step, groups)
     else:
-        groups = plan_groups(x, lora_b, proj, step, plan)
+        groups = plan_groups(x, lora_b, proj, step, config)
     for group in groups:
         a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
-        if group.shrink is None:
-            lora_fused(y, x, a_group, b_group, proj, step, group.slices, group.y_offsets, group.plan.fused)
-            continue
-        shrunk = launch_shrink(x, a_group, proj, step, group.slices, group.plan.split, shape=group.shrink)
-        launch_expand(y, shrunk, b_group, proj, step, group.slices, group.y_offsets, group.plan.split,
-                      shape=group.expand)
+        t = launch_shrink(x, a_group, proj, step, group.slices, group.config, shape=group.shrink)
+        launch_expand(y, t, b_group, proj, step, group.slices, group.y_offsets, group.config, shape=group.expand)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kubelora.kernels.lora import LoRAStep, add_lora, prepare_lora_step
-from kubelora.kernels.lora_config import BLOCK_R, DEFAULT_CONFIGS, KernelConfig, LoRAPath, forced_plan
+from kubelora.kernels.lora_config import BLOCK_R, DEFAULT_CONFIGS, KernelConfig, step_config
 from kubelora.kernels.lora_problems import build_problem, check_y
 
 DTYPES = (torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
@@ -31,20 +31,21 @@ CASES = [
 ]
 
 
-PATHS = [None, LoRAPath.SPLIT, LoRAPath.SIGNAL, LoRAPath.FUSED]  # None: the step's own choice (add_lora)
+# Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
+LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}}
 
 
-def run_path(triton_backend, p, path: LoRAPath | None, is_folded: bool = True) -> torch.Tensor:
+def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
     y = p.y0.clone()
-    if path is None:
+    if LAUNCHES[path] is None:
         add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
     else:
-        plan = forced_plan(p.step, path, is_folded=is_folded)
-        triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, plan)
+        config = step_config(p.step, **LAUNCHES[path], **changes)
+        triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, config)
     return y
 
 
-@pytest.mark.parametrize("path", PATHS, ids=lambda p: getattr(p, "value", "auto"))
+@pytest.mark.parametrize("path", LAUNCHES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}tok-{len(c[1])}ad-{c[4]}")
 def test_add_lora_matches_float64(triton_backend, device, dtype, case, path):
@@ -54,7 +55,7 @@ def test_add_lora_matches_float64(triton_backend, device, dtype, case, path):
     check_y(p, run_path(triton_backend, p, path))
 
 
-@pytest.mark.parametrize("path", [LoRAPath.SPLIT, LoRAPath.FUSED], ids=lambda p: p.value)
+@pytest.mark.parametrize("path", ["split", "slice"])
 @pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=lambda c: f"{c[0]}tok-{c[4]}")
 def test_unfolded_tile_table_reads(triton_backend, device, case, path):
     num_tokens, ranks, widths, in_dim, dist, no_adapter = case
@@ -82,39 +83,6 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
         assert not t[valid].isnan().any()
         torch.testing.assert_close(t[valid], ref[valid], rtol=1e-5, atol=1e-4)
     assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
-
-
-@pytest.mark.parametrize("is_per_slice", [False, True], ids=["slices", "per-slice"])
-@pytest.mark.parametrize("split_k", [1, 5])
-def test_signal_path_leaves_its_counters_at_zero(triton_backend, device, monkeypatch, split_k, is_per_slice):
-    """Mixed ranks (chunks no expand program waits on), empty tiles, poisoned workspaces, two launches in a row."""
-    from kubelora.kernels import lora_shrink, lora_triton
-
-    poisoned = lambda *shape, device: torch.full(shape, math.nan, device=device)  # noqa: E731
-    monkeypatch.setattr(lora_shrink, "new_workspace", poisoned)
-    ranks = ODD_RANKS + [[40, 0, 2]] * 4
-    p = build_problem(30, ranks, [24, 8, 8], 300, "zipf", torch.float32, seed=5, device=device, no_adapter=0.2)
-    assert p.step.is_slot_tiles and set(p.slots) != set(range(-1, len(ranks)))  # some slot has an empty tile
-    plan = forced_plan(p.step, LoRAPath.SIGNAL, is_per_slice=is_per_slice)
-    plan = replace(plan, split=replace(plan.split, block_k=16, max_split=split_k, target_programs=4096))
-    for _ in range(2):
-        y = p.y0.clone()
-        lora_triton.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, plan)
-        check_y(p, y)
-        assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
-
-
-@pytest.mark.parametrize("path", [LoRAPath.SPLIT, LoRAPath.SIGNAL], ids=lambda p: p.value)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}tok-{len(c[1])}ad-{c[4]}")
-def test_per_slice_shrink(triton_backend, device, case, path):
-    """One shrink program per slice (slices of different ranks, rank 0 slices, one and two slices)."""
-    num_tokens, ranks, widths, in_dim, dist, no_adapter = case
-    p = build_problem(num_tokens, ranks, widths, in_dim, dist, torch.float32, seed=11, device=device,
-                      no_adapter=no_adapter)
-    y = p.y0.clone()
-    triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step,
-                                   forced_plan(p.step, path, is_per_slice=True))
-    check_y(p, y)
 
 
 def test_expand_matches_reference(triton_backend, device):
@@ -153,7 +121,7 @@ def test_no_lora_tokens_leave_y_alone(triton_backend, device):
     assert torch.equal(y, p.y0)
 
 
-@pytest.mark.parametrize("path", PATHS, ids=lambda p: getattr(p, "value", "auto"))
+@pytest.mark.parametrize("path", LAUNCHES)
 @pytest.mark.parametrize("block_m", sorted(DEFAULT_CONFIGS))
 @pytest.mark.parametrize("tokens_per_slot", [5, 30, 100])
 def test_every_tile_height(triton_backend, device, block_m, tokens_per_slot, path):
@@ -179,8 +147,8 @@ def test_launch_shapes_are_planned_once_per_step(triton_backend, device, monkeyp
     calls = []
     monkeypatch.setattr(triton_backend, "plan_groups", lambda *args: calls.append(1) or real(*args))
     for _ in range(3):
-        check_y(p, run_path(triton_backend, p, None))
+        check_y(p, run_path(triton_backend, p, "auto"))
     assert len(calls) == 1
     p.step = prepare_lora_step(p.slots, p.step.num_slots, device)
-    check_y(p, run_path(triton_backend, p, None))
+    check_y(p, run_path(triton_backend, p, "auto"))
     assert len(calls) == 2

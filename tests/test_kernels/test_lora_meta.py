@@ -101,15 +101,14 @@ def test_reference_matches_float64(dist):
     (64, 32, 8, True, 256, 512, 8),  # 32 tiles of rank <= 16: 256-wide in_dim steps
     (256, 8, 64, False, 128, 512, 4),  # 16 tiles x 4 chunks: all slices per program, at most 4 splits
 ])
-def test_choose_plan_by_step_size(num_tokens, num_adapters, rank, is_per_slice, block_k, target, max_split):
-    from kubelora.kernels.lora_config import choose_plan
+def test_choose_config_by_step_size(num_tokens, num_adapters, rank, is_per_slice, block_k, target, max_split):
+    from kubelora.kernels.lora_config import choose_config
 
     slots = [i % num_adapters for i in range(num_tokens)]
     step = prepare_lora_step(slots, num_adapters, "cpu")
     ranks = [[rank] * 3 for _ in range(num_adapters)]
     rows = [[i * rank] * 3 for i in range(num_adapters)]
     proj = prepare_lora_proj(rows, ranks, [[1.0] * 3] * num_adapters, "cpu")
-    plan = choose_plan(step, proj, [0, 1, 2])
-    assert step.block_m == 16 and plan.path.value == "split" and plan.split.is_per_slice == is_per_slice
-    assert plan.split.target_programs == target
-    assert (plan.split.block_k, plan.split.max_split) == (block_k, max_split)
+    config = choose_config(step, proj, [0, 1, 2])
+    assert step.block_m == 16 and config.is_per_slice == is_per_slice and config.target_programs == target
+    assert (config.block_k, config.max_split) == (block_k, max_split)

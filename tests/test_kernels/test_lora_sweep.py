@@ -3,8 +3,8 @@
     python -P -m pytest tests/test_kernels/test_lora_sweep.py
 
 fp16 and bf16; 1..4096 tokens; 1..64 adapters with ranks 1..128 mixed in one batch (some slices at rank 0);
-one adapter, all distinct, uniform, Zipf-skewed and prefill segments; the step's own launch and each path
-forced (split shrink + expand, signal with and without PDL, fused); tokens without adapter; slices of
+one adapter, all distinct, uniform, Zipf-skewed and prefill segments; the step's own launch and each shrink
+layout forced (one program per slice or all slices per program, with and without PDL); tokens without adapter; slices of
 unequal widths and dimensions that are not multiples of the block sizes. Skipped without CUDA.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kubelora.kernels.lora import add_lora
-from kubelora.kernels.lora_config import LoRAPath, forced_plan
+from kubelora.kernels.lora_config import step_config
 from kubelora.kernels.lora_problems import DISTRIBUTIONS, build_problem, check_y
 
 pytestmark = pytest.mark.gpu  # the full sweep: deselected without a GPU (tests/conftest.py)
@@ -52,33 +52,24 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
     return cases
 
 
-# (path, programmatic dependent launch); path None: the step's own launch (add_lora, PDL on decode steps).
-LAUNCHES = [(None, None), (LoRAPath.SPLIT, False), (LoRAPath.SIGNAL, None), (LoRAPath.SIGNAL, False),
-            (LoRAPath.FUSED, None), ("split-per-slice", None), ("signal-per-slice", None)]
+# The step's own launch (add_lora, PDL on decode steps), or the tile height's default config with these changes.
+LAUNCHES = {"auto": None, "split-no-pdl": {"is_pdl": False}, "slice": {"is_per_slice": True},
+            "slice-no-pdl": {"is_per_slice": True, "is_pdl": False}, "all-slices": {"is_per_slice": False}}
 
 
-def launch_id(launch: tuple) -> str:
-    path, is_pdl = launch
-    return ("auto" if path is None else getattr(path, "value", path)) + ("-no-pdl" if is_pdl is False else "")
-
-
-@pytest.mark.parametrize("launch", LAUNCHES, ids=launch_id)
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", sweep_cases(), ids=lambda c: f"{c[6]}-{c[0]}tok-{len(c[1])}ad-{c[4]}")
 def test_sweep(dtype, case, launch):
-    """Every case on the step's own launch (add_lora) and on each path forced."""
+    """Every case on the step's own launch (add_lora) and on each launch forced."""
     from kubelora.kernels.lora_triton import add_lora_triton
 
-    path, is_pdl = launch
     num_tokens, ranks, widths, in_dim, dist, no_adapter, seed = case
     p = build_problem(num_tokens, ranks, widths, in_dim, dist, dtype, seed=seed, device="cuda", no_adapter=no_adapter)
     y = p.y0.clone()
-    if path is None:
+    if LAUNCHES[launch] is None:
         add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend="triton")
     else:
-        is_per_slice = isinstance(path, str)  # "<path>-per-slice": one shrink program per slice
-        path = LoRAPath(path.split("-")[0]) if is_per_slice else path
-        plan = forced_plan(p.step, path, is_pdl=is_pdl, is_per_slice=is_per_slice)
-        add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, plan)
+        add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, step_config(p.step, **LAUNCHES[launch]))
     torch.cuda.synchronize()
     check_y(p, y)
