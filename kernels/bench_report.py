@@ -76,9 +76,8 @@ def write_markdown(path: str, env: dict[str, str], table: str, rows: list[Row], 
         "(uniform, shuffled); `ours` is the Triton shrink + expand, each step's own launch (`choose_config`:",
         "2 launches per call; on 16- and 32-token tiles the expand is launched early, Hopper programmatic",
         "dependent launch; decode steps of rank <= 16 or up to 8 tiles run one shrink program per slice);",
-        "`gather+bmm` pads every adapter to",
-        "the batch's max rank and gathers per token; `loop` is one adapter at a time (8 kernels per",
-        "adapter); `torch ref` is kubelora's own reference path.", "",
+        "`gather+bmm` pads every adapter to the batch's max rank and gathers per token; `loop` is one",
+        "adapter at a time (8 kernels per adapter); `torch ref` is kubelora's own reference path.", "",
         table, "", "Mixed ranks against the uniform batch at the mean rank:", "", *mixed_rank_lines(rows), "",
     ]
     if tune_lines:
