@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes
+from kubelora.kernels.lora_launch import RepeatLaunch
 from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_meta, uses_pdl
 
 
@@ -164,9 +165,8 @@ def lora_expand(
 class ExpandShape:
     """Host-side parameters of one expand launch, from sizes only: computed once per step, reused per layer."""
 
-    grid: tuple[int, int]
     scalars: tuple[int, ...]  # cols, meta_stride, widths, y offsets, first column block of slices 1 and 2
-    constexprs: dict = field(hash=False)  # the kernel's constexpr arguments, num_warps, num_stages, launch_pdl
+    launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
 
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
@@ -186,7 +186,7 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
         USE_PDL=use_pdl, PRECISION=dot_precision(dtype), num_warps=config.expand_warps,
         num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
-    return ExpandShape((sum(num_blocks), step.num_tiles), scalars, constexprs)
+    return ExpandShape(scalars, RepeatLaunch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs))
 
 
 def launch_expand(
@@ -205,9 +205,9 @@ def launch_expand(
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
                             lora_b[0].dtype)
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
-    _expand_kernel[shape.grid](
+    shape.launch(
         y, *(lora_b + [lora_b[0]] * (MAX_SLICES - len(slices))), t, step.sorted_tokens, step.tiles, proj.rank,
-        proj.row_start, proj.scale, *shape.scalars, y.stride(0), t.shape[2], **shape.constexprs,
+        proj.row_start, proj.scale, *shape.scalars, y.stride(0), t.shape[2],
     )
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
+from kubelora.kernels.lora_launch import RepeatLaunch
 from kubelora.kernels.lora_tile import gdc_launch_dependents, sum_splits, tile_meta, uses_pdl
 
 
@@ -192,7 +193,6 @@ def plan_split(in_dim: int, num_programs: int, config: KernelConfig, split_k: in
 class ShrinkShape:
     """Host-side parameters of one shrink launch, from sizes only: computed once per step, reused per layer."""
 
-    grid: tuple[int, int]
     cols: tuple[int, int, int]  # the slices' columns in the proj tables, padded to MAX_SLICES
     in_dim: int
     num_sorted: int
@@ -200,8 +200,8 @@ class ShrinkShape:
     lanes: int
     split_k: int
     k_per_split: int
-    constexprs: dict = field(hash=False)  # the kernel's constexpr arguments, num_warps and num_stages
-    groups: int = 1  # slice groups of the programs: 1 (all slices per program) or one per slice
+    groups: int  # slice groups of the programs: 1 (all slices per program) or one per slice
+    launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
 
 
 def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
@@ -219,8 +219,9 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     cols = tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
-    return ShrinkShape((step.num_tiles * groups * num_chunks, split_k), cols, in_dim, step.sorted_tokens.numel(),
-                       num_chunks, lanes, split_k, k_per_split, constexprs, groups)
+    grid = (step.num_tiles * groups * num_chunks, split_k)
+    return ShrinkShape(cols, in_dim, step.sorted_tokens.numel(), num_chunks, lanes, split_k, k_per_split, groups,
+                       RepeatLaunch(_shrink_kernel, grid, constexprs))
 
 
 def launch_shrink(
@@ -246,10 +247,10 @@ def launch_shrink(
                           device=x.device)
     counters = arrival_counters(x.device, step.num_tiles * shape.groups * shape.num_chunks)
     pools = lora_a + [lora_a[0]] * (MAX_SLICES - num_slices)
-    _shrink_kernel[shape.grid](
+    shape.launch(
         x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
         *shape.cols, proj.rank.stride(0), shape.in_dim, x.stride(0), shape.num_sorted, shape.num_chunks, shape.lanes,
-        shape.split_k, shape.k_per_split, **shape.constexprs,
+        shape.split_k, shape.k_per_split,
     )
     return t
 

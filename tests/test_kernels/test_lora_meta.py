@@ -112,3 +112,36 @@ def test_choose_config_by_step_size(num_tokens, num_adapters, rank, is_per_slice
     config = choose_config(step, proj, [0, 1, 2])
     assert step.block_m == 16 and config.is_per_slice == is_per_slice and config.target_programs == target
     assert (config.block_k, config.max_split) == (block_k, max_split)
+
+
+def test_repeat_launch_skips_the_jit_only_while_the_specialization_holds(monkeypatch):
+    """Pure logic of RepeatLaunch with a stand-in kernel: direct launches while ints, dtypes and alignment hold."""
+    from kubelora.kernels import lora_launch
+
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("direct", grid, args))
+
+    class Fn:
+        arg_names = ["x_ptr", "n", "BLOCK", "FLAG"]
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(("jit", grid, args, kwargs))
+                return Compiled()
+
+            return run
+
+    monkeypatch.setattr(lora_launch, "is_compiled", lambda kernel: isinstance(kernel, Compiled))
+    launch = lora_launch.RepeatLaunch(Fn(), (4, 2), dict(BLOCK=16, FLAG=True, num_warps=4))
+    base = torch.zeros(64)
+    launch(base, 7)
+    launch(base[4:], 7)  # 16-byte aligned view, same dtype: direct
+    launch(base, 8)  # another integer: through the JIT again
+    launch(base[1:], 8)  # 4-byte aligned: through the JIT again
+    launch(base.double(), 8)  # another dtype: through the JIT again
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit"]
+    assert calls[0][3] == dict(BLOCK=16, FLAG=True, num_warps=4)
+    assert calls[1][1] == (4, 2) and calls[1][2][1:] == (7, 16, True)  # constexprs passed in signature order
