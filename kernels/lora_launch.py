@@ -41,6 +41,7 @@ class RepeatLaunch:
     def __init__(self, fn, grid: tuple[int, ...], constexprs: dict) -> None:
         self.fn = fn
         self.grid = grid
+        self._grid3 = tuple(grid) + (1,) * (3 - len(grid))  # a compiled kernel's launcher takes all three
         self.constexprs = constexprs  # constexpr arguments and launch options (num_warps, num_stages, ...)
         self._kernel = None
         self._key: tuple | None = None
@@ -50,7 +51,7 @@ class RepeatLaunch:
         """Launch with the runtime arguments, in signature order (the constexprs come from the constructor)."""
         key = specialization_key(args)
         if self._kernel is not None and key == self._key and not has_launch_hooks():
-            self._kernel[self.grid](*args, *self._tail)
+            self._kernel[self._grid3](*args, *self._tail)
             return
         kernel = self.fn[self.grid](*args, **self.constexprs)
         if is_compiled(kernel):

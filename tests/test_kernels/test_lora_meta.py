@@ -144,4 +144,5 @@ def test_repeat_launch_skips_the_jit_only_while_the_specialization_holds(monkeyp
     launch(base.double(), 8)  # another dtype: through the JIT again
     assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit"]
     assert calls[0][3] == dict(BLOCK=16, FLAG=True, num_warps=4)
-    assert calls[1][1] == (4, 2) and calls[1][2][1:] == (7, 16, True)  # constexprs passed in signature order
+    assert calls[0][1] == (4, 2) and calls[1][1] == (4, 2, 1)  # a compiled kernel's launcher takes three dims
+    assert calls[1][2][1:] == (7, 16, True)  # the constexprs passed in signature order
