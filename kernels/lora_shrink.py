@@ -4,7 +4,8 @@ The Triton kernel and its PyTorch reference share one signature. Both work on th
 the step (`LoRAStep.sorted_tokens`, `LoRAStep.tiles`) and write `t` in sorted order, so the expand reads
 one tile's rows contiguously. The kernel splits the reduction over in_dim into `split_k` programs,
 because a decode step has too few (tile, rank chunk) pairs to fill the GPU on its own; the last of them
-to finish adds the partial sums.
+to finish adds the partial sums. A program computes every slice of the projection, or one slice
+(`KernelConfig.is_per_slice`: three times the programs, each a third of the work).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _store_slices(ptrs, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S: tl.
 
 
 @triton.jit
-def shrink_tile(
+def _shrink_tile(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride, in_dim,
     x_stride, tile, chunk, ks, k_per_split,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -119,12 +120,12 @@ def _shrink_kernel(
     if GROUPS > 1:
         a_ptr = _pick(group, a0_ptr, a1_ptr, a2_ptr, NUM_S)
         col = _pick(group, col0, col1, col2, NUM_S)
-        acc0, acc1, acc2, start, count, rank0, rank1, rank2 = shrink_tile(
+        acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a_ptr, a_ptr, a_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col, col, col, meta_stride,
             in_dim, x_stride, tile, chunk, ks, k_per_split, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
             PRECISION)
     else:
-        acc0, acc1, acc2, start, count, rank0, rank1, rank2 = shrink_tile(
+        acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
             in_dim, x_stride, tile, chunk, ks, k_per_split, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
             PRECISION)
