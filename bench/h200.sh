@@ -4,7 +4,7 @@
 # PDL=1 first probes programmatic dependent launch in its own process (a failed launch can leave the CUDA
 # context unusable); where it works, the variant comparison (COMPARE=1, or --compare NAME...) times the PDL
 # variants too. The default decode launches use PDL on Hopper either way. TEST_K: a pytest -k expression
-# (e.g. signal), SKIP_TESTS=1: the benchmark only.
+# (e.g. slice), SKIP_TESTS=1: the benchmark only.
 set -uo pipefail
 OUT=${OUT:-/tmp/kubelora-out}
 mkdir -p "$OUT" /tmp/p/kubelora
