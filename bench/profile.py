@@ -1,4 +1,6 @@
-"""One benchmark shape's LoRA launch, for Nsight Compute: `ncu --nvtx --nvtx-include "lora/" ... profile.py SHAPE LAUNCH`.
+"""One benchmark shape's LoRA launch, for Nsight Compute (bench/ncu.sh runs it under `ncu --nvtx`).
+
+`ncu --nvtx --nvtx-include "lora/" ... python3 -P bench/profile.py SHAPE LAUNCH`.
 
 SHAPE is a `kubelora bench kernels` shape name (e.g. "64 x 32 x 16"); LAUNCH is `auto` (the step's own launch),
 `split` (the tile height's default config) or `slice` (the same with one shrink program per slice). Three warm-up

@@ -6,6 +6,7 @@ For choosing the defaults in `kernels/lora_config.py` and `kernels/lora.py`; doc
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -16,15 +17,6 @@ from kubelora.kernels.lora import LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import KernelConfig, choose_config, step_config
 
 
-def _forced(**changes):
-    """The default config of the step's tile height with KernelConfig changes."""
-
-    def config_for(step: LoRAStep) -> KernelConfig:
-        return step_config(step, **changes)
-
-    return config_for
-
-
 # label -> (prepare_lora_step keyword changes, the config for the step; None: the step's own choice).
 # s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice; t1024: up to 1024
 # shrink programs. Run 8 timed v4's tile policy and table and a fused one-launch path; run 9 max_split 16 / 32;
@@ -32,17 +24,18 @@ def _forced(**changes):
 # persistent launch; runs 19..20 one shrink program per slice (docs/kernels.md). The fused and signal paths lost
 # every shape to one program per slice and are gone (their code is in git history, docs/kernels.md says where).
 PATH_VARIANTS = {
-    "split+pdl s1": ({}, _forced()),
-    "split s1": ({}, _forced(is_pdl=False)),
-    "pdl s1 split4": ({}, _forced(max_split=4)),
-    "slice s1": ({}, _forced(is_pdl=False, is_per_slice=True)),
-    "slice pdl s1": ({}, _forced(is_per_slice=True)),
-    "slice pdl k256": ({}, _forced(block_k=256, is_per_slice=True)),
-    "slice pdl t1024": ({}, _forced(target_programs=1024, is_per_slice=True)),
-    "slice pdl t1024 split16": ({}, _forced(target_programs=1024, max_split=16, is_per_slice=True)),
-    "slice pdl t1024 n128": ({}, _forced(target_programs=1024, block_n=128, is_per_slice=True)),
-    "slice pdl t1024 w4": ({}, _forced(target_programs=1024, expand_warps=4, is_per_slice=True)),
-    "slice pdl t1024 n128 w4": ({}, _forced(target_programs=1024, block_n=128, expand_warps=4, is_per_slice=True)),
+    "split+pdl s1": ({}, partial(step_config)),
+    "split s1": ({}, partial(step_config, is_pdl=False)),
+    "pdl s1 split4": ({}, partial(step_config, max_split=4)),
+    "slice s1": ({}, partial(step_config, is_pdl=False, is_per_slice=True)),
+    "slice pdl s1": ({}, partial(step_config, is_per_slice=True)),
+    "slice pdl k256": ({}, partial(step_config, block_k=256, is_per_slice=True)),
+    "slice pdl t1024": ({}, partial(step_config, target_programs=1024, is_per_slice=True)),
+    "slice pdl t1024 split16": ({}, partial(step_config, target_programs=1024, max_split=16, is_per_slice=True)),
+    "slice pdl t1024 n128": ({}, partial(step_config, target_programs=1024, block_n=128, is_per_slice=True)),
+    "slice pdl t1024 w4": ({}, partial(step_config, target_programs=1024, expand_warps=4, is_per_slice=True)),
+    "slice pdl t1024 n128 w4": ({}, partial(step_config, target_programs=1024, block_n=128, expand_warps=4,
+                                            is_per_slice=True)),
     "auto": ({}, None),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl

@@ -19,7 +19,7 @@ import triton.language as tl
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
 from kubelora.kernels.lora_launch import RepeatLaunch
-from kubelora.kernels.lora_tile import gdc_launch_dependents, sum_splits, tile_meta, uses_pdl
+from kubelora.kernels.lora_tile import gdc_launch_dependents, pick_slice, sum_splits, tile_meta, uses_pdl
 
 
 @triton.jit
@@ -89,17 +89,6 @@ def _shrink_tile(
 
 
 @triton.jit
-def _pick(j, v0, v1, v2, NUM_S: tl.constexpr):
-    # Slice j's value of a per-slice triple (scalars or pointers).
-    v = v0
-    if NUM_S > 1:
-        v = tl.where(j == 1, v1, v)
-    if NUM_S > 2:
-        v = tl.where(j == 2, v2, v)
-    return v
-
-
-@triton.jit
 def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
@@ -118,8 +107,8 @@ def _shrink_kernel(
     chunk = tl.program_id(0) % num_chunks
     ks = tl.program_id(1)
     if GROUPS > 1:
-        a_ptr = _pick(group, a0_ptr, a1_ptr, a2_ptr, NUM_S)
-        col = _pick(group, col0, col1, col2, NUM_S)
+        a_ptr = pick_slice(group, a0_ptr, a1_ptr, a2_ptr, NUM_S)
+        col = pick_slice(group, col0, col1, col2, NUM_S)
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a_ptr, a_ptr, a_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col, col, col, meta_stride,
             in_dim, x_stride, tile, chunk, ks, k_per_split, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,

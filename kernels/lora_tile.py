@@ -67,6 +67,17 @@ def tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, SLOT_TILES: tl
 
 
 @triton.jit
+def pick_slice(j, v0, v1, v2, NUM_S: tl.constexpr):
+    """Slice j's value of a per-slice triple (scalars or pointers); slices past NUM_S are never picked."""
+    v = v0
+    if NUM_S > 1:
+        v = tl.where(j == 1, v1, v)
+    if NUM_S > 2:
+        v = tl.where(j == 2, v2, v)
+    return v
+
+
+@triton.jit
 def select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1, width2, y_off0, y_off1, y_off2,
                   first_nb1, first_nb2, NUM_S: tl.constexpr):
     """The slice column block pid_n belongs to (blocks run over the slices' widths laid end to end):
@@ -74,28 +85,13 @@ def select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1
     (slice index, its B pool, its proj-table column, width, first column in y, block index within it).
     """
     j = 0
-    b_ptr = b0_ptr
-    col = col0
-    width = width0
-    y_off = y_off0
-    nb = pid_n
     if NUM_S > 1:
-        in1 = pid_n >= first_nb1
-        j = tl.where(in1, 1, j)
-        b_ptr = tl.where(in1, b1_ptr, b_ptr)
-        col = tl.where(in1, col1, col)
-        width = tl.where(in1, width1, width)
-        y_off = tl.where(in1, y_off1, y_off)
-        nb = tl.where(in1, pid_n - first_nb1, nb)
+        j = tl.where(pid_n >= first_nb1, 1, j)
     if NUM_S > 2:
-        in2 = pid_n >= first_nb2
-        j = tl.where(in2, 2, j)
-        b_ptr = tl.where(in2, b2_ptr, b_ptr)
-        col = tl.where(in2, col2, col)
-        width = tl.where(in2, width2, width)
-        y_off = tl.where(in2, y_off2, y_off)
-        nb = tl.where(in2, pid_n - first_nb2, nb)
-    return j, b_ptr, col, width, y_off, nb
+        j = tl.where(pid_n >= first_nb2, 2, j)
+    nb = pid_n - pick_slice(j, 0, first_nb1, first_nb2, NUM_S)
+    return (j, pick_slice(j, b0_ptr, b1_ptr, b2_ptr, NUM_S), pick_slice(j, col0, col1, col2, NUM_S),
+            pick_slice(j, width0, width1, width2, NUM_S), pick_slice(j, y_off0, y_off1, y_off2, NUM_S), nb)
 
 
 @triton.jit
@@ -103,7 +99,7 @@ def sum_splits(parts_ptr, rows, plane, split_k, mask, SPLIT: tl.constexpr):
     """sum over s < split_k of parts[s * plane + rows], masked, in split order (deterministic).
 
     rows: [BLOCK_M, BLOCK_R] offsets into one plane; all partials in one [SPLIT, BLOCK_M, BLOCK_R] load,
-    through L2 only (.cg): they were written by other programs of this or the previous launch.
+    through L2 only (.cg): they were written by other programs of this launch.
     """
     offs_s = tl.arange(0, SPLIT)
     ptrs = parts_ptr + offs_s[:, None, None] * plane + rows[None, :, :]
