@@ -150,8 +150,7 @@ class AdapterManager:
                 self._touch(revision)
                 return Residency.RESIDENT
             if revision.host is None:
-                if revision.load_error is None:
-                    self._start_load(revision)
+                self._start_load(revision)
                 return Residency.LOADING
             if not self._make_room(revision, protected | {revision}):
                 return Residency.NO_ROOM
@@ -225,7 +224,10 @@ class AdapterManager:
             del self._entries[revision.name]
 
     def _start_load(self, revision: AdapterRevision) -> None:
-        if revision.is_loading:
+        # A failure not yet delivered to the requests waiting for it is delivered first (take_load_error);
+        # the next request after that retries. Retrying sooner would leave a second error pending for
+        # requests that arrive later, and count the failure twice.
+        if revision.is_loading or revision.load_error is not None:
             return
         revision.is_loading = True
         self._executor.submit(self._load_in_background, revision)

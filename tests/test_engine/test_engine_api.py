@@ -4,6 +4,7 @@ traffic (on-demand loads, failures, in-place reloads, unload after sampled traff
 from __future__ import annotations
 
 import shutil
+import time
 import threading
 
 import pytest
@@ -178,6 +179,29 @@ def test_failed_on_demand_load_fails_only_its_requests(llama, tmp_path, prompt_i
     for rid in ("doomed-1", "doomed-2"):
         assert finals[rid].finish_reason == "error" and "vanishing" in finals[rid].error
     assert finals["ok-1"].finish_reason == finals["ok-2"].finish_reason == "length"
+    assert engine.snapshot().num_adapter_load_failures == 1
+
+
+def test_request_after_an_undelivered_load_failure_does_not_load_again(llama, tmp_path, prompt_ids):
+    """A request that arrives after an on-demand load failed, but before the failure reached the waiting
+    requests, gets that failure too: no second load, one failure counted."""
+    engine = make_engine(llama)
+    path = tmp_path / "vanishing"
+    shutil.copytree(llama.adapters["r8-all"], path)
+    engine.adapters.load("vanishing", path, preload=False)
+    (path / "adapter_model.safetensors").unlink()
+    engine.add_request("doomed-1", prompt_ids(0, 5), GREEDY, "vanishing")  # starts the load off-thread
+    deadline = time.monotonic() + 30
+    while engine.snapshot().num_adapter_load_failures == 0:
+        assert time.monotonic() < deadline, "the on-demand load did not fail"
+        time.sleep(0.01)
+    engine.add_request("doomed-2", prompt_ids(1, 5), GREEDY, "vanishing")
+    finals = drain(engine)
+    for rid in ("doomed-1", "doomed-2"):
+        assert finals[rid].finish_reason == "error" and "vanishing" in finals[rid].error
+    while engine.adapters.get("vanishing").is_loading:  # a second load would still be running
+        assert time.monotonic() < deadline, "an on-demand load did not end"
+        time.sleep(0.01)
     assert engine.snapshot().num_adapter_load_failures == 1
 
 
