@@ -6,8 +6,6 @@ For choosing the defaults in `kernels/lora_config.py` and `kernels/lora.py`; doc
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
-
 import torch
 
 from kubelora.kernels import bench_lora
@@ -17,26 +15,31 @@ from kubelora.kernels.lora import LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import KernelConfig, choose_config, step_config
 
 
-# label -> (prepare_lora_step keyword changes, the config for the step; None: the step's own choice).
-# s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice; t1024: up to 1024
-# shrink programs. Run 8 timed v4's tile policy and table and a fused one-launch path; run 9 max_split 16 / 32;
-# runs 10..12 a signal path (the expand waiting on per-tile counters), b_first 1, 32-row tiles; run 17 a
-# persistent launch; runs 19..20 one shrink program per slice (docs/kernels.md). The fused and signal paths lost
-# every shape to one program per slice and are gone (their code is in git history, docs/kernels.md says where).
+def _auto(**changes):
+    # The step's own choice (choose_config) with KernelConfig changes.
+    return lambda step, proj: replace(choose_config(step, proj, list(range(len(bench_lora.WIDTHS)))), **changes)
+
+
+def _height(**changes):
+    # The tile height's default config with KernelConfig changes.
+    return lambda step, proj: step_config(step, **changes)
+
+
+# label -> (prepare_lora_step keyword changes, config for (step, proj); None: the step's own choice through
+# add_lora's cache). s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice;
+# t1024: up to 1024 shrink programs; pfB / pfBy: the shrink asks the expand's B (and y) rows into L2 (v8). Runs 8..20
+# timed v4's tile policy, a fused one-launch path, a signal path, a persistent launch and one-knob variations
+# (docs/kernels.md); those that lost every shape are gone from the code and from this table.
 PATH_VARIANTS = {
-    "split+pdl s1": ({}, partial(step_config)),
-    "split s1": ({}, partial(step_config, is_pdl=False)),
-    "pdl s1 split4": ({}, partial(step_config, max_split=4)),
-    "slice s1": ({}, partial(step_config, is_pdl=False, is_per_slice=True)),
-    "slice pdl s1": ({}, partial(step_config, is_per_slice=True)),
-    "slice pdl k256": ({}, partial(step_config, block_k=256, is_per_slice=True)),
-    "slice pdl t1024": ({}, partial(step_config, target_programs=1024, is_per_slice=True)),
-    "slice pdl t1024 split16": ({}, partial(step_config, target_programs=1024, max_split=16, is_per_slice=True)),
-    "slice pdl t1024 n128": ({}, partial(step_config, target_programs=1024, block_n=128, is_per_slice=True)),
-    "slice pdl t1024 w4": ({}, partial(step_config, target_programs=1024, expand_warps=4, is_per_slice=True)),
-    "slice pdl t1024 n128 w4": ({}, partial(step_config, target_programs=1024, block_n=128, expand_warps=4,
-                                            is_per_slice=True)),
+    "split s1": ({}, _height(is_pdl=False)),
+    "slice s1": ({}, _height(is_pdl=False, is_per_slice=True)),
+    "pdl s1 split4": ({}, _height(max_split=4)),
+    "slice pdl t1024": ({}, _height(target_programs=1024, is_per_slice=True)),
     "auto": ({}, None),
+    "auto pdl n128 w4": ({}, _auto(block_n=128, expand_warps=4)),
+    "auto pdl pfB": ({}, _auto(l2_prefetch=1)),
+    "auto pdl pfBy": ({}, _auto(l2_prefetch=2)),
+    "auto pdl pfBy n128 w4": ({}, _auto(l2_prefetch=2, block_n=128, expand_warps=4)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
@@ -88,7 +91,7 @@ def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool) -> li
                 continue
             try:
                 step = _with_step(sets, shape, step_changes)
-                config = None if config_for is None else config_for(step)
+                config = None if config_for is None else config_for(step, sets[0].proj)
                 sets[0].y.copy_(fresh_y)
                 if check_ours(sets, config) > 2e-2:
                     label += " BAD"
@@ -132,6 +135,7 @@ TUNE_VARIANTS = {
     "n128": (dict(block_n=128), None), "n512": (dict(block_n=512), None),
     "w4": (dict(expand_warps=4), None), "n128 w4": (dict(block_n=128, expand_warps=4), None),
     "b1": (dict(b_first=1), None), "b2": (dict(b_first=2), None),
+    "pfB": (dict(l2_prefetch=1), None), "pfBy": (dict(l2_prefetch=2), None),
 }
 
 

@@ -33,12 +33,17 @@ class KernelConfig:
     is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
     is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
     is_per_slice: bool = False  # shrink: one program per slice (else all slices at once, x read once per split)
+    # shrink: ask into L2 what the expand will read, while the shrink runs (Hopper bulk prefetch; CUDA only):
+    # 0 nothing, 1 the adapters' B rows, 2 those and the tokens' y rows
+    l2_prefetch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
+        if not 0 <= self.l2_prefetch <= 2:
+            raise ValueError(f"KernelConfig.l2_prefetch={self.l2_prefetch}: must be 0, 1 or 2")
         if not 0 <= self.b_first <= 4:
             raise ValueError(f"KernelConfig.b_first={self.b_first}: must be in 0..4")
         if not 1 <= self.max_split <= MAX_SPLIT or self.target_programs < 1:

@@ -19,7 +19,8 @@ import triton.language as tl
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
 from kubelora.kernels.lora_launch import RepeatLaunch
-from kubelora.kernels.lora_tile import gdc_launch_dependents, pick_slice, sum_splits, tile_meta, uses_pdl
+from kubelora.kernels.lora_tile import (gdc_launch_dependents, l2_prefetch, pick_slice, sum_splits, tile_meta,
+                                         uses_l2_prefetch, uses_pdl)
 
 
 @triton.jit
@@ -41,11 +42,30 @@ def _store_slices(ptrs, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S: tl.
 
 
 @triton.jit
+def _prefetch_slice(b_ptr, width, row, rank, y_ptr, y_off, y_stride, tok, count, chunk, ks, split_k,
+                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr):
+    # What the expand will read of one slice, asked into L2 while this launch runs (KernelConfig.l2_prefetch):
+    # the B rows of this rank chunk (contiguous: rank x width), a split_k-th per program, and with PREFETCH 2
+    # the tile's y rows of the slice, every split_k-th token per program (chunk 0's programs only).
+    r0 = chunk * BLOCK_R
+    num_rows = tl.where(count > 0, tl.maximum(tl.minimum(rank - r0, BLOCK_R), 0), 0)
+    l2_prefetch(b_ptr + (row + r0) * width, num_rows * width * ESIZE, ks, split_k)
+    if PREFETCH > 1:
+        offs_m = tl.arange(0, BLOCK_M)
+        y_count = tl.where((chunk == 0) & (rank > 0), count, 0)
+        for m in range(ks, y_count, split_k):
+            tok_m = tl.sum(tl.where(offs_m == m, tok, 0))
+            l2_prefetch(y_ptr + tok_m * y_stride + y_off, width * ESIZE, 0, 1)
+
+
+@triton.jit
 def _shrink_tile(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride, in_dim,
-    x_stride, tile, chunk, ks, k_per_split,
+    x_stride, tile, chunk, ks, k_per_split, split_k, b0_ptr, b1_ptr, b2_ptr, width0, width1, width2, y_ptr, y_off0,
+    y_off1, y_off2, y_stride,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, PRECISION: tl.constexpr,
+    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    ESIZE: tl.constexpr,
 ):
     """x[tile, K split ks] @ A_s[rank chunk]^T for every slice s: (acc0, acc1, acc2, start, count, rank0..2).
 
@@ -68,6 +88,15 @@ def _shrink_tile(
     if NUM_S > 2:
         rank2 = tl.load(rank_ptr + slot * meta_stride + col2)
         row2 = tl.load(row_ptr + slot * meta_stride + col2)
+    if PREFETCH > 0:
+        _prefetch_slice(b0_ptr, width0, row0, rank0, y_ptr, y_off0, y_stride, tok, count, chunk, ks, split_k,
+                        BLOCK_M, BLOCK_R, PREFETCH, ESIZE)
+        if NUM_S > 1:
+            _prefetch_slice(b1_ptr, width1, row1, rank1, y_ptr, y_off1, y_stride, tok, count, chunk, ks, split_k,
+                            BLOCK_M, BLOCK_R, PREFETCH, ESIZE)
+        if NUM_S > 2:
+            _prefetch_slice(b2_ptr, width2, row2, rank2, y_ptr, y_off2, y_stride, tok, count, chunk, ks, split_k,
+                            BLOCK_M, BLOCK_R, PREFETCH, ESIZE)
     max_rank = tl.maximum(tl.maximum(rank0, rank1), rank2)
     k_lo = ks * k_per_split
     # A chunk past every slice's rank (a low-rank adapter in a high-rank step) runs no loop at all.
@@ -92,9 +121,10 @@ def _shrink_tile(
 def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
+    b0_ptr, b1_ptr, b2_ptr, width0, width1, width2, y_ptr, y_off0, y_off1, y_off2, y_stride,
     NUM_S: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr,
 ):
     # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
     # is read once per split; GROUPS NUM_S: one slice per program, three times the programs, each with a third
@@ -109,15 +139,20 @@ def _shrink_kernel(
     if GROUPS > 1:
         a_ptr = pick_slice(group, a0_ptr, a1_ptr, a2_ptr, NUM_S)
         col = pick_slice(group, col0, col1, col2, NUM_S)
+        b_ptr = pick_slice(group, b0_ptr, b1_ptr, b2_ptr, NUM_S)
+        width = pick_slice(group, width0, width1, width2, NUM_S)
+        y_off = pick_slice(group, y_off0, y_off1, y_off2, NUM_S)
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a_ptr, a_ptr, a_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col, col, col, meta_stride,
-            in_dim, x_stride, tile, chunk, ks, k_per_split, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
-            PRECISION)
+            in_dim, x_stride, tile, chunk, ks, k_per_split, split_k, b_ptr, b_ptr, b_ptr, width, width, width, y_ptr,
+            y_off, y_off, y_off, y_stride, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED, PRECISION, PREFETCH,
+            ESIZE)
     else:
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
-            in_dim, x_stride, tile, chunk, ks, k_per_split, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
-            PRECISION)
+            in_dim, x_stride, tile, chunk, ks, k_per_split, split_k, b0_ptr, b1_ptr, b2_ptr, width0, width1, width2,
+            y_ptr, y_off0, y_off1, y_off2, y_stride, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED, PRECISION,
+            PREFETCH, ESIZE)
     # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written. This
     # program's slices are group, group + 1, ...: PER of them.
     PER = NUM_S // GROUPS
@@ -180,6 +215,15 @@ def plan_split(in_dim: int, num_programs: int, config: KernelConfig, split_k: in
 
 
 @dataclass(frozen=True)
+class ExpandTarget:
+    """What the expand after a shrink will read, for the shrink to ask into L2 (`KernelConfig.l2_prefetch`)."""
+
+    widths: list[int]  # the slices' B widths (= their widths in y)
+    y_offsets: list[int]  # the slices' first columns in y
+    b_dtype: torch.dtype  # of the B pools
+
+
+@dataclass(frozen=True)
 class ShrinkShape:
     """Host-side parameters of one shrink launch, from sizes only: computed once per step, reused per layer."""
 
@@ -191,27 +235,44 @@ class ShrinkShape:
     split_k: int
     k_per_split: int
     groups: int  # slice groups of the programs: 1 (all slices per program) or one per slice
+    prefetch: tuple[int, ...]  # B widths and y offsets padded to MAX_SLICES (zeros without an L2 prefetch)
     launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
+
+    @property
+    def is_prefetching(self) -> bool:
+        return self.launch.constexprs["PREFETCH"] > 0
 
 
 def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
-                device: torch.device, dtype: torch.dtype, split_k: int | None = None) -> ShrinkShape:
-    """The shrink launch's host-side parameters (see `lora_shrink`)."""
+                device: torch.device, dtype: torch.dtype, split_k: int | None = None,
+                expand: ExpandTarget | None = None) -> ShrinkShape:
+    """The shrink launch's host-side parameters (see `lora_shrink`).
+
+    expand: what the following expand reads; with it (and config.l2_prefetch where the device has the
+    instruction) the shrink's programs ask B, and with l2_prefetch 2 the tokens' y rows, into L2.
+    """
     assert 1 <= len(slices) <= MAX_SLICES
     lanes = num_lanes(proj, slices)
     num_chunks = lanes // BLOCK_R
     groups = len(slices) if config.is_per_slice else 1
     split_k, k_per_split = plan_split(in_dim, step.num_tiles * groups * num_chunks, config, split_k)
+    prefetch = config.l2_prefetch if expand is not None and uses_l2_prefetch(device) else 0
+    esize = expand.b_dtype.itemsize if prefetch else 2
+    if prefetch > 1 and esize != dtype.itemsize:
+        prefetch = 1  # y's rows are sized by B's element size: only where the two are the same
+    pad = MAX_SLICES - len(slices)
+    scalars = (*(expand.widths + expand.widths[:1] * pad), *(expand.y_offsets + expand.y_offsets[:1] * pad)) \
+        if prefetch else (0,) * (2 * MAX_SLICES)
     constexprs = dict(
         NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype),
+        USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype), PREFETCH=prefetch, ESIZE=esize,
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
-    cols = tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
+    cols = tuple(slices + [slices[0]] * pad)
     grid = (step.num_tiles * groups * num_chunks, split_k)
     return ShrinkShape(cols, in_dim, step.sorted_tokens.numel(), num_chunks, lanes, split_k, k_per_split, groups,
-                       RepeatLaunch(_shrink_kernel, grid, constexprs))
+                       scalars, RepeatLaunch(_shrink_kernel, grid, constexprs))
 
 
 def launch_shrink(
@@ -223,10 +284,13 @@ def launch_shrink(
     config: KernelConfig,
     split_k: int | None = None,
     shape: ShrinkShape | None = None,
+    y: torch.Tensor | None = None,
+    lora_b: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The shrink launch (see `lora_shrink`).
 
     shape: this step's `plan_shrink` result when the caller has it (config and split_k then unused).
+    y, lora_b: the expand's output and B pools, read by a shape planned with an L2 prefetch.
     """
     if shape is None:
         shape = plan_shrink(x.shape[1], proj, step, slices, config, x.device, x.dtype, split_k)
@@ -237,10 +301,16 @@ def launch_shrink(
                           device=x.device)
     counters = arrival_counters(x.device, step.num_tiles * shape.groups * shape.num_chunks)
     pools = lora_a + [lora_a[0]] * (MAX_SLICES - num_slices)
+    if shape.is_prefetching:
+        assert y is not None and lora_b is not None and len(lora_b) == num_slices and y.stride(1) == 1
+        b_pools, y_out = lora_b + [lora_b[0]] * (MAX_SLICES - num_slices), y
+    else:
+        b_pools, y_out = pools, x
     shape.launch(
         x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
         *shape.cols, proj.rank.stride(0), shape.in_dim, x.stride(0), shape.num_sorted, shape.num_chunks, shape.lanes,
-        shape.split_k, shape.k_per_split,
+        shape.split_k, shape.k_per_split, *b_pools, *shape.prefetch[:MAX_SLICES], y_out,
+        *shape.prefetch[MAX_SLICES:], y_out.stride(0),
     )
     return t
 

@@ -32,7 +32,9 @@ CASES = [
 
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
-LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}}
+# "prefetch": the shrink asks the expand's B and y rows into L2 (on CUDA; elsewhere the plain shrink runs).
+LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True},
+            "prefetch": {"is_per_slice": True, "l2_prefetch": 2}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -138,6 +140,22 @@ def test_pdl_only_where_it_can_run():
 
     assert not uses_pdl(True, torch.device("cpu"))
     assert not uses_pdl(False, torch.device("cuda", 0))
+
+
+def test_l2_prefetch_only_where_it_can_run(device):
+    """The prefetch is planned on Hopper only; the interpreter (no inline PTX) runs the plain shrink."""
+    from kubelora.kernels.lora_shrink import ExpandTarget, plan_shrink
+
+    p = build_problem(13, ODD_RANKS, [24, 8, 8], 40, "uniform", torch.float32, seed=3, device=device)
+    slices = [0, 1, 2]
+    config = step_config(p.step, l2_prefetch=2)
+    target = ExpandTarget([24, 8, 8], [0, 24, 32], torch.float32)
+    shape = plan_shrink(40, p.proj, p.step, slices, config, torch.device(device), torch.float32, expand=target)
+    is_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert shape.is_prefetching == is_hopper
+    assert not plan_shrink(40, p.proj, p.step, slices, config, torch.device(device), torch.float32).is_prefetching
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        KernelConfig(l2_prefetch=3)
 
 
 def test_launch_shapes_are_planned_once_per_step(triton_backend, device, monkeypatch):
