@@ -23,7 +23,7 @@ POINTERS = {"sorted_ptr": "*i64", "tiles_ptr": "*i64", "rank_ptr": "*i64", "row_
 # Arguments the launcher sees as multiples of 16 at the benchmark's sizes (Triton specializes on that).
 DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
              "k_per_split"}
-COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1, PREFETCH=0, ESIZE=2)
+COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1, PREFETCH=0, ESIZE=2, BLOCKS=1)
 SHAPES = [
     ("shrink m16 k128 split8", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=False), 4, 3),
     ("shrink m16 pdl", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True), 4, 3),
@@ -37,6 +37,12 @@ SHAPES = [
                                                                 USE_PDL=True, PREFETCH=2), 4, 3),
     ("expand m16 n256 pdl b4", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4, USE_PDL=True), 8,
      2),
+    ("expand m16 n256 pdl b1 blocks2", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=1,
+                                                             USE_PDL=True, BLOCKS=2), 8, 1),
+    ("expand m16 n256 pdl b1 blocks4", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=1,
+                                                             USE_PDL=True, BLOCKS=4), 8, 1),
+    ("expand m16 n256 pdl b4 blocks2", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4,
+                                                             USE_PDL=True, BLOCKS=2), 8, 1),
     ("expand m16 n256", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=0, USE_PDL=False), 8, 2),
     ("expand m16 n256 pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=1, USE_PDL=True), 8,
      2),

@@ -29,6 +29,7 @@ class KernelConfig:
     block_n: int = 256  # expand: output columns per program
     expand_warps: int = 8
     expand_stages: int = 2  # the expand's rank loop is 1..8 steps: a shallow pipeline
+    expand_blocks: int = 1  # expand: column blocks per program (1, 2 or 4), all loaded before t is waited for
     b_first: int = 0  # expand: rank chunks of B (0..4) requested before t (with PDL: while the shrink runs)
     is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
     is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
@@ -42,6 +43,8 @@ class KernelConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
+        if self.expand_blocks not in (1, 2, 4):
+            raise ValueError(f"KernelConfig.expand_blocks={self.expand_blocks}: must be 1, 2 or 4")
         if not 0 <= self.l2_prefetch <= 2:
             raise ValueError(f"KernelConfig.l2_prefetch={self.l2_prefetch}: must be 0, 1 or 2")
         if not 0 <= self.b_first <= 4:

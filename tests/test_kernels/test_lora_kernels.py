@@ -32,9 +32,10 @@ CASES = [
 
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
-# "prefetch": the shrink asks the expand's B and y rows into L2 (on CUDA; elsewhere the plain shrink runs).
+# "prefetch": the shrink asks the expand's B and y rows into L2 (on CUDA; elsewhere the plain shrink runs);
+# "blocks": several expand column blocks per program (the last program's blocks run past the last slice).
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True},
-            "prefetch": {"is_per_slice": True, "l2_prefetch": 2}}
+            "prefetch": {"is_per_slice": True, "l2_prefetch": 2}, "blocks": {"expand_blocks": 4, "block_n": 16}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -87,14 +88,16 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
     assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
 
 
-def test_expand_matches_reference(triton_backend, device):
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+def test_expand_matches_reference(triton_backend, device, blocks):
+    """Blocks of a program may straddle two slices, and run past the last one (3 blocks of 16 columns here)."""
     from kubelora.kernels.lora_expand import lora_expand, lora_expand_torch
 
     p = build_problem(40, ODD_RANKS, [24, 8, 16], 8, "uniform", torch.float32, seed=6, device=device, no_adapter=0.2)
     t = torch.randn(p.step.sorted_tokens.numel(), 2, 32, device=device)
     y, y_ref = p.y0.clone(), p.y0.clone()
     args = ([p.lora_b[0], p.lora_b[2]], p.proj, p.step, [0, 2], [0, 32])
-    lora_expand(y, t, *args, KernelConfig(block_n=16))
+    lora_expand(y, t, *args, KernelConfig(block_n=16, expand_blocks=blocks))
     lora_expand_torch(y_ref, t, *args)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-4)
 
@@ -156,6 +159,8 @@ def test_l2_prefetch_only_where_it_can_run(device):
     assert not plan_shrink(40, p.proj, p.step, slices, config, torch.device(device), torch.float32).is_prefetching
     with pytest.raises(ValueError, match="l2_prefetch"):
         KernelConfig(l2_prefetch=3)
+    with pytest.raises(ValueError, match="expand_blocks"):
+        KernelConfig(expand_blocks=3)
 
 
 def test_launch_shapes_are_planned_once_per_step(triton_backend, device, monkeypatch):
