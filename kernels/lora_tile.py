@@ -133,7 +133,7 @@ def l2_prefetch(ptr, nbytes, part, parts):
     """
     lo = tl.cast(ptr, tl.int64) // 16 * 16
     hi = (tl.cast(ptr, tl.int64) + nbytes + 15) // 16 * 16
-    piece = ((hi - lo) // parts + 15) // 16 * 16
+    piece = ((hi - lo + parts - 1) // parts + 15) // 16 * 16  # parts x piece covers the range
     start = lo + part * piece
     size = tl.maximum(tl.minimum(piece, hi - start), 0)
     tl.inline_asm_elementwise(_L2_PREFETCH_ASM, "=r,l,r", [start, size.to(tl.int32)], dtype=tl.int32,
