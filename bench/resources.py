@@ -33,6 +33,10 @@ SHAPES = [
                                                              USE_PDL=True, GROUPS=3, PREFETCH=1), 4, 3),
     ("shrink m16 per-slice prefetch B+y", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8,
                                                                USE_PDL=True, GROUPS=3, PREFETCH=2), 4, 3),
+    ("shrink m16 per-slice narrow rows 2", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8,
+                                                               USE_PDL=True, GROUPS=3, ROWS=2), 4, 3),
+    ("shrink m16 per-slice narrow rows 4", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8,
+                                                               USE_PDL=True, GROUPS=3, ROWS=4), 4, 3),
     ("shrink m16 all slices prefetch B+y", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=4,
                                                                 USE_PDL=True, PREFETCH=2), 4, 3),
     ("expand m16 n256 pdl b4", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4, USE_PDL=True), 8,
@@ -53,6 +57,7 @@ SHAPES = [
 
 
 def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int):
+    constexprs = {"ROWS": constexprs.get("BLOCK_M"), **constexprs}  # the shrink's rows: the tile height by default
     constexprs = {k: v for k, v in {**COMMON, **constexprs}.items() if k in fn.arg_names}
     signature = {name: "constexpr" if name in constexprs else POINTERS.get(name, "*bf16") if name.endswith("_ptr")
                  else "i32" for name in fn.arg_names}

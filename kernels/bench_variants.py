@@ -28,7 +28,8 @@ def _height(**changes):
 # label -> (prepare_lora_step keyword changes, config for (step, proj); None: the step's own choice through
 # add_lora's cache). s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice;
 # t1024: up to 1024 shrink programs; pfB / pfBy: the shrink asks the expand's B (and y) rows into L2; blocksN: N
-# expand column blocks per program, all loaded before the wait for t (both v8). Runs 8..20
+# expand column blocks per program, all loaded before the wait for t; narrow: the shrink over the tiles' tokens
+# without tensor cores (all three v8). Runs 8..20
 # timed v4's tile policy, a fused one-launch path, a signal path, a persistent launch and one-knob variations
 # (docs/kernels.md); those that lost every shape are gone from the code and from this table.
 PATH_VARIANTS = {
@@ -45,6 +46,8 @@ PATH_VARIANTS = {
     "auto pdl blocks4": ({}, _auto(expand_blocks=4)),
     "auto pdl pfBy blocks2": ({}, _auto(l2_prefetch=2, expand_blocks=2)),
     "auto pdl pfBy blocks4": ({}, _auto(l2_prefetch=2, expand_blocks=4)),
+    "auto pdl narrow": ({}, _auto(is_narrow_shrink=True)),
+    "auto pdl narrow pfBy blocks4": ({}, _auto(is_narrow_shrink=True, l2_prefetch=2, expand_blocks=4)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
@@ -142,6 +145,7 @@ TUNE_VARIANTS = {
     "b1": (dict(b_first=1), None), "b2": (dict(b_first=2), None),
     "pfB": (dict(l2_prefetch=1), None), "pfBy": (dict(l2_prefetch=2), None),
     "blocks2": (dict(expand_blocks=2), None), "blocks4": (dict(expand_blocks=4), None),
+    "narrow": (dict(is_narrow_shrink=True), None),
 }
 
 

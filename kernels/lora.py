@@ -56,6 +56,7 @@ class LoRAStep:
     # read the slot's rank and rows at once, in parallel with the tile row.
     is_slot_tiles: bool = False
     num_lora_tokens: int = 0
+    max_tile_count: int = 0  # the most tokens in one tile (<= block_m)
 
     @property
     def num_tiles(self) -> int:
@@ -129,6 +130,7 @@ def prepare_lora_step(
         block_m=block_m,
         is_slot_tiles=is_slot_tiles,
         num_lora_tokens=num_lora_tokens,
+        max_tile_count=min(max(counts, default=0), block_m),
     )
 
 

@@ -37,6 +37,9 @@ class KernelConfig:
     # shrink: ask into L2 what the expand will read, while the shrink runs (Hopper bulk prefetch; CUDA only):
     # 0 nothing, 1 the adapters' B rows, 2 those and the tokens' y rows
     l2_prefetch: int = 0
+    # shrink: where no tile holds more than 4 tokens (lora_shrink.NARROW_MAX_ROWS), compute over those rows (rounded
+    # up to a power of two) with float32 products in registers instead of 16-row tensor-core tiles
+    is_narrow_shrink: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n"):

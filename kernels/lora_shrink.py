@@ -19,16 +19,20 @@ import triton.language as tl
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
 from kubelora.kernels.lora_launch import RepeatLaunch
-from kubelora.kernels.lora_tile import (gdc_launch_dependents, l2_prefetch, pick_slice, sum_splits, tile_meta,
+from kubelora.kernels.lora_tile import (gdc_launch_dependents, l2_prefetch, pick_slice, sum_splits, tile_rows,
                                          uses_l2_prefetch, uses_pdl)
 
 
 @triton.jit
-def _shrink_dot(acc, x_tile, a_ptr, row_start, rank, offs_r, offs_k, k_mask, in_dim, PRECISION: tl.constexpr):
+def _shrink_dot(acc, x_tile, a_ptr, row_start, rank, offs_r, offs_k, k_mask, in_dim, PRECISION: tl.constexpr,
+                ROWS: tl.constexpr):
     # A rows beyond the adapter's rank are masked: no bytes move for them, the lanes stay zero.
     a_mask = (offs_r < rank)[:, None] & k_mask[None, :]
     a = tl.load(a_ptr + (row_start + offs_r)[:, None] * in_dim + offs_k[None, :], mask=a_mask, other=0.0)
-    return tl.dot(x_tile, tl.trans(a), acc, input_precision=PRECISION)
+    if ROWS >= 16:
+        return tl.dot(x_tile, tl.trans(a), acc, input_precision=PRECISION)
+    # Fewer rows than a tensor-core tile takes: float32 products and a sum over the in_dim step, in registers.
+    return acc + tl.sum(x_tile.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
@@ -43,7 +47,7 @@ def _store_slices(ptrs, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S: tl.
 
 @triton.jit
 def _prefetch_slice(b_ptr, width, row, rank, y_ptr, y_off, y_stride, tok, count, chunk, ks, split_k,
-                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr):
+                    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr):
     # What the expand will read of one slice, asked into L2 while this launch runs (KernelConfig.l2_prefetch):
     # the B rows of this rank chunk (contiguous: rank x width), a split_k-th per program, and with PREFETCH 2
     # the tile's y rows of the slice, every split_k-th token per program (chunk 0's programs only).
@@ -51,7 +55,7 @@ def _prefetch_slice(b_ptr, width, row, rank, y_ptr, y_off, y_stride, tok, count,
     num_rows = tl.where(count > 0, tl.maximum(tl.minimum(rank - r0, BLOCK_R), 0), 0)
     l2_prefetch(b_ptr + (row + r0) * width, num_rows * width * ESIZE, ks, split_k)
     if PREFETCH > 1:
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = tl.arange(0, ROWS)
         y_count = tl.where((chunk == 0) & (rank > 0), count, 0)
         for m in range(ks, y_count, split_k):
             tok_m = tl.sum(tl.where(offs_m == m, tok, 0))
@@ -65,15 +69,16 @@ def _shrink_tile(
     y_off1, y_off2, y_stride,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    ESIZE: tl.constexpr,
+    ESIZE: tl.constexpr, ROWS: tl.constexpr,
 ):
     """x[tile, K split ks] @ A_s[rank chunk]^T for every slice s: (acc0, acc1, acc2, start, count, rank0..2).
 
-    acc_j: [BLOCK_M, BLOCK_R] float32, the rank lanes chunk * BLOCK_R + [0, BLOCK_R) of slice j, rows past the
-    tile's count and lanes past the slice's rank zero; start, count: the tile's rows in sorted order.
+    acc_j: [ROWS, BLOCK_R] float32, the rank lanes chunk * BLOCK_R + [0, BLOCK_R) of slice j, rows past the tile's
+    count and lanes past the slice's rank zero (ROWS: the tile height, or fewer where no tile has more tokens);
+    start, count: the tile's rows in sorted order.
     """
-    slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
-    offs_m = tl.arange(0, BLOCK_M)
+    slot, start, count, tok = tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M, ROWS, SLOT_TILES, FOLDED)
+    offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < count
     offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
     rank0 = tl.load(rank_ptr + slot * meta_stride + col0)
@@ -90,30 +95,32 @@ def _shrink_tile(
         row2 = tl.load(row_ptr + slot * meta_stride + col2)
     if PREFETCH > 0:
         _prefetch_slice(b0_ptr, width0, row0, rank0, y_ptr, y_off0, y_stride, tok, count, chunk, ks, split_k,
-                        BLOCK_M, BLOCK_R, PREFETCH, ESIZE)
+                        ROWS, BLOCK_R, PREFETCH, ESIZE)
         if NUM_S > 1:
             _prefetch_slice(b1_ptr, width1, row1, rank1, y_ptr, y_off1, y_stride, tok, count, chunk, ks, split_k,
-                            BLOCK_M, BLOCK_R, PREFETCH, ESIZE)
+                            ROWS, BLOCK_R, PREFETCH, ESIZE)
         if NUM_S > 2:
             _prefetch_slice(b2_ptr, width2, row2, rank2, y_ptr, y_off2, y_stride, tok, count, chunk, ks, split_k,
-                            BLOCK_M, BLOCK_R, PREFETCH, ESIZE)
+                            ROWS, BLOCK_R, PREFETCH, ESIZE)
     max_rank = tl.maximum(tl.maximum(rank0, rank1), rank2)
     k_lo = ks * k_per_split
     # A chunk past every slice's rank (a low-rank adapter in a high-rank step) runs no loop at all.
     k_hi = tl.where(chunk * BLOCK_R < max_rank, tl.minimum(k_lo + k_per_split, in_dim), k_lo)
-    acc0 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    acc0 = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
+    acc1 = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
+    acc2 = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
     x_rows = x_ptr + tok[:, None] * x_stride
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
         x_tile = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc0 = _shrink_dot(acc0, x_tile, a0_ptr, row0, rank0, offs_r, offs_k, k_mask, in_dim, PRECISION)
+        acc0 = _shrink_dot(acc0, x_tile, a0_ptr, row0, rank0, offs_r, offs_k, k_mask, in_dim, PRECISION, ROWS)
         if NUM_S > 1:
-            acc1 = _shrink_dot(acc1, x_tile, a1_ptr, row1, rank1, offs_r, offs_k, k_mask, in_dim, PRECISION)
+            acc1 = _shrink_dot(acc1, x_tile, a1_ptr, row1, rank1, offs_r, offs_k, k_mask, in_dim, PRECISION,
+                               ROWS)
         if NUM_S > 2:
-            acc2 = _shrink_dot(acc2, x_tile, a2_ptr, row2, rank2, offs_r, offs_k, k_mask, in_dim, PRECISION)
+            acc2 = _shrink_dot(acc2, x_tile, a2_ptr, row2, rank2, offs_r, offs_k, k_mask, in_dim, PRECISION,
+                               ROWS)
     return acc0, acc1, acc2, start, count, rank0, rank1, rank2
 
 
@@ -124,7 +131,7 @@ def _shrink_kernel(
     b0_ptr, b1_ptr, b2_ptr, width0, width1, width2, y_ptr, y_off0, y_off1, y_off2, y_stride,
     NUM_S: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr, ROWS: tl.constexpr,
 ):
     # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
     # is read once per split; GROUPS NUM_S: one slice per program, three times the programs, each with a third
@@ -146,18 +153,18 @@ def _shrink_kernel(
             x_ptr, a_ptr, a_ptr, a_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col, col, col, meta_stride,
             in_dim, x_stride, tile, chunk, ks, k_per_split, split_k, b_ptr, b_ptr, b_ptr, width, width, width, y_ptr,
             y_off, y_off, y_off, y_stride, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED, PRECISION, PREFETCH,
-            ESIZE)
+            ESIZE, ROWS)
     else:
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
             in_dim, x_stride, tile, chunk, ks, k_per_split, split_k, b0_ptr, b1_ptr, b2_ptr, width0, width1, width2,
             y_ptr, y_off0, y_off1, y_off2, y_stride, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED, PRECISION,
-            PREFETCH, ESIZE)
+            PREFETCH, ESIZE, ROWS)
     # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written. This
     # program's slices are group, group + 1, ...: PER of them.
     PER = NUM_S // GROUPS
     plane = num_sorted * NUM_S * lanes
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < count
     offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
     rows = ((start + offs_m) * NUM_S + group)[:, None] * lanes + offs_r[None, :]
@@ -185,6 +192,10 @@ def _shrink_kernel(
     _store_slices(t_ptr + rows, lanes, acc0, acc1, acc2, t_mask & (offs_r < rank0)[None, :],
                   t_mask & (offs_r < rank1)[None, :], t_mask & (offs_r < rank2)[None, :], PER)
 
+
+# KernelConfig.is_narrow_shrink: tiles of at most this many tokens skip the tensor cores (8 rows took 229 registers
+# per thread at 256-wide in_dim steps, offline for sm_90; 4 rows 127, 2 rows 72).
+NARROW_MAX_ROWS = 4
 
 _arrivals: dict[torch.device, torch.Tensor] = {}
 
@@ -260,6 +271,9 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
     esize = expand.b_dtype.itemsize if prefetch else 2
     if prefetch > 1 and esize != dtype.itemsize:
         prefetch = 1  # y's rows are sized by B's element size: only where the two are the same
+    rows = step.block_m
+    if config.is_narrow_shrink and 0 < step.max_tile_count <= NARROW_MAX_ROWS:
+        rows = triton.next_power_of_2(step.max_tile_count)
     pad = MAX_SLICES - len(slices)
     scalars = (*(expand.widths + expand.widths[:1] * pad), *(expand.y_offsets + expand.y_offsets[:1] * pad)) \
         if prefetch else (0,) * (2 * MAX_SLICES)
@@ -267,6 +281,7 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
         NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
         USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype), PREFETCH=prefetch, ESIZE=esize,
+        ROWS=rows,
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     cols = tuple(slices + [slices[0]] * pad)

@@ -55,8 +55,15 @@ def tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, SLOT_TILES: tl
 
     Token ids past the tile's count are padding (0): masked by the caller.
     """
+    return tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M, BLOCK_M, SLOT_TILES, FOLDED)
+
+
+@triton.jit
+def tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SLOT_TILES: tl.constexpr,
+              FOLDED: tl.constexpr):
+    """`tile_meta` with the first ROWS (<= BLOCK_M) token ids only: for steps whose tiles hold at most ROWS tokens."""
     row = tiles_ptr + tile * (_HEAD + BLOCK_M)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, ROWS)
     start = tl.load(row + 1)
     count = tl.load(row + 2)
     if FOLDED:

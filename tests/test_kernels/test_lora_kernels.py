@@ -33,9 +33,11 @@ CASES = [
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
 # "prefetch": the shrink asks the expand's B and y rows into L2 (on CUDA; elsewhere the plain shrink runs);
-# "blocks": several expand column blocks per program (the last program's blocks run past the last slice).
+# "blocks": several expand column blocks per program (the last program's blocks run past the last slice);
+# "narrow": the shrink over the tiles' tokens only, without tensor cores (where tiles hold at most 8 tokens).
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True},
-            "prefetch": {"is_per_slice": True, "l2_prefetch": 2}, "blocks": {"expand_blocks": 4, "block_n": 16}}
+            "prefetch": {"is_per_slice": True, "l2_prefetch": 2}, "blocks": {"expand_blocks": 4, "block_n": 16},
+            "narrow": {"is_narrow_shrink": True}, "narrow-slice": {"is_narrow_shrink": True, "is_per_slice": True}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -161,6 +163,20 @@ def test_l2_prefetch_only_where_it_can_run(device):
         KernelConfig(l2_prefetch=3)
     with pytest.raises(ValueError, match="expand_blocks"):
         KernelConfig(expand_blocks=3)
+
+
+@pytest.mark.parametrize(("slots", "rows"), [([0, 1, 0, 2], 2), ([0, 0, 0, 1], 4), ([0] * 5 + [1], 16), ([1], 1),
+                                             ([0] * 40, 16)])
+def test_narrow_shrink_rows(device, slots, rows):
+    """The narrow shrink takes the most tokens of a tile, rounded up to a power of two, up to 4; else the tile."""
+    from kubelora.kernels.lora_shrink import plan_shrink
+
+    p = build_problem(len(slots), [[8]] * 3, [16], 32, "uniform", torch.float32, seed=4, device=device)
+    step = prepare_lora_step(slots, 3, device)
+    config = step_config(step, is_narrow_shrink=True)
+    shape = plan_shrink(32, p.proj, step, [0], config, torch.device(device), torch.float32)
+    assert shape.launch.constexprs["ROWS"] == rows
+    assert step.max_tile_count == min(max(slots.count(s) for s in set(slots)), step.block_m)
 
 
 def test_launch_shapes_are_planned_once_per_step(triton_backend, device, monkeypatch):

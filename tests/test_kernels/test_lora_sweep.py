@@ -56,7 +56,8 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
 LAUNCHES = {"auto": None, "split-no-pdl": {"is_pdl": False}, "slice": {"is_per_slice": True},
             "slice-no-pdl": {"is_per_slice": True, "is_pdl": False}, "all-slices": {"is_per_slice": False},
             "slice-prefetch-by-blocks4": {"is_per_slice": True, "l2_prefetch": 2, "expand_blocks": 4},
-            "all-slices-prefetch-b-blocks2": {"is_per_slice": False, "l2_prefetch": 1, "expand_blocks": 2}}
+            "all-slices-prefetch-b-blocks2": {"is_per_slice": False, "l2_prefetch": 1, "expand_blocks": 2},
+            "slice-narrow": {"is_per_slice": True, "is_narrow_shrink": True}}
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
