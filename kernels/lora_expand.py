@@ -206,6 +206,10 @@ def lora_expand(
     launch_expand(y, t, lora_b, proj, step, slices, y_offsets, config)
 
 
+# KernelConfig.expand_blocks applies to tiles of up to this many rows.
+MAX_BLOCKS_HEIGHT = 32
+
+
 @dataclass(frozen=True)
 class ExpandShape:
     """Host-side parameters of one expand launch, from sizes only: computed once per step, reused per layer."""
@@ -225,13 +229,16 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     scalars = (*(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
                *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2])
     num_chunks = num_lanes(proj, slices) // BLOCK_R
+    # Several blocks per program on decode-height tiles only: one 64-row block already takes 254 registers per
+    # thread and spills (offline, sm_90); four spilled 1.8 KB per thread.
+    blocks = config.expand_blocks if step.block_m <= MAX_BLOCKS_HEIGHT else 1
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
-        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), BLOCKS=config.expand_blocks, num_warps=config.expand_warps,
+        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), BLOCKS=blocks, num_warps=config.expand_warps,
         num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
-    grid = (triton.cdiv(sum(num_blocks), config.expand_blocks), step.num_tiles)
+    grid = (triton.cdiv(sum(num_blocks), blocks), step.num_tiles)
     return ExpandShape(scalars, RepeatLaunch(_expand_kernel, grid, constexprs))
 
 

@@ -179,6 +179,19 @@ def test_narrow_shrink_rows(device, slots, rows):
     assert step.max_tile_count == min(max(slots.count(s) for s in set(slots)), step.block_m)
 
 
+@pytest.mark.parametrize(("block_m", "blocks"), [(16, 4), (32, 4), (64, 1)])
+def test_expand_blocks_on_decode_tiles_only(device, block_m, blocks):
+    """Several column blocks per program where a block is 16 or 32 rows; 64-row tiles keep one (registers)."""
+    from kubelora.kernels.lora_expand import plan_expand
+
+    p = build_problem(40, [[8, 8]] * 2, [24, 40], 16, "uniform", torch.float32, seed=2, device=device)
+    step = prepare_lora_step([0] * 40, 2, device, tile_heights=(block_m,))
+    config = KernelConfig(block_n=16, expand_blocks=4)
+    shape = plan_expand([24, 40], p.proj, step, [0, 1], [0, 24], config, torch.device(device), torch.float32)
+    assert shape.launch.constexprs["BLOCKS"] == blocks
+    assert shape.launch.grid == (-(-5 // blocks), step.num_tiles)  # 2 + 3 column blocks of 16
+
+
 def test_launch_shapes_are_planned_once_per_step(triton_backend, device, monkeypatch):
     """Layers of one step reuse the first layer's launch shapes; a new step with the same proj plans again."""
     p = build_problem(13, ODD_RANKS, [24, 8, 8], 40, "uniform", torch.float32, seed=12, device=device)
