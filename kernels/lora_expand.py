@@ -87,12 +87,17 @@ def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank
 
 
 @triton.jit
-def _load_block(pid_n, b0_ptr, b1_ptr, b2_ptr, y_ptr, rank_ptr, row_ptr, scale_ptr, col0, col1, col2, meta_stride,
-                width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, y_stride, slot, count, tok,
+def _load_block(pid_n, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot, count, tok,
                 NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                 B_FIRST: tl.constexpr):
     """Everything of column block pid_n that does not need t: its slice, the slot's rank and scale there, y, and
-    the first B_FIRST rank chunks of B. Returned as one tuple for `_finish_block`."""
+    the first B_FIRST rank chunks of B. Returned as one tuple for `_finish_block`.
+
+    layout: the slices' (B pools, proj-table columns, widths, y offsets, first blocks of slices 1 and 2), as
+    `select_slice` takes them.
+    """
+    b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2 = \
+        layout
     j, b_ptr, col, width, y_off, nb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
                                                     width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
     rank = tl.load(rank_ptr + slot * meta_stride + col)
@@ -163,20 +168,18 @@ def _expand_kernel(
     pid_n = tl.program_id(0) * BLOCKS
     tile = tl.program_id(1)
     slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
-    block0 = _load_block(pid_n, b0_ptr, b1_ptr, b2_ptr, y_ptr, rank_ptr, row_ptr, scale_ptr, col0, col1, col2,
-                         meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, y_stride,
-                         slot, count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
+    layout = (b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1,
+              first_nb2)
+    block0 = _load_block(pid_n, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot, count, tok,
+                         NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
     if BLOCKS > 1:
-        block1 = _load_block(pid_n + 1, b0_ptr, b1_ptr, b2_ptr, y_ptr, rank_ptr, row_ptr, scale_ptr, col0, col1,
-                             col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-                             y_stride, slot, count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
+        block1 = _load_block(pid_n + 1, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot,
+                             count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
     if BLOCKS > 2:
-        block2 = _load_block(pid_n + 2, b0_ptr, b1_ptr, b2_ptr, y_ptr, rank_ptr, row_ptr, scale_ptr, col0, col1,
-                             col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-                             y_stride, slot, count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
-        block3 = _load_block(pid_n + 3, b0_ptr, b1_ptr, b2_ptr, y_ptr, rank_ptr, row_ptr, scale_ptr, col0, col1,
-                             col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-                             y_stride, slot, count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
+        block2 = _load_block(pid_n + 2, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot,
+                             count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
+        block3 = _load_block(pid_n + 3, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot,
+                             count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
     if USE_PDL:  # launched early: t is complete once the whole shrink grid is
         gdc_wait()
     _finish_block(block0, t_ptr, start, count, lanes, NUM_S, BLOCK_M, BLOCK_R, B_FIRST, PRECISION)
