@@ -6,6 +6,7 @@ For choosing the defaults in `kernels/lora_config.py` and `kernels/lora.py`; doc
 from __future__ import annotations
 
 from dataclasses import replace
+
 import torch
 
 from kubelora.kernels import bench_lora
@@ -29,9 +30,9 @@ def _height(**changes):
 # add_lora's cache). s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice;
 # t1024: up to 1024 shrink programs; pfB / pfBy: the shrink asks the expand's B (and y) rows into L2; blocksN: N
 # expand column blocks per program, all loaded before the wait for t; narrow: the shrink over the tiles' tokens
-# without tensor cores (all three v8). Runs 8..20
-# timed v4's tile policy, a fused one-launch path, a signal path, a persistent launch and one-knob variations
-# (docs/kernels.md); those that lost every shape are gone from the code and from this table.
+# without tensor cores (all three v8). Runs 8..20 timed v4's tile policy, a fused one-launch path, a signal path,
+# a persistent launch and one-knob variations (docs/kernels.md); those that lost every shape are gone from the
+# code and from this table.
 PATH_VARIANTS = {
     "split s1": ({}, _height(is_pdl=False)),
     "slice s1": ({}, _height(is_pdl=False, is_per_slice=True)),

@@ -48,8 +48,7 @@ def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, ste
         y_offsets = [offsets[s] for s in slices]
         target = ExpandTarget([widths[s] for s in slices], y_offsets, lora_b[0].dtype)
         shrink = plan_shrink(x.shape[1], proj, step, slices, group_config, x.device, x.dtype, expand=target)
-        expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_config, x.device,
-                             lora_b[0].dtype)
+        expand = plan_expand(target.widths, proj, step, slices, y_offsets, group_config, x.device, target.b_dtype)
         groups.append(GroupLaunch(slices, y_offsets, group_config, shrink, expand))
     return groups
 
