@@ -16,37 +16,26 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kubelora.kernels.lora_expand import _expand_kernel
-from kubelora.kernels.lora_shrink import _shrink_kernel
+from kubelora.kernels.lora_shrink import _gemv_shrink_kernel, _shrink_kernel
 
 POINTERS = {"sorted_ptr": "*i64", "tiles_ptr": "*i64", "rank_ptr": "*i64", "row_ptr": "*i64", "scale_ptr": "*fp32",
             "t_ptr": "*fp32", "parts_ptr": "*fp32", "arrivals_ptr": "*i32"}
+GEMV = dict(BLOCK_M=16, BLOCK_K=4096, USE_PDL=True)
 # Arguments the launcher sees as multiples of 16 at the benchmark's sizes (Triton specializes on that).
 DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
-             "k_per_split"}
-COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1, PREFETCH=0, ESIZE=2, BLOCKS=1)
+             "k_per_split", "num_groups"}
+COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1)
 SHAPES = [
     ("shrink m16 k128 split8", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=False), 4, 3),
     ("shrink m16 pdl", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True), 4, 3),
     ("shrink m16 k128 split8 per-slice", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8,
                                                               USE_PDL=True, GROUPS=3), 4, 3),
-    ("shrink m16 per-slice prefetch B", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8,
-                                                             USE_PDL=True, GROUPS=3, PREFETCH=1), 4, 3),
-    ("shrink m16 per-slice prefetch B+y", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8,
-                                                               USE_PDL=True, GROUPS=3, PREFETCH=2), 4, 3),
-    ("shrink m16 per-slice narrow rows 2", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8,
-                                                               USE_PDL=True, GROUPS=3, ROWS=2), 4, 3),
-    ("shrink m16 per-slice narrow rows 4", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8,
-                                                               USE_PDL=True, GROUPS=3, ROWS=4), 4, 3),
-    ("shrink m16 all slices prefetch B+y", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=4,
-                                                                USE_PDL=True, PREFETCH=2), 4, 3),
+    ("gemv rows 2 ranks 4", _gemv_shrink_kernel, dict(GEMV, ROWS=2, RANKS=4), 8, 1),
+    ("gemv rows 2 ranks 1", _gemv_shrink_kernel, dict(GEMV, ROWS=2, RANKS=1), 8, 1),
+    ("gemv rows 8 ranks 4 k1024", _gemv_shrink_kernel, dict(GEMV, ROWS=8, RANKS=4, BLOCK_K=1024), 8, 1),
+    ("gemv rows 4 ranks 4 k2048", _gemv_shrink_kernel, dict(GEMV, ROWS=4, RANKS=4, BLOCK_K=2048), 8, 1),
     ("expand m16 n256 pdl b4", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4, USE_PDL=True), 8,
      2),
-    ("expand m16 n256 pdl b1 blocks2", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=1,
-                                                             USE_PDL=True, BLOCKS=2), 8, 1),
-    ("expand m16 n256 pdl b1 blocks4", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=1,
-                                                             USE_PDL=True, BLOCKS=4), 8, 1),
-    ("expand m16 n256 pdl b4 blocks2", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4,
-                                                             USE_PDL=True, BLOCKS=2), 8, 1),
     ("expand m16 n256", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=0, USE_PDL=False), 8, 2),
     ("expand m16 n256 pdl", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=1, USE_PDL=True), 8,
      2),
@@ -57,7 +46,6 @@ SHAPES = [
 
 
 def compile_sm90(fn, constexprs: dict, num_warps: int, num_stages: int):
-    constexprs = {"ROWS": constexprs.get("BLOCK_M"), **constexprs}  # the shrink's rows: the tile height by default
     constexprs = {k: v for k, v in {**COMMON, **constexprs}.items() if k in fn.arg_names}
     signature = {name: "constexpr" if name in constexprs else POINTERS.get(name, "*bf16") if name.endswith("_ptr")
                  else "i32" for name in fn.arg_names}

@@ -28,11 +28,11 @@ def _height(**changes):
 
 # label -> (prepare_lora_step keyword changes, config for (step, proj); None: the step's own choice through
 # add_lora's cache). s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice;
-# t1024: up to 1024 shrink programs; pfB / pfBy: the shrink asks the expand's B (and y) rows into L2; blocksN: N
-# expand column blocks per program, all loaded before the wait for t; narrow: the shrink over the tiles' tokens
-# without tensor cores (all three v8). Runs 8..20 timed v4's tile policy, a fused one-launch path, a signal path,
-# a persistent launch and one-knob variations (docs/kernels.md); those that lost every shape are gone from the
-# code and from this table.
+# t1024: up to 1024 shrink programs; gemv rN: the GEMV shrink (N rank rows per program) on steps of at most 8
+# tokens per tile; n128 w4: 128-wide expand blocks, 4 expand warps. Runs 8..22 timed v4's tile policy, a fused
+# one-launch path, a signal path, a persistent launch, L2 prefetch from the shrink, several expand blocks per
+# program, a narrow tensor-core-free shrink and one-knob variations (docs/kernels.md); those that lost every shape
+# are gone from the code and from this table.
 PATH_VARIANTS = {
     "split s1": ({}, _height(is_pdl=False)),
     "slice s1": ({}, _height(is_pdl=False, is_per_slice=True)),
@@ -40,15 +40,13 @@ PATH_VARIANTS = {
     "slice pdl t1024": ({}, _height(target_programs=1024, is_per_slice=True)),
     "auto": ({}, None),
     "auto pdl n128 w4": ({}, _auto(block_n=128, expand_warps=4)),
-    "auto pdl pfB": ({}, _auto(l2_prefetch=1)),
-    "auto pdl pfBy": ({}, _auto(l2_prefetch=2)),
-    "auto pdl pfBy n128 w4": ({}, _auto(l2_prefetch=2, block_n=128, expand_warps=4)),
-    "auto pdl blocks2": ({}, _auto(expand_blocks=2)),
-    "auto pdl blocks4": ({}, _auto(expand_blocks=4)),
-    "auto pdl pfBy blocks2": ({}, _auto(l2_prefetch=2, expand_blocks=2)),
-    "auto pdl pfBy blocks4": ({}, _auto(l2_prefetch=2, expand_blocks=4)),
-    "auto pdl narrow": ({}, _auto(is_narrow_shrink=True)),
-    "auto pdl narrow pfBy blocks4": ({}, _auto(is_narrow_shrink=True, l2_prefetch=2, expand_blocks=4)),
+    "gemv r4": ({}, _auto(gemv_rows=8)),
+    "gemv r2": ({}, _auto(gemv_rows=8, gemv_ranks=2)),
+    "gemv r1": ({}, _auto(gemv_rows=8, gemv_ranks=1)),
+    "gemv r4 w4": ({}, _auto(gemv_rows=8, gemv_warps=4)),
+    "gemv r4 k2048": ({}, _auto(gemv_rows=8, gemv_k=2048)),
+    "gemv r4 n128 w4": ({}, _auto(gemv_rows=8, block_n=128, expand_warps=4)),
+    "gemv r2 n128 w4": ({}, _auto(gemv_rows=8, gemv_ranks=2, block_n=128, expand_warps=4)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
@@ -141,12 +139,10 @@ TUNE_VARIANTS = {
     "target1024": (dict(target_programs=1024), None),
     "shrink w2": (dict(shrink_warps=2), None), "shrink w8": (dict(shrink_warps=8), None),
     "shrink s2": (dict(shrink_stages=2), None),
+    "gemv": (dict(gemv_rows=8), None), "gemv r2": (dict(gemv_rows=8, gemv_ranks=2), None),
     "n128": (dict(block_n=128), None), "n512": (dict(block_n=512), None),
     "w4": (dict(expand_warps=4), None), "n128 w4": (dict(block_n=128, expand_warps=4), None),
     "b1": (dict(b_first=1), None), "b2": (dict(b_first=2), None),
-    "pfB": (dict(l2_prefetch=1), None), "pfBy": (dict(l2_prefetch=2), None),
-    "blocks2": (dict(expand_blocks=2), None), "blocks4": (dict(expand_blocks=4), None),
-    "narrow": (dict(is_narrow_shrink=True), None),
 }
 
 

@@ -15,6 +15,8 @@ BLOCK_R = 16
 MAX_SLICES = 3
 # K splits of the shrink: the last split adds all partials in one [split, tile, 16] register load.
 MAX_SPLIT = 32
+# The GEMV shrink (KernelConfig.gemv_rows) holds rows x (in_dim step / threads) inputs per thread in registers.
+GEMV_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -29,27 +31,24 @@ class KernelConfig:
     block_n: int = 256  # expand: output columns per program
     expand_warps: int = 8
     expand_stages: int = 2  # the expand's rank loop is 1..8 steps: a shallow pipeline
-    expand_blocks: int = 1  # expand: column blocks per program (1, 2 or 4), all loaded before t is waited for
     b_first: int = 0  # expand: rank chunks of B (0..4) requested before t (with PDL: while the shrink runs)
     is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
     is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
     is_per_slice: bool = False  # shrink: one program per slice (else all slices at once, x read once per split)
-    # shrink: ask into L2 what the expand will read, while the shrink runs (Hopper bulk prefetch; CUDA only):
-    # 0 nothing, 1 the adapters' B rows, 2 those and the tokens' y rows
-    l2_prefetch: int = 0
-    # shrink: where no tile holds more than 4 tokens (lora_shrink.NARROW_MAX_ROWS), compute over those rows (rounded
-    # up to a power of two) with float32 products in registers instead of 16-row tensor-core tiles
-    is_narrow_shrink: bool = False
+    # shrink: on steps whose tiles hold at most this many tokens (0: never), one program per (tile, slice, gemv_ranks
+    # rank rows) over all of in_dim, with float32 products on CUDA cores: no tensor-core padding, no K split
+    gemv_rows: int = 0
+    gemv_ranks: int = 4  # rank rows per GEMV program (1, 2 or 4)
+    gemv_k: int = 4096  # in_dim columns per GEMV loop step at most (a power of two)
+    gemv_warps: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("block_k", "block_n"):
+        for name in ("block_k", "block_n", "gemv_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
-        if self.expand_blocks not in (1, 2, 4):
-            raise ValueError(f"KernelConfig.expand_blocks={self.expand_blocks}: must be 1, 2 or 4")
-        if not 0 <= self.l2_prefetch <= 2:
-            raise ValueError(f"KernelConfig.l2_prefetch={self.l2_prefetch}: must be 0, 1 or 2")
+        if self.gemv_ranks not in (1, 2, 4) or not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"KernelConfig: gemv_ranks must be 1, 2 or 4, gemv_rows in 0..{GEMV_MAX_ROWS}")
         if not 0 <= self.b_first <= 4:
             raise ValueError(f"KernelConfig.b_first={self.b_first}: must be in 0..4")
         if not 1 <= self.max_split <= MAX_SPLIT or self.target_programs < 1:

@@ -87,107 +87,59 @@ def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank
 
 
 @triton.jit
-def _load_block(pid_n, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot, count, tok,
-                NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                B_FIRST: tl.constexpr):
-    """Everything of column block pid_n that does not need t: its slice, the slot's rank and scale there, y, and
-    the first B_FIRST rank chunks of B. Returned as one tuple for `_finish_block`.
-
-    layout: the slices' (B pools, proj-table columns, widths, y offsets, first blocks of slices 1 and 2), as
-    `select_slice` takes them.
-    """
-    b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2 = \
-        layout
-    j, b_ptr, col, width, y_off, nb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
-                                                    width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
-    rank = tl.load(rank_ptr + slot * meta_stride + col)
-    row = tl.load(row_ptr + slot * meta_stride + col)
-    scale = tl.load(scale_ptr + slot * meta_stride + col)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < width  # also past the last slice's end (a program's blocks past the grid's)
-    # y is loaded first so that its bytes are in flight while t and B arrive. Rows past the tile's tokens
-    # and slices the adapter does not adapt (rank 0) are neither read nor written.
-    y_rows = offs_m < tl.where(rank > 0, count, 0)
-    y_mask = y_rows[:, None] & n_mask[None, :]
-    y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
-    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    b_rows = b_ptr + row * width + offs_n[None, :]
-    lanes0 = tl.arange(0, BLOCK_R)
-    if B_FIRST > 0:
-        # The first B_FIRST rank chunks of B are requested before t: launched early (programmatic dependent
-        # launch), metadata, y and these B rows load while the shrink still runs, and after the wait only t
-        # is on the critical path. Rows past the adapter's rank are masked (no bytes).
-        b_c0, b_c1, b_c2, b_c3 = _b_chunks(b_rows, width, lanes0, rank, n_mask, BLOCK_R, B_FIRST)
-    else:  # placeholders, never multiplied
-        b_c0 = tl.zeros([BLOCK_R, BLOCK_N], dtype=b0_ptr.dtype.element_ty)
-        b_c1 = b_c0
-        b_c2 = b_c0
-        b_c3 = b_c0
-    return j, rank, scale, width, n_mask, y_ptrs, y_mask, y_old, b_rows, b_c0, b_c1, b_c2, b_c3
-
-
-@triton.jit
-def _finish_block(block, t_ptr, start, count, lanes, NUM_S: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_R: tl.constexpr, B_FIRST: tl.constexpr, PRECISION: tl.constexpr):
-    """y[block] += scale * t @ B for one `_load_block` result, once t is complete."""
-    j, rank, scale, width, n_mask, y_ptrs, y_mask, y_old, b_rows, b_c0, b_c1, b_c2, b_c3 = block
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    acc = tl.zeros(y_old.shape, dtype=tl.float32)
-    t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
-    lanes0 = tl.arange(0, BLOCK_R)
-    r_first = 0
-    if B_FIRST > 0:
-        # All t chunks are requested at once (lanes past the rank move no bytes); each chunk's product is
-        # computed only up to the adapter's own rank (a runtime branch per tile).
-        t_c0, t_c1, t_c2, t_c3 = _t_chunks(t_ptr, t_rows, lanes0, m_mask, rank, BLOCK_R, B_FIRST)
-        acc = _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank, BLOCK_R, B_FIRST,
-                          PRECISION)
-        r_first = B_FIRST * BLOCK_R
-    # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
-    for r0 in range(r_first, rank, BLOCK_R):
-        b = _b_chunk(b_rows, width, r0 + lanes0, rank, n_mask)
-        t = _t_chunk(t_ptr, t_rows, r0 + lanes0, m_mask, rank)
-        acc = _add_dot(acc, t, scale, b, PRECISION)
-    tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
-
-
-@triton.jit
 def _expand_kernel(
     y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
     y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    # Program (BLOCKS consecutive column blocks, laid over the slices' widths end to end; tile of tokens of one
-    # slot). Every block's loads that do not need t are issued before the wait for the shrink (with PDL: while
-    # it runs), so BLOCKS > 1 puts that many blocks' y and B in flight at once, in fewer programs.
-    pid_n = tl.program_id(0) * BLOCKS
+    # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
+    pid_n = tl.program_id(0)
     tile = tl.program_id(1)
+    j, b_ptr, col, width, y_off, nb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
+                                                    width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
     slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
-    layout = (b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1,
-              first_nb2)
-    block0 = _load_block(pid_n, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot, count, tok,
-                         NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
-    if BLOCKS > 1:
-        block1 = _load_block(pid_n + 1, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot,
-                             count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
-    if BLOCKS > 2:
-        block2 = _load_block(pid_n + 2, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot,
-                             count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
-        block3 = _load_block(pid_n + 3, layout, y_ptr, rank_ptr, row_ptr, scale_ptr, meta_stride, y_stride, slot,
-                             count, tok, NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, B_FIRST)
-    if USE_PDL:  # launched early: t is complete once the whole shrink grid is
+    rank = tl.load(rank_ptr + slot * meta_stride + col)
+    row = tl.load(row_ptr + slot * meta_stride + col)
+    scale = tl.load(scale_ptr + slot * meta_stride + col)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < width
+    # y is loaded first so that its bytes are in flight while t and B arrive. Rows past the tile's tokens
+    # and slices the adapter does not adapt (rank 0) are neither read nor written.
+    y_rows = offs_m < tl.where(rank > 0, count, 0)
+    y_mask = y_rows[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
+    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
+    lanes0 = tl.arange(0, BLOCK_R)
+    b_rows = b_ptr + row * width + offs_n[None, :]
+    r_first = 0
+    if B_FIRST > 0:
+        # The first B_FIRST rank chunks of B are requested before t: launched early (programmatic dependent
+        # launch), metadata, y and these B rows load while the shrink still runs, and after the wait only t
+        # is on the critical path. Rows past the adapter's rank are masked (no bytes).
+        b_c0, b_c1, b_c2, b_c3 = _b_chunks(b_rows, width, lanes0, rank, n_mask, BLOCK_R, B_FIRST)
+        if USE_PDL:  # launched early: t is complete once the whole shrink grid is
+            gdc_wait()
+        # All t chunks are requested at once (lanes past the rank move no bytes); each chunk's product is
+        # computed only up to the adapter's own rank (a runtime branch per tile).
+        t_c0, t_c1, t_c2, t_c3 = _t_chunks(t_ptr, t_rows, lanes0, m_mask, rank, BLOCK_R, B_FIRST)
+        acc = _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank, BLOCK_R, B_FIRST,
+                          PRECISION)
+        r_first = B_FIRST * BLOCK_R
+    elif USE_PDL:
         gdc_wait()
-    _finish_block(block0, t_ptr, start, count, lanes, NUM_S, BLOCK_M, BLOCK_R, B_FIRST, PRECISION)
-    if BLOCKS > 1:
-        _finish_block(block1, t_ptr, start, count, lanes, NUM_S, BLOCK_M, BLOCK_R, B_FIRST, PRECISION)
-    if BLOCKS > 2:
-        _finish_block(block2, t_ptr, start, count, lanes, NUM_S, BLOCK_M, BLOCK_R, B_FIRST, PRECISION)
-        _finish_block(block3, t_ptr, start, count, lanes, NUM_S, BLOCK_M, BLOCK_R, B_FIRST, PRECISION)
+    # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
+    for r0 in range(r_first, rank, BLOCK_R):
+        b = _b_chunk(b_rows, width, r0 + lanes0, rank, n_mask)
+        t = _t_chunk(t_ptr, t_rows, r0 + lanes0, m_mask, rank)
+        acc = _add_dot(acc, t, scale, b, PRECISION)
+    tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
 
 
 def lora_expand(
@@ -209,10 +161,6 @@ def lora_expand(
     launch_expand(y, t, lora_b, proj, step, slices, y_offsets, config)
 
 
-# KernelConfig.expand_blocks applies to tiles of up to this many rows.
-MAX_BLOCKS_HEIGHT = 32
-
-
 @dataclass(frozen=True)
 class ExpandShape:
     """Host-side parameters of one expand launch, from sizes only: computed once per step, reused per layer."""
@@ -232,17 +180,13 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     scalars = (*(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
                *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2])
     num_chunks = num_lanes(proj, slices) // BLOCK_R
-    # Several blocks per program on decode-height tiles only: one 64-row block already takes 254 registers per
-    # thread and spills (offline, sm_90); four spilled 1.8 KB per thread.
-    blocks = config.expand_blocks if step.block_m <= MAX_BLOCKS_HEIGHT else 1
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
-        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), BLOCKS=blocks, num_warps=config.expand_warps,
+        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), num_warps=config.expand_warps,
         num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
-    grid = (triton.cdiv(sum(num_blocks), blocks), step.num_tiles)
-    return ExpandShape(scalars, RepeatLaunch(_expand_kernel, grid, constexprs))
+    return ExpandShape(scalars, RepeatLaunch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs))
 
 
 def launch_expand(

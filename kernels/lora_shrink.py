@@ -19,20 +19,15 @@ import triton.language as tl
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
 from kubelora.kernels.lora_launch import RepeatLaunch
-from kubelora.kernels.lora_tile import (gdc_launch_dependents, l2_prefetch, pick_slice, sum_splits, tile_rows,
-                                         uses_l2_prefetch, uses_pdl)
+from kubelora.kernels.lora_tile import gdc_launch_dependents, pick_slice, sum_splits, tile_meta, tile_rows, uses_pdl
 
 
 @triton.jit
-def _shrink_dot(acc, x_tile, a_ptr, row_start, rank, offs_r, offs_k, k_mask, in_dim, PRECISION: tl.constexpr,
-                ROWS: tl.constexpr):
+def _shrink_dot(acc, x_tile, a_ptr, row_start, rank, offs_r, offs_k, k_mask, in_dim, PRECISION: tl.constexpr):
     # A rows beyond the adapter's rank are masked: no bytes move for them, the lanes stay zero.
     a_mask = (offs_r < rank)[:, None] & k_mask[None, :]
     a = tl.load(a_ptr + (row_start + offs_r)[:, None] * in_dim + offs_k[None, :], mask=a_mask, other=0.0)
-    if ROWS >= 16:
-        return tl.dot(x_tile, tl.trans(a), acc, input_precision=PRECISION)
-    # Fewer rows than a tensor-core tile takes: float32 products and a sum over the in_dim step, in registers.
-    return acc + tl.sum(x_tile.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :], axis=2)
+    return tl.dot(x_tile, tl.trans(a), acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -46,39 +41,19 @@ def _store_slices(ptrs, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S: tl.
 
 
 @triton.jit
-def _prefetch_slice(b_ptr, width, row, rank, y_ptr, y_off, y_stride, tok, count, chunk, ks, split_k,
-                    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr):
-    # What the expand will read of one slice, asked into L2 while this launch runs (KernelConfig.l2_prefetch):
-    # the B rows of this rank chunk (contiguous: rank x width), a split_k-th per program, and with PREFETCH 2
-    # the tile's y rows of the slice, every split_k-th token per program (chunk 0's programs only).
-    r0 = chunk * BLOCK_R
-    num_rows = tl.where(count > 0, tl.maximum(tl.minimum(rank - r0, BLOCK_R), 0), 0)
-    l2_prefetch(b_ptr + (row + r0) * width, num_rows * width * ESIZE, ks, split_k)
-    if PREFETCH > 1:
-        offs_m = tl.arange(0, ROWS)
-        y_count = tl.where((chunk == 0) & (rank > 0), count, 0)
-        for m in range(ks, y_count, split_k):
-            tok_m = tl.sum(tl.where(offs_m == m, tok, 0))
-            l2_prefetch(y_ptr + tok_m * y_stride + y_off, width * ESIZE, 0, 1)
-
-
-@triton.jit
 def _shrink_tile(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride, in_dim,
-    x_stride, tile, chunk, ks, k_per_split, split_k, b0_ptr, b1_ptr, b2_ptr, width0, width1, width2, y_ptr, y_off0,
-    y_off1, y_off2, y_stride,
+    x_stride, tile, chunk, ks, k_per_split,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    ESIZE: tl.constexpr, ROWS: tl.constexpr,
+    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """x[tile, K split ks] @ A_s[rank chunk]^T for every slice s: (acc0, acc1, acc2, start, count, rank0..2).
 
-    acc_j: [ROWS, BLOCK_R] float32, the rank lanes chunk * BLOCK_R + [0, BLOCK_R) of slice j, rows past the tile's
-    count and lanes past the slice's rank zero (ROWS: the tile height, or fewer where no tile has more tokens);
-    start, count: the tile's rows in sorted order.
+    acc_j: [BLOCK_M, BLOCK_R] float32, the rank lanes chunk * BLOCK_R + [0, BLOCK_R) of slice j, rows past the
+    tile's count and lanes past the slice's rank zero; start, count: the tile's rows in sorted order.
     """
-    slot, start, count, tok = tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M, ROWS, SLOT_TILES, FOLDED)
-    offs_m = tl.arange(0, ROWS)
+    slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
+    offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
     rank0 = tl.load(rank_ptr + slot * meta_stride + col0)
@@ -93,34 +68,23 @@ def _shrink_tile(
     if NUM_S > 2:
         rank2 = tl.load(rank_ptr + slot * meta_stride + col2)
         row2 = tl.load(row_ptr + slot * meta_stride + col2)
-    if PREFETCH > 0:
-        _prefetch_slice(b0_ptr, width0, row0, rank0, y_ptr, y_off0, y_stride, tok, count, chunk, ks, split_k,
-                        ROWS, BLOCK_R, PREFETCH, ESIZE)
-        if NUM_S > 1:
-            _prefetch_slice(b1_ptr, width1, row1, rank1, y_ptr, y_off1, y_stride, tok, count, chunk, ks, split_k,
-                            ROWS, BLOCK_R, PREFETCH, ESIZE)
-        if NUM_S > 2:
-            _prefetch_slice(b2_ptr, width2, row2, rank2, y_ptr, y_off2, y_stride, tok, count, chunk, ks, split_k,
-                            ROWS, BLOCK_R, PREFETCH, ESIZE)
     max_rank = tl.maximum(tl.maximum(rank0, rank1), rank2)
     k_lo = ks * k_per_split
     # A chunk past every slice's rank (a low-rank adapter in a high-rank step) runs no loop at all.
     k_hi = tl.where(chunk * BLOCK_R < max_rank, tl.minimum(k_lo + k_per_split, in_dim), k_lo)
-    acc0 = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-    acc1 = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-    acc2 = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     x_rows = x_ptr + tok[:, None] * x_stride
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
         x_tile = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc0 = _shrink_dot(acc0, x_tile, a0_ptr, row0, rank0, offs_r, offs_k, k_mask, in_dim, PRECISION, ROWS)
+        acc0 = _shrink_dot(acc0, x_tile, a0_ptr, row0, rank0, offs_r, offs_k, k_mask, in_dim, PRECISION)
         if NUM_S > 1:
-            acc1 = _shrink_dot(acc1, x_tile, a1_ptr, row1, rank1, offs_r, offs_k, k_mask, in_dim, PRECISION,
-                               ROWS)
+            acc1 = _shrink_dot(acc1, x_tile, a1_ptr, row1, rank1, offs_r, offs_k, k_mask, in_dim, PRECISION)
         if NUM_S > 2:
-            acc2 = _shrink_dot(acc2, x_tile, a2_ptr, row2, rank2, offs_r, offs_k, k_mask, in_dim, PRECISION,
-                               ROWS)
+            acc2 = _shrink_dot(acc2, x_tile, a2_ptr, row2, rank2, offs_r, offs_k, k_mask, in_dim, PRECISION)
     return acc0, acc1, acc2, start, count, rank0, rank1, rank2
 
 
@@ -128,10 +92,9 @@ def _shrink_tile(
 def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
-    b0_ptr, b1_ptr, b2_ptr, width0, width1, width2, y_ptr, y_off0, y_off1, y_off2, y_stride,
     NUM_S: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
     # is read once per split; GROUPS NUM_S: one slice per program, three times the programs, each with a third
@@ -146,25 +109,20 @@ def _shrink_kernel(
     if GROUPS > 1:
         a_ptr = pick_slice(group, a0_ptr, a1_ptr, a2_ptr, NUM_S)
         col = pick_slice(group, col0, col1, col2, NUM_S)
-        b_ptr = pick_slice(group, b0_ptr, b1_ptr, b2_ptr, NUM_S)
-        width = pick_slice(group, width0, width1, width2, NUM_S)
-        y_off = pick_slice(group, y_off0, y_off1, y_off2, NUM_S)
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a_ptr, a_ptr, a_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col, col, col, meta_stride,
-            in_dim, x_stride, tile, chunk, ks, k_per_split, split_k, b_ptr, b_ptr, b_ptr, width, width, width, y_ptr,
-            y_off, y_off, y_off, y_stride, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED, PRECISION, PREFETCH,
-            ESIZE, ROWS)
+            in_dim, x_stride, tile, chunk, ks, k_per_split, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
+            PRECISION)
     else:
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
-            in_dim, x_stride, tile, chunk, ks, k_per_split, split_k, b0_ptr, b1_ptr, b2_ptr, width0, width1, width2,
-            y_ptr, y_off0, y_off1, y_off2, y_stride, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED, PRECISION,
-            PREFETCH, ESIZE, ROWS)
+            in_dim, x_stride, tile, chunk, ks, k_per_split, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
+            PRECISION)
     # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written. This
     # program's slices are group, group + 1, ...: PER of them.
     PER = NUM_S // GROUPS
     plane = num_sorted * NUM_S * lanes
-    offs_m = tl.arange(0, ROWS)
+    offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
     rows = ((start + offs_m) * NUM_S + group)[:, None] * lanes + offs_r[None, :]
@@ -193,9 +151,42 @@ def _shrink_kernel(
                   t_mask & (offs_r < rank1)[None, :], t_mask & (offs_r < rank2)[None, :], PER)
 
 
-# KernelConfig.is_narrow_shrink: tiles of at most this many tokens skip the tensor cores (8 rows took 229 registers
-# per thread at 256-wide in_dim steps, offline for sm_90; 4 rows 127, 2 rows 72).
-NARROW_MAX_ROWS = 4
+@triton.jit
+def _gemv_shrink_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
+    in_dim, x_stride, num_groups, lanes,
+    NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, RANKS: tl.constexpr,
+    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program (tile, slice, group of RANKS rank rows): t[tile's rows, slice, those lanes] over all of in_dim, as
+    # [ROWS, RANKS, BLOCK_K] float32 products summed in registers (KernelConfig.gemv_rows: tiles of at most ROWS
+    # tokens). Each program writes its own lanes of t: no K split, no partial sums, no arrival counters.
+    if USE_PDL:  # the expand may start now: it loads its y and B while this launch runs
+        gdc_launch_dependents()
+    tile = tl.program_id(0) // (NUM_S * num_groups)
+    j = (tl.program_id(0) // num_groups) % NUM_S
+    group = tl.program_id(0) % num_groups
+    a_ptr = pick_slice(j, a0_ptr, a1_ptr, a2_ptr, NUM_S)
+    col = pick_slice(j, col0, col1, col2, NUM_S)
+    slot, start, count, tok = tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M, ROWS, SLOT_TILES, FOLDED)
+    rank = tl.load(rank_ptr + slot * meta_stride + col)
+    row = tl.load(row_ptr + slot * meta_stride + col)
+    offs_m = tl.arange(0, ROWS)
+    offs_r = group * RANKS + tl.arange(0, RANKS)
+    m_mask = offs_m < count
+    r_mask = offs_r < rank  # rows past the rank: masked, no bytes move (a group wholly past it loads nothing)
+    x_rows = x_ptr + tok[:, None, None] * x_stride
+    a_rows = a_ptr + (row + offs_r)[None, :, None] * in_dim
+    acc = tl.zeros([ROWS, RANKS], dtype=tl.float32)
+    for k in range(0, in_dim, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)[None, None, :]
+        k_mask = offs_k < in_dim
+        x = tl.load(x_rows + offs_k, mask=m_mask[:, None, None] & k_mask, other=0.0)
+        a = tl.load(a_rows + offs_k, mask=r_mask[None, :, None] & k_mask, other=0.0)
+        acc += tl.sum(x.to(tl.float32) * a.to(tl.float32), axis=2)
+    t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes + offs_r[None, :]
+    tl.store(t_ptr + t_rows, acc, mask=m_mask[:, None] & r_mask[None, :])
+
 
 _arrivals: dict[torch.device, torch.Tensor] = {}
 
@@ -226,15 +217,6 @@ def plan_split(in_dim: int, num_programs: int, config: KernelConfig, split_k: in
 
 
 @dataclass(frozen=True)
-class ExpandTarget:
-    """What the expand after a shrink will read, for the shrink to ask into L2 (`KernelConfig.l2_prefetch`)."""
-
-    widths: list[int]  # the slices' B widths (= their widths in y)
-    y_offsets: list[int]  # the slices' first columns in y
-    b_dtype: torch.dtype  # of the B pools
-
-
-@dataclass(frozen=True)
 class ShrinkShape:
     """Host-side parameters of one shrink launch, from sizes only: computed once per step, reused per layer."""
 
@@ -246,48 +228,59 @@ class ShrinkShape:
     split_k: int
     k_per_split: int
     groups: int  # slice groups of the programs: 1 (all slices per program) or one per slice
-    prefetch: tuple[int, ...]  # B widths and y offsets padded to MAX_SLICES (zeros without an L2 prefetch)
     launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
+    rank_groups: int = 0  # the GEMV shrink's rank-row groups per (tile, slice); 0: the tensor-core shrink
 
-    @property
-    def is_prefetching(self) -> bool:
-        return self.launch.constexprs["PREFETCH"] > 0
+
+def uses_gemv(step: LoRAStep, config: KernelConfig) -> bool:
+    """The step takes the GEMV shrink: config.gemv_rows is set and no tile holds more tokens."""
+    return 0 < step.max_tile_count <= config.gemv_rows
+
+
+def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
+              device: torch.device) -> ShrinkShape:
+    """The GEMV shrink's launch (`_gemv_shrink_kernel`): one program per (tile, slice, config.gemv_ranks rank rows).
+
+    Its in_dim step keeps each thread's products (rows x ranks x its share of the step) to 128: 64..123
+    registers per thread (offline, sm_90, triton 3.6; 256 products took 161).
+    """
+    rows = triton.next_power_of_2(step.max_tile_count)
+    ranks = config.gemv_ranks
+    budget = 128 * 32 * config.gemv_warps // (rows * ranks)
+    block_k = min(config.gemv_k, triton.next_power_of_2(in_dim), 1 << (budget.bit_length() - 1))
+    rank_groups = triton.cdiv(max(proj.max_rank[s] for s in slices), ranks)
+    constexprs = dict(
+        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=block_k, ROWS=rows, RANKS=ranks,
+        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, USE_PDL=uses_pdl(config.is_pdl, device),
+        num_warps=config.gemv_warps, num_stages=1,
+    )
+    cols = tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
+    grid = (step.num_tiles * len(slices) * rank_groups,)
+    lanes = num_lanes(proj, slices)
+    return ShrinkShape(cols, in_dim, step.sorted_tokens.numel(), lanes // BLOCK_R, lanes, 1, in_dim, len(slices),
+                       RepeatLaunch(_gemv_shrink_kernel, grid, constexprs), rank_groups)
 
 
 def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
-                device: torch.device, dtype: torch.dtype, split_k: int | None = None,
-                expand: ExpandTarget | None = None) -> ShrinkShape:
-    """The shrink launch's host-side parameters (see `lora_shrink`).
-
-    expand: what the following expand reads; with it (and config.l2_prefetch where the device has the
-    instruction) the shrink's programs ask B, and with l2_prefetch 2 the tokens' y rows, into L2.
-    """
+                device: torch.device, dtype: torch.dtype, split_k: int | None = None) -> ShrinkShape:
+    """The shrink launch's host-side parameters (see `lora_shrink`)."""
     assert 1 <= len(slices) <= MAX_SLICES
+    if uses_gemv(step, config):
+        return plan_gemv(in_dim, proj, step, slices, config, device)
     lanes = num_lanes(proj, slices)
     num_chunks = lanes // BLOCK_R
     groups = len(slices) if config.is_per_slice else 1
     split_k, k_per_split = plan_split(in_dim, step.num_tiles * groups * num_chunks, config, split_k)
-    prefetch = config.l2_prefetch if expand is not None and uses_l2_prefetch(device) else 0
-    esize = expand.b_dtype.itemsize if prefetch else 2
-    if prefetch > 1 and esize != dtype.itemsize:
-        prefetch = 1  # y's rows are sized by B's element size: only where the two are the same
-    rows = step.block_m
-    if config.is_narrow_shrink and 0 < step.max_tile_count <= NARROW_MAX_ROWS:
-        rows = triton.next_power_of_2(step.max_tile_count)
-    pad = MAX_SLICES - len(slices)
-    scalars = (*(expand.widths + expand.widths[:1] * pad), *(expand.y_offsets + expand.y_offsets[:1] * pad)) \
-        if prefetch else (0,) * (2 * MAX_SLICES)
     constexprs = dict(
         NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype), PREFETCH=prefetch, ESIZE=esize,
-        ROWS=rows,
+        USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
-    cols = tuple(slices + [slices[0]] * pad)
+    cols = tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
     grid = (step.num_tiles * groups * num_chunks, split_k)
     return ShrinkShape(cols, in_dim, step.sorted_tokens.numel(), num_chunks, lanes, split_k, k_per_split, groups,
-                       scalars, RepeatLaunch(_shrink_kernel, grid, constexprs))
+                       RepeatLaunch(_shrink_kernel, grid, constexprs))
 
 
 def launch_shrink(
@@ -299,33 +292,28 @@ def launch_shrink(
     config: KernelConfig,
     split_k: int | None = None,
     shape: ShrinkShape | None = None,
-    y: torch.Tensor | None = None,
-    lora_b: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The shrink launch (see `lora_shrink`).
 
     shape: this step's `plan_shrink` result when the caller has it (config and split_k then unused).
-    y, lora_b: the expand's output and B pools, read by a shape planned with an L2 prefetch.
     """
     if shape is None:
         shape = plan_shrink(x.shape[1], proj, step, slices, config, x.device, x.dtype, split_k)
     assert len(lora_a) == len(slices) and x.stride(1) == 1 and x.shape[1] == shape.in_dim
     num_slices = len(slices)
     t = new_workspace(shape.num_sorted, num_slices, shape.lanes, device=x.device)
+    pools = lora_a + [lora_a[0]] * (MAX_SLICES - num_slices)
+    if shape.rank_groups:
+        shape.launch(x, *pools, t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, *shape.cols,
+                     proj.rank.stride(0), shape.in_dim, x.stride(0), shape.rank_groups, shape.lanes)
+        return t
     parts = new_workspace(shape.split_k if shape.split_k > 1 else 0, shape.num_sorted, num_slices, shape.lanes,
                           device=x.device)
     counters = arrival_counters(x.device, step.num_tiles * shape.groups * shape.num_chunks)
-    pools = lora_a + [lora_a[0]] * (MAX_SLICES - num_slices)
-    if shape.is_prefetching:
-        assert y is not None and lora_b is not None and len(lora_b) == num_slices and y.stride(1) == 1
-        b_pools, y_out = lora_b + [lora_b[0]] * (MAX_SLICES - num_slices), y
-    else:
-        b_pools, y_out = pools, x
     shape.launch(
         x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
         *shape.cols, proj.rank.stride(0), shape.in_dim, x.stride(0), shape.num_sorted, shape.num_chunks, shape.lanes,
-        shape.split_k, shape.k_per_split, *b_pools, *shape.prefetch[:MAX_SLICES], y_out,
-        *shape.prefetch[MAX_SLICES:], y_out.stride(0),
+        shape.split_k, shape.k_per_split,
     )
     return t
 

@@ -44,11 +44,6 @@ def uses_pdl(is_pdl: bool, device: torch.device) -> bool:
     return is_pdl and HAS_PDL and _has_griddepcontrol(device)
 
 
-def uses_l2_prefetch(device: torch.device) -> bool:
-    """The bulk L2 prefetch (`l2_prefetch`) can run: a CUDA device of compute capability >= 9."""
-    return _has_griddepcontrol(device)
-
-
 @triton.jit
 def tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr):
     """(slot, start in sorted_tokens, number of tokens, [BLOCK_M] token ids) of one tile.
@@ -117,31 +112,3 @@ def sum_splits(parts_ptr, rows, plane, split_k, mask, SPLIT: tl.constexpr):
     ptrs = parts_ptr + offs_s[:, None, None] * plane + rows[None, :, :]
     parts = tl.load(ptrs, mask=(offs_s < split_k)[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg")
     return tl.sum(parts, axis=0)
-
-
-# Hopper's bulk L2 prefetch (cp.async.bulk.prefetch.L2, sm_90): one instruction asks for a contiguous range to be
-# brought into L2, without registers or a wait. Issued by the program's thread 0 only, and not when the size is 0.
-_L2_PREFETCH_ASM = tl.constexpr("""{
-.reg .pred pf_p;
-.reg .u32 pf_t;
-mov.u32 pf_t, %tid.x;
-setp.eq.u32 pf_p, pf_t, 0;
-setp.ne.and.u32 pf_p, $2, 0, pf_p;
-mov.u32 $0, 0;
-@pf_p cp.async.bulk.prefetch.L2.global [$1], $2;
-}""")
-
-
-@triton.jit
-def l2_prefetch(ptr, nbytes, part, parts):
-    """Bring part `part` (of `parts`) of the nbytes from ptr into L2: a hint, no data comes back.
-
-    The range is widened to 16-byte boundaries (the instruction's granule: still within ptr's allocation).
-    """
-    lo = tl.cast(ptr, tl.int64) // 16 * 16
-    hi = (tl.cast(ptr, tl.int64) + nbytes + 15) // 16 * 16
-    piece = ((hi - lo + parts - 1) // parts + 15) // 16 * 16  # parts x piece covers the range
-    start = lo + part * piece
-    size = tl.maximum(tl.minimum(piece, hi - start), 0)
-    tl.inline_asm_elementwise(_L2_PREFETCH_ASM, "=r,l,r", [start, size.to(tl.int32)], dtype=tl.int32,
-                              is_pure=False, pack=1)

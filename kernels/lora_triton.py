@@ -9,7 +9,7 @@ import torch
 from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import MAX_SLICES, KernelConfig, choose_config
 from kubelora.kernels.lora_expand import ExpandShape, _expand_kernel, launch_expand, plan_expand
-from kubelora.kernels.lora_shrink import ExpandTarget, ShrinkShape, launch_shrink, plan_shrink
+from kubelora.kernels.lora_shrink import ShrinkShape, launch_shrink, plan_shrink
 
 
 def is_interpreted() -> bool:
@@ -46,9 +46,9 @@ def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, ste
         slices = active[first : first + MAX_SLICES]
         group_config = config or choose_config(step, proj, slices)
         y_offsets = [offsets[s] for s in slices]
-        target = ExpandTarget([widths[s] for s in slices], y_offsets, lora_b[0].dtype)
-        shrink = plan_shrink(x.shape[1], proj, step, slices, group_config, x.device, x.dtype, expand=target)
-        expand = plan_expand(target.widths, proj, step, slices, y_offsets, group_config, x.device, target.b_dtype)
+        shrink = plan_shrink(x.shape[1], proj, step, slices, group_config, x.device, x.dtype)
+        expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_config, x.device,
+                             lora_b[0].dtype)
         groups.append(GroupLaunch(slices, y_offsets, group_config, shrink, expand))
     return groups
 
@@ -85,5 +85,5 @@ def add_lora_triton(
         groups = plan_groups(x, lora_b, proj, step, config)
     for group in groups:
         a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
-        t = launch_shrink(x, a_group, proj, step, group.slices, group.config, shape=group.shrink, y=y, lora_b=b_group)
+        t = launch_shrink(x, a_group, proj, step, group.slices, group.config, shape=group.shrink)
         launch_expand(y, t, b_group, proj, step, group.slices, group.y_offsets, group.config, shape=group.expand)

@@ -32,12 +32,8 @@ CASES = [
 
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
-# "prefetch": the shrink asks the expand's B and y rows into L2 (on CUDA; elsewhere the plain shrink runs);
-# "blocks": several expand column blocks per program (the last program's blocks run past the last slice);
-# "narrow": the shrink over the tiles' tokens only, without tensor cores (where tiles hold at most 8 tokens).
-LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True},
-            "prefetch": {"is_per_slice": True, "l2_prefetch": 2}, "blocks": {"expand_blocks": 4, "block_n": 16},
-            "narrow": {"is_narrow_shrink": True}, "narrow-slice": {"is_narrow_shrink": True, "is_per_slice": True}}
+LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
+            "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -90,16 +86,35 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
     assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
 
 
-@pytest.mark.parametrize("blocks", [1, 2, 4])
-def test_expand_matches_reference(triton_backend, device, blocks):
-    """Blocks of a program may straddle two slices, and run past the last one (3 blocks of 16 columns here)."""
+@pytest.mark.parametrize(("ranks_per_program", "block_k"), [(1, 16), (2, 4096), (4, 64)])
+def test_gemv_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch, ranks_per_program, block_k):
+    from kubelora.kernels import lora_shrink
+
+    poisoned = lambda *shape, device: torch.full(shape, math.nan, device=device)  # noqa: E731
+    monkeypatch.setattr(lora_shrink, "new_workspace", poisoned)
+    ranks = ODD_RANKS + [[40, 2, 7]]  # 40: rank groups past 16 lanes; several groups past the small ranks
+    p = build_problem(12, ranks, [24, 8, 8], 300, "distinct", torch.float32, seed=5, device=device, no_adapter=0.2)
+    config = KernelConfig(gemv_rows=4, gemv_ranks=ranks_per_program, gemv_k=block_k)
+    slices = [0, 1, 2]
+    assert lora_shrink.uses_gemv(p.step, config) and p.step.max_tile_count >= 2
+    x, lora_a = p.x.float(), [a.float() for a in p.lora_a]
+    t = lora_shrink.lora_shrink(x, lora_a, p.proj, p.step, slices, config)
+    ref = lora_shrink.lora_shrink_torch(x, lora_a, p.proj, p.step, slices)
+    assert t.shape == ref.shape
+    lane_rank = p.proj.rank[p.step.token_slots[p.step.sorted_tokens]]  # [num_lora_tokens, num_slices]
+    valid = torch.arange(t.shape[2], device=device) < lane_rank[..., None]
+    assert not t[valid].isnan().any() and t[~valid].isnan().all()  # lanes past a rank: left as they were
+    torch.testing.assert_close(t[valid], ref[valid], rtol=1e-5, atol=1e-4)
+
+
+def test_expand_matches_reference(triton_backend, device):
     from kubelora.kernels.lora_expand import lora_expand, lora_expand_torch
 
     p = build_problem(40, ODD_RANKS, [24, 8, 16], 8, "uniform", torch.float32, seed=6, device=device, no_adapter=0.2)
     t = torch.randn(p.step.sorted_tokens.numel(), 2, 32, device=device)
     y, y_ref = p.y0.clone(), p.y0.clone()
     args = ([p.lora_b[0], p.lora_b[2]], p.proj, p.step, [0, 2], [0, 32])
-    lora_expand(y, t, *args, KernelConfig(block_n=16, expand_blocks=blocks))
+    lora_expand(y, t, *args, KernelConfig(block_n=16))
     lora_expand_torch(y_ref, t, *args)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-4)
 
@@ -145,51 +160,6 @@ def test_pdl_only_where_it_can_run():
 
     assert not uses_pdl(True, torch.device("cpu"))
     assert not uses_pdl(False, torch.device("cuda", 0))
-
-
-def test_l2_prefetch_only_where_it_can_run(device):
-    """The prefetch is planned on Hopper only; the interpreter (no inline PTX) runs the plain shrink."""
-    from kubelora.kernels.lora_shrink import ExpandTarget, plan_shrink
-
-    p = build_problem(13, ODD_RANKS, [24, 8, 8], 40, "uniform", torch.float32, seed=3, device=device)
-    slices = [0, 1, 2]
-    config = step_config(p.step, l2_prefetch=2)
-    target = ExpandTarget([24, 8, 8], [0, 24, 32], torch.float32)
-    shape = plan_shrink(40, p.proj, p.step, slices, config, torch.device(device), torch.float32, expand=target)
-    is_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    assert shape.is_prefetching == is_hopper
-    assert not plan_shrink(40, p.proj, p.step, slices, config, torch.device(device), torch.float32).is_prefetching
-    with pytest.raises(ValueError, match="l2_prefetch"):
-        KernelConfig(l2_prefetch=3)
-    with pytest.raises(ValueError, match="expand_blocks"):
-        KernelConfig(expand_blocks=3)
-
-
-@pytest.mark.parametrize(("slots", "rows"), [([0, 1, 0, 2], 2), ([0, 0, 0, 1], 4), ([0] * 5 + [1], 16), ([1], 1),
-                                             ([0] * 40, 16)])
-def test_narrow_shrink_rows(device, slots, rows):
-    """The narrow shrink takes the most tokens of a tile, rounded up to a power of two, up to 4; else the tile."""
-    from kubelora.kernels.lora_shrink import plan_shrink
-
-    p = build_problem(len(slots), [[8]] * 3, [16], 32, "uniform", torch.float32, seed=4, device=device)
-    step = prepare_lora_step(slots, 3, device)
-    config = step_config(step, is_narrow_shrink=True)
-    shape = plan_shrink(32, p.proj, step, [0], config, torch.device(device), torch.float32)
-    assert shape.launch.constexprs["ROWS"] == rows
-    assert step.max_tile_count == min(max(slots.count(s) for s in set(slots)), step.block_m)
-
-
-@pytest.mark.parametrize(("block_m", "blocks"), [(16, 4), (32, 4), (64, 1)])
-def test_expand_blocks_on_decode_tiles_only(device, block_m, blocks):
-    """Several column blocks per program where a block is 16 or 32 rows; 64-row tiles keep one (registers)."""
-    from kubelora.kernels.lora_expand import plan_expand
-
-    p = build_problem(40, [[8, 8]] * 2, [24, 40], 16, "uniform", torch.float32, seed=2, device=device)
-    step = prepare_lora_step([0] * 40, 2, device, tile_heights=(block_m,))
-    config = KernelConfig(block_n=16, expand_blocks=4)
-    shape = plan_expand([24, 40], p.proj, step, [0, 1], [0, 24], config, torch.device(device), torch.float32)
-    assert shape.launch.constexprs["BLOCKS"] == blocks
-    assert shape.launch.grid == (-(-5 // blocks), step.num_tiles)  # 2 + 3 column blocks of 16
 
 
 def test_launch_shapes_are_planned_once_per_step(triton_backend, device, monkeypatch):

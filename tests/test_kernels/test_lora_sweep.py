@@ -55,9 +55,7 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
 # The step's own launch (add_lora, PDL on decode steps), or the tile height's default config with these changes.
 LAUNCHES = {"auto": None, "split-no-pdl": {"is_pdl": False}, "slice": {"is_per_slice": True},
             "slice-no-pdl": {"is_per_slice": True, "is_pdl": False}, "all-slices": {"is_per_slice": False},
-            "slice-prefetch-by-blocks4": {"is_per_slice": True, "l2_prefetch": 2, "expand_blocks": 4},
-            "all-slices-prefetch-b-blocks2": {"is_per_slice": False, "l2_prefetch": 1, "expand_blocks": 2},
-            "slice-narrow": {"is_per_slice": True, "is_narrow_shrink": True}}
+            "gemv": {"gemv_rows": 8}, "gemv-r1-no-pdl": {"gemv_rows": 8, "gemv_ranks": 1, "is_pdl": False}}
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
