@@ -28,11 +28,11 @@ def _height(**changes):
 
 # label -> (prepare_lora_step keyword changes, config for (step, proj); None: the step's own choice through
 # add_lora's cache). s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice;
-# t1024: up to 1024 shrink programs; gemv rN: the GEMV shrink (N rank rows per program) on steps of at most 8
-# tokens per tile; n128 w4: 128-wide expand blocks, 4 expand warps. Runs 8..22 timed v4's tile policy, a fused
-# one-launch path, a signal path, a persistent launch, L2 prefetch from the shrink, several expand blocks per
-# program, a narrow tensor-core-free shrink and one-knob variations (docs/kernels.md); those that lost every shape
-# are gone from the code and from this table.
+# t1024: up to 1024 shrink programs; gemvN: the GEMV shrink on steps of at most N tokens per tile (rN: N rank
+# rows per program, wN: N warps); n128 w4: 128-wide expand blocks, 4 expand warps. Runs 8..22 timed v4's tile
+# policy, a fused one-launch path, a signal path, a persistent launch, L2 prefetch from the shrink, several expand
+# blocks per program, a narrow tensor-core-free shrink and one-knob variations (docs/kernels.md); those that lost
+# every shape are gone from the code and from this table.
 PATH_VARIANTS = {
     "split s1": ({}, _height(is_pdl=False)),
     "slice s1": ({}, _height(is_pdl=False, is_per_slice=True)),
@@ -40,13 +40,12 @@ PATH_VARIANTS = {
     "slice pdl t1024": ({}, _height(target_programs=1024, is_per_slice=True)),
     "auto": ({}, None),
     "auto pdl n128 w4": ({}, _auto(block_n=128, expand_warps=4)),
-    "gemv r4": ({}, _auto(gemv_rows=8)),
-    "gemv r2": ({}, _auto(gemv_rows=8, gemv_ranks=2)),
-    "gemv r1": ({}, _auto(gemv_rows=8, gemv_ranks=1)),
-    "gemv r4 w4": ({}, _auto(gemv_rows=8, gemv_warps=4)),
-    "gemv r4 k2048": ({}, _auto(gemv_rows=8, gemv_k=2048)),
-    "gemv r4 n128 w4": ({}, _auto(gemv_rows=8, block_n=128, expand_warps=4)),
-    "gemv r2 n128 w4": ({}, _auto(gemv_rows=8, gemv_ranks=2, block_n=128, expand_warps=4)),
+    "no gemv": ({}, _auto(gemv_rows=0)),
+    "gemv2": ({}, _auto(gemv_rows=2)),
+    "gemv2 w8": ({}, _auto(gemv_rows=2, gemv_warps=8)),
+    "gemv2 r1": ({}, _auto(gemv_rows=2, gemv_ranks=1)),
+    "gemv2 n128 w4": ({}, _auto(gemv_rows=2, block_n=128, expand_warps=4)),
+    "gemv8 r2 w8 n128 w4": ({}, _auto(gemv_rows=8, gemv_ranks=2, gemv_warps=8, block_n=128, expand_warps=4)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
@@ -139,7 +138,7 @@ TUNE_VARIANTS = {
     "target1024": (dict(target_programs=1024), None),
     "shrink w2": (dict(shrink_warps=2), None), "shrink w8": (dict(shrink_warps=8), None),
     "shrink s2": (dict(shrink_stages=2), None),
-    "gemv": (dict(gemv_rows=8), None), "gemv r2": (dict(gemv_rows=8, gemv_ranks=2), None),
+    "gemv2": (dict(gemv_rows=2), None), "gemv4": (dict(gemv_rows=4), None),
     "n128": (dict(block_n=128), None), "n512": (dict(block_n=512), None),
     "w4": (dict(expand_warps=4), None), "n128 w4": (dict(block_n=128, expand_warps=4), None),
     "b1": (dict(b_first=1), None), "b2": (dict(b_first=2), None),

@@ -17,6 +17,9 @@ MAX_SLICES = 3
 MAX_SPLIT = 32
 # The GEMV shrink (KernelConfig.gemv_rows) holds rows x (in_dim step / threads) inputs per thread in registers.
 GEMV_MAX_ROWS = 8
+# Its automatic rank rows per program: the most of 4, 2, 1 that still gives this many programs (run 23: 4 rows won
+# at 32 tiles, 384 programs; 1 row at 1 and 8 tiles).
+GEMV_PROGRAMS = 384
 
 
 @dataclass(frozen=True)
@@ -38,17 +41,17 @@ class KernelConfig:
     # shrink: on steps whose tiles hold at most this many tokens (0: never), one program per (tile, slice, gemv_ranks
     # rank rows) over all of in_dim, with float32 products on CUDA cores: no tensor-core padding, no K split
     gemv_rows: int = 0
-    gemv_ranks: int = 4  # rank rows per GEMV program (1, 2 or 4)
+    gemv_ranks: int = 0  # rank rows per GEMV program (1, 2 or 4; 0: the most that keeps GEMV_PROGRAMS programs)
     gemv_k: int = 4096  # in_dim columns per GEMV loop step at most (a power of two)
-    gemv_warps: int = 8
+    gemv_warps: int = 4
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n", "gemv_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
-        if self.gemv_ranks not in (1, 2, 4) or not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
-            raise ValueError(f"KernelConfig: gemv_ranks must be 1, 2 or 4, gemv_rows in 0..{GEMV_MAX_ROWS}")
+        if self.gemv_ranks not in (0, 1, 2, 4) or not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"KernelConfig: gemv_ranks must be 0, 1, 2 or 4, gemv_rows in 0..{GEMV_MAX_ROWS}")
         if not 0 <= self.b_first <= 4:
             raise ValueError(f"KernelConfig.b_first={self.b_first}: must be in 0..4")
         if not 1 <= self.max_split <= MAX_SPLIT or self.target_programs < 1:
@@ -86,6 +89,10 @@ def num_lanes(proj: LoRAProj, slices: list[int]) -> int:
 # (the expand waiting on per-tile counters, v6) and the fused one-launch path (v5), since removed.
 PER_SLICE_MAX_TILES = 8
 WIDE_K_MIN_TILES = 32
+# The GEMV shrink (v9, run 23) on decode steps of at most 2 tokens per tile, of one rank chunk or from 32 tiles on:
+# 1x1x8 5.9 -> 4.2 us, 16x8x16 8.0 -> 7.1, 64x32x16 16.0 -> 15.1, 64x32 mixed ranks 30.0 -> 25.9 (4 warps); it lost
+# on 16x8x64 (13.2 against 12.5) and on every step of 8 tokens per tile (the products of 8 rows on CUDA cores).
+GEMV_TILE_TOKENS = 2
 
 
 def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelConfig:
@@ -98,6 +105,8 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
     if step.block_m != 16:
         return config
     num_chunks = num_lanes(proj, slices) // BLOCK_R
+    if step.max_tile_count <= GEMV_TILE_TOKENS and (num_chunks == 1 or step.num_tiles >= WIDE_K_MIN_TILES):
+        return replace(config, gemv_rows=GEMV_TILE_TOKENS)
     if num_chunks == 1 and step.num_tiles >= WIDE_K_MIN_TILES:
         return replace(config, is_per_slice=True, block_k=256)
     if num_chunks == 1 or step.num_tiles <= PER_SLICE_MAX_TILES:

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
-from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision, num_lanes
+from kubelora.kernels.lora_config import (BLOCK_R, GEMV_PROGRAMS, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision,
+                                          num_lanes)
 from kubelora.kernels.lora_launch import RepeatLaunch
 from kubelora.kernels.lora_tile import gdc_launch_dependents, pick_slice, sum_splits, tile_meta, tile_rows, uses_pdl
 
@@ -239,16 +240,18 @@ def uses_gemv(step: LoRAStep, config: KernelConfig) -> bool:
 
 def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
               device: torch.device) -> ShrinkShape:
-    """The GEMV shrink's launch (`_gemv_shrink_kernel`): one program per (tile, slice, config.gemv_ranks rank rows).
+    """The GEMV shrink's launch (`_gemv_shrink_kernel`): one program per (tile, slice, group of rank rows).
 
     Its in_dim step keeps each thread's products (rows x ranks x its share of the step) to 128: 64..123
     registers per thread (offline, sm_90, triton 3.6; 256 products took 161).
     """
     rows = triton.next_power_of_2(step.max_tile_count)
-    ranks = config.gemv_ranks
+    max_rank = max(proj.max_rank[s] for s in slices)
+    ranks = config.gemv_ranks or next((r for r in (4, 2) if step.num_tiles * len(slices) * triton.cdiv(max_rank, r)
+                                       >= GEMV_PROGRAMS), 1)
     budget = 128 * 32 * config.gemv_warps // (rows * ranks)
     block_k = min(config.gemv_k, triton.next_power_of_2(in_dim), 1 << (budget.bit_length() - 1))
-    rank_groups = triton.cdiv(max(proj.max_rank[s] for s in slices), ranks)
+    rank_groups = triton.cdiv(max_rank, ranks)
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=block_k, ROWS=rows, RANKS=ranks,
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, USE_PDL=uses_pdl(config.is_pdl, device),

@@ -86,7 +86,7 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
     assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
 
 
-@pytest.mark.parametrize(("ranks_per_program", "block_k"), [(1, 16), (2, 4096), (4, 64)])
+@pytest.mark.parametrize(("ranks_per_program", "block_k"), [(1, 16), (2, 4096), (4, 64), (0, 128)])
 def test_gemv_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch, ranks_per_program, block_k):
     from kubelora.kernels import lora_shrink
 

@@ -95,14 +95,20 @@ def test_reference_matches_float64(dist):
     check_y(p, y)
 
 
-@pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "is_per_slice", "block_k", "target", "max_split"), [
-    (64, 8, 16, True, 128, 1024, 8),  # rank <= 16: one shrink program per slice
-    (16, 1, 64, True, 128, 1024, 8),  # 1 tile x 4 chunks: up to 8 tiles at any rank too
-    (64, 32, 8, True, 256, 512, 8),  # 32 tiles of rank <= 16: 256-wide in_dim steps
-    (256, 8, 64, False, 128, 512, 4),  # 16 tiles x 4 chunks: all slices per program, at most 4 splits
+@pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "gemv_rows", "is_per_slice", "block_k", "target",
+                          "max_split"), [
+    (64, 8, 16, 0, True, 128, 1024, 8),  # rank <= 16: one shrink program per slice
+    (16, 1, 64, 0, True, 128, 1024, 8),  # 1 tile x 4 chunks: up to 8 tiles at any rank too
+    (256, 32, 8, 0, True, 256, 512, 8),  # 32 tiles of rank <= 16: 256-wide in_dim steps
+    (256, 8, 64, 0, False, 128, 512, 4),  # 16 tiles x 4 chunks: all slices per program, at most 4 splits
+    (64, 32, 8, 2, None, None, None, None),  # 2 tokens per tile, one rank chunk: the GEMV shrink
+    (64, 32, 64, 2, None, None, None, None),  # 2 tokens per tile, 32 tiles: the GEMV shrink at any rank
+    (16, 8, 64, 0, True, 128, 1024, 8),  # 2 tokens per tile but 8 tiles of 4 chunks: the tensor-core shrink
 ])
-def test_choose_config_by_step_size(num_tokens, num_adapters, rank, is_per_slice, block_k, target, max_split):
+def test_choose_config_by_step_size(num_tokens, num_adapters, rank, gemv_rows, is_per_slice, block_k, target,
+                                    max_split):
     from kubelora.kernels.lora_config import choose_config
+    from kubelora.kernels.lora_shrink import uses_gemv
 
     slots = [i % num_adapters for i in range(num_tokens)]
     step = prepare_lora_step(slots, num_adapters, "cpu")
@@ -110,8 +116,10 @@ def test_choose_config_by_step_size(num_tokens, num_adapters, rank, is_per_slice
     rows = [[i * rank] * 3 for i in range(num_adapters)]
     proj = prepare_lora_proj(rows, ranks, [[1.0] * 3] * num_adapters, "cpu")
     config = choose_config(step, proj, [0, 1, 2])
-    assert step.block_m == 16 and config.is_per_slice == is_per_slice and config.target_programs == target
-    assert (config.block_k, config.max_split) == (block_k, max_split)
+    assert step.block_m == 16 and config.gemv_rows == gemv_rows and uses_gemv(step, config) == (gemv_rows > 0)
+    if not gemv_rows:
+        assert config.is_per_slice == is_per_slice and config.target_programs == target
+        assert (config.block_k, config.max_split) == (block_k, max_split)
 
 
 def test_repeat_launch_skips_the_jit_only_while_the_specialization_holds(monkeypatch):
