@@ -44,20 +44,14 @@ class KernelConfig:
     gemv_ranks: int = 0  # rank rows per GEMV program (1, 2 or 4; 0: the most that keeps GEMV_PROGRAMS programs)
     gemv_k: int = 4096  # in_dim columns per GEMV loop step at most (a power of two)
     gemv_warps: int = 4
-    # expand: on steps whose tiles hold at most this many tokens (0: never), float32 products on CUDA cores over
-    # gemv_n-wide column blocks instead of tensor-core tiles of 16 rows and block_n columns
-    gemv_expand_rows: int = 0
-    gemv_n: int = 1024
-    gemv_expand_warps: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("block_k", "block_n", "gemv_k", "gemv_n"):
+        for name in ("block_k", "block_n", "gemv_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
-        if self.gemv_ranks not in (0, 1, 2, 4) or not 0 <= max(self.gemv_rows, self.gemv_expand_rows) <= GEMV_MAX_ROWS:
-            raise ValueError(f"KernelConfig: gemv_ranks must be 0, 1, 2 or 4, gemv_rows and gemv_expand_rows in "
-                             f"0..{GEMV_MAX_ROWS}")
+        if self.gemv_ranks not in (0, 1, 2, 4) or not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"KernelConfig: gemv_ranks must be 0, 1, 2 or 4, gemv_rows in 0..{GEMV_MAX_ROWS}")
         if not 0 <= self.b_first <= 4:
             raise ValueError(f"KernelConfig.b_first={self.b_first}: must be in 0..4")
         if not 1 <= self.max_split <= MAX_SPLIT or self.target_programs < 1:

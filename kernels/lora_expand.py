@@ -16,7 +16,7 @@ import triton.language as tl
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes
 from kubelora.kernels.lora_launch import RepeatLaunch
-from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_meta, tile_rows, uses_pdl
+from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_meta, uses_pdl
 
 
 @triton.jit
@@ -142,50 +142,6 @@ def _expand_kernel(
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
 
 
-@triton.jit
-def _gemv_expand_kernel(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
-    col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, t_lanes,
-    NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr, ROWS: tl.constexpr,
-):
-    # Program (column block of one slice, tile of at most ROWS tokens), as _expand_kernel, with the products
-    # t[ROWS, BLOCK_R] x B[BLOCK_R, BLOCK_N] as float32 sums on CUDA cores (KernelConfig.gemv_expand_rows): no
-    # tensor-core tile padded to 16 rows and staged through shared memory, so a program can take a wide block
-    # and keep all of its B chunk in flight at once.
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
-    j, b_ptr, col, width, y_off, nb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
-                                                    width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
-    slot, start, count, tok = tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M, ROWS, SLOT_TILES, FOLDED)
-    rank = tl.load(rank_ptr + slot * meta_stride + col)
-    row = tl.load(row_ptr + slot * meta_stride + col)
-    scale = tl.load(scale_ptr + slot * meta_stride + col)
-    # Every tensor is 3-D [rows, rank lanes, columns] (size 1 where unused), so y, B, t and the sum over the rank
-    # lanes share one layout family: no layout conversion through shared memory.
-    offs_m = tl.arange(0, ROWS)[:, None, None]
-    lanes = tl.arange(0, BLOCK_R)[None, :, None]
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]
-    m_mask = offs_m < count
-    n_mask = offs_n < width
-    y_mask = (offs_m < tl.where(rank > 0, count, 0)) & n_mask
-    y_ptrs = y_ptr + tok[:, None, None] * y_stride + y_off + offs_n
-    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    b_rows = b_ptr + (row + lanes) * width + offs_n
-    t_rows = t_ptr + ((start + offs_m) * NUM_S + j) * t_lanes + lanes  # t: [num_sorted, NUM_S, t_lanes]
-    b = tl.load(b_rows, mask=(lanes < rank) & n_mask, other=0.0)  # the first rank chunk, requested before t
-    if USE_PDL:  # launched early: t is complete once the whole shrink grid is
-        gdc_wait()
-    acc = tl.zeros([ROWS, 1, BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        if r0 > 0:
-            b = tl.load(b_rows + r0 * width, mask=(r0 + lanes < rank) & n_mask, other=0.0)
-        t = tl.load(t_rows + r0, mask=m_mask & (r0 + lanes < rank), other=0.0, cache_modifier=".cg")
-        acc += tl.sum(t * b.to(tl.float32), axis=1, keep_dims=True)
-    tl.store(y_ptrs, (y_old.to(tl.float32) + scale * acc).to(y_old.dtype), mask=y_mask)
-
-
 def lora_expand(
     y: torch.Tensor,
     t: torch.Tensor,
@@ -217,27 +173,20 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
                 config: KernelConfig, device: torch.device, dtype: torch.dtype) -> ExpandShape:
     """The expand launch's host-side parameters (see `lora_expand`)."""
     assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
-    is_gemv = 0 < step.max_tile_count <= config.gemv_expand_rows
-    block_n = config.gemv_n if is_gemv else config.block_n
-    num_blocks = [triton.cdiv(w, block_n) for w in widths]
+    num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
     pad = MAX_SLICES - len(slices)
     use_pdl = uses_pdl(config.is_pdl, device)
     scalars = (*(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
                *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2])
     num_chunks = num_lanes(proj, slices) // BLOCK_R
-    common = dict(NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=block_n, BLOCK_R=BLOCK_R,
-                  SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, USE_PDL=use_pdl,
-                  **({"launch_pdl": True} if use_pdl else {}))
-    if is_gemv:
-        fn = _gemv_expand_kernel
-        constexprs = dict(common, ROWS=triton.next_power_of_2(step.max_tile_count), num_warps=config.gemv_expand_warps,
-                          num_stages=1)
-    else:
-        fn = _expand_kernel
-        constexprs = dict(common, B_FIRST=min(config.b_first, num_chunks), PRECISION=dot_precision(dtype),
-                          num_warps=config.expand_warps, num_stages=config.expand_stages)
-    return ExpandShape(scalars, RepeatLaunch(fn, (sum(num_blocks), step.num_tiles), constexprs))
+    constexprs = dict(
+        NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
+        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
+        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), num_warps=config.expand_warps,
+        num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return ExpandShape(scalars, RepeatLaunch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs))
 
 
 def launch_expand(

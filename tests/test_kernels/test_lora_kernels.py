@@ -33,9 +33,7 @@ CASES = [
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
-            "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16},
-            "gemv-expand-n16": {"gemv_expand_rows": 8, "gemv_n": 16},
-            "gemv-both": {"gemv_rows": 8, "gemv_expand_rows": 8, "gemv_n": 32}}
+            "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -119,26 +117,6 @@ def test_expand_matches_reference(triton_backend, device):
     lora_expand(y, t, *args, KernelConfig(block_n=16))
     lora_expand_torch(y_ref, t, *args)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("block_n", [16, 64])
-def test_gemv_expand_matches_reference(triton_backend, device, block_n):
-    from kubelora.kernels.lora_expand import lora_expand, lora_expand_torch, plan_expand
-
-    ranks = ODD_RANKS + [[40, 2, 7]]  # 40: three rank chunks, the last one partial
-    p = build_problem(14, ranks, [24, 8, 16], 8, "distinct", torch.float32, seed=6, device=device, no_adapter=0.2)
-    config = KernelConfig(gemv_expand_rows=4, gemv_n=block_n)
-    t = torch.randn(p.step.sorted_tokens.numel(), 2, 48, device=device)
-    y, y_ref = p.y0.clone(), p.y0.clone()
-    args = ([p.lora_b[0], p.lora_b[2]], p.proj, p.step, [0, 2], [0, 32])
-    shape = plan_expand([24, 16], *args[1:], config, torch.device(device), torch.float32)
-    assert shape.launch.constexprs["ROWS"] == 4 and shape.launch.constexprs["BLOCK_N"] == block_n
-    lora_expand(y, t, *args, config)
-    lora_expand_torch(y_ref, t, *args)
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-4)
-    untouched = torch.ones_like(y, dtype=torch.bool)
-    untouched[p.step.sorted_tokens] = False
-    assert torch.equal(y[untouched].view(torch.int32), p.y0[untouched].view(torch.int32))  # bits, -0.0 included
 
 
 def test_more_slices_than_one_launch_fuses(triton_backend, device):
