@@ -40,6 +40,7 @@ PATH_VARIANTS = {
     "slice pdl t1024": ({}, _height(target_programs=1024, is_per_slice=True)),
     "auto": ({}, None),
     "auto pdl n128 w4": ({}, _auto(block_n=128, expand_warps=4)),
+    "auto pdl n256 w8": ({}, _auto(block_n=256, expand_warps=8)),
     "no gemv": ({}, _auto(gemv_rows=0)),
     "gemv2": ({}, _auto(gemv_rows=2)),
     "gemv2 w8": ({}, _auto(gemv_rows=2, gemv_warps=8)),

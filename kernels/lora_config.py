@@ -93,6 +93,8 @@ WIDE_K_MIN_TILES = 32
 # 1x1x8 5.9 -> 4.2 us, 16x8x16 8.0 -> 7.1, 64x32x16 16.0 -> 15.1, 64x32 mixed ranks 30.0 -> 25.9 (4 warps); it lost
 # on 16x8x64 (13.2 against 12.5) and on every step of 8 tokens per tile (the products of 8 rows on CUDA cores).
 GEMV_TILE_TOKENS = 2
+# Steps of up to 8 full 16-token tiles at rank > 16 take 128-wide expand blocks of 4 warps: 64x1x64 10.5 -> 10.0,
+# 10.2, 10.2 us in runs 22..24 (on steps of 2 or 8 tokens per tile they lost 0.8..1.7 us).
 
 
 def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelConfig:
@@ -110,7 +112,10 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
     if num_chunks == 1 and step.num_tiles >= WIDE_K_MIN_TILES:
         return replace(config, is_per_slice=True, block_k=256)
     if num_chunks == 1 or step.num_tiles <= PER_SLICE_MAX_TILES:
-        return replace(config, is_per_slice=True, target_programs=1024)
+        config = replace(config, is_per_slice=True, target_programs=1024)
+        if step.max_tile_count == step.block_m and num_chunks > 1:
+            return replace(config, block_n=128, expand_warps=4)  # full tiles at rank > 16 (runs 22..24)
+        return config
     return replace(config, max_split=4)
 
 
