@@ -100,8 +100,9 @@ GEMV_TILE_TOKENS = 2
 def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelConfig:
     """The launch configuration for one step and projection, from host-side sizes only (no device sync).
 
-    Decode steps run one shrink program per slice unless they are big and of several rank chunks; taller
-    tiles take their height's config.
+    Decode steps of at most 2 tokens per tile run the GEMV shrink where it measured faster; other decode steps
+    run one shrink program per slice unless they are big and of several rank chunks; taller tiles take their
+    height's config.
     """
     config = DEFAULT_CONFIGS[step.block_m]
     if step.block_m != 16:
