@@ -35,8 +35,6 @@ class KernelConfig:
     expand_warps: int = 8
     expand_stages: int = 2  # the expand's rank loop is 1..8 steps: a shallow pipeline
     b_first: int = 0  # expand: rank chunks of B (0..4) requested before t (with PDL: while the shrink runs)
-    # expand: tiles per program (a power of two; 1: one tile), each tile's loads in flight during the one before
-    expand_tiles: int = 1
     is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
     is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
     is_per_slice: bool = False  # shrink: one program per slice (else all slices at once, x read once per split)
@@ -54,8 +52,6 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
         if self.gemv_ranks not in (0, 1, 2, 4) or not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"KernelConfig: gemv_ranks must be 0, 1, 2 or 4, gemv_rows in 0..{GEMV_MAX_ROWS}")
-        if self.expand_tiles < 1 or self.expand_tiles & (self.expand_tiles - 1):
-            raise ValueError(f"KernelConfig.expand_tiles={self.expand_tiles}: must be a power of two")
         if not 0 <= self.b_first <= 4:
             raise ValueError(f"KernelConfig.b_first={self.b_first}: must be in 0..4")
         if not 1 <= self.max_split <= MAX_SPLIT or self.target_programs < 1:

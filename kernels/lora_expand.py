@@ -16,7 +16,7 @@ import triton.language as tl
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes
 from kubelora.kernels.lora_launch import RepeatLaunch
-from kubelora.kernels.lora_tile import gdc_wait, pick, select_slice, tile_meta, tiles_meta, uses_pdl
+from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_meta, uses_pdl
 
 
 @triton.jit
@@ -142,81 +142,6 @@ def _expand_kernel(
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
 
 
-@triton.jit
-def _loop_tile(y_ptr, b_ptr, t_ptr, starts, counts, ranks, rows, scales, toks, offs_t, i, j, width, y_off, y_stride,
-               lanes, offs_n, n_mask, NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    # Tile i of a _loop_expand_kernel program: (count, rank, row, scale, token ids, its y block, its first B chunk).
-    count = pick(counts, offs_t, i)
-    rank = pick(ranks, offs_t, i)
-    row = pick(rows, offs_t, i)
-    scale = pick(scales, offs_t, i)
-    tok = tl.sum(tl.where((offs_t == i)[:, None], toks, 0), axis=0)
-    offs_m = tl.arange(0, BLOCK_M)
-    y_mask = (offs_m < tl.where(rank > 0, count, 0))[:, None] & n_mask[None, :]
-    y_old = tl.load(y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :], mask=y_mask, other=0.0)
-    b = _b_chunk(b_ptr + row * width + offs_n[None, :], width, tl.arange(0, BLOCK_R), rank, n_mask)
-    return count, rank, row, scale, tok, y_old, b
-
-
-@triton.jit
-def _loop_t(t_ptr, starts, counts, ranks, offs_t, i, j, lanes, NUM_S: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_R: tl.constexpr):
-    # Tile i's first rank chunk of t (after the wait for the shrink).
-    offs_m = tl.arange(0, BLOCK_M)
-    t_rows = ((pick(starts, offs_t, i) + offs_m) * NUM_S + j)[:, None] * lanes
-    return _t_chunk(t_ptr, t_rows, tl.arange(0, BLOCK_R), offs_m < pick(counts, offs_t, i), pick(ranks, offs_t, i))
-
-
-@triton.jit
-def _loop_expand_kernel(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
-    col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, lanes, num_tiles,
-    NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
-    TILES: tl.constexpr, MULTI: tl.constexpr,
-):
-    # Program (column block of one slice, TILES consecutive tiles; KernelConfig.expand_tiles): as _expand_kernel
-    # for each of its tiles in turn, with the next tile's y, B and t requested before this tile's product, so
-    # one program keeps a tile's loads in flight while it finishes the one before. Every tile's metadata is
-    # loaded at once, first.
-    pid_n = tl.program_id(0)
-    j, b_ptr, col, width, y_off, nb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
-                                                    width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
-    starts, counts, ranks, rows, scales, toks = tiles_meta(
-        tiles_ptr, sorted_ptr, rank_ptr, row_ptr, scale_ptr, col, meta_stride, tl.program_id(1) * TILES, num_tiles,
-        TILES, BLOCK_M, SLOT_TILES, FOLDED)
-    offs_t = tl.arange(0, TILES)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < width
-    lanes0 = tl.arange(0, BLOCK_R)
-    count, rank, row, scale, tok, y_old, b = _loop_tile(
-        y_ptr, b_ptr, t_ptr, starts, counts, ranks, rows, scales, toks, offs_t, 0, j, width, y_off, y_stride, lanes,
-        offs_n, n_mask, NUM_S, BLOCK_M, BLOCK_R)
-    if USE_PDL:  # launched early: t is complete once the whole shrink grid is
-        gdc_wait()
-    t = _loop_t(t_ptr, starts, counts, ranks, offs_t, 0, j, lanes, NUM_S, BLOCK_M, BLOCK_R)
-    for i in range(0, TILES):
-        # The next tile's loads go out first (past the program's last tile: count 0, nothing moves).
-        n_count, n_rank, n_row, n_scale, n_tok, n_y_old, n_b = _loop_tile(
-            y_ptr, b_ptr, t_ptr, starts, counts, ranks, rows, scales, toks, offs_t, i + 1, j, width, y_off,
-            y_stride, lanes, offs_n, n_mask, NUM_S, BLOCK_M, BLOCK_R)
-        n_t = _loop_t(t_ptr, starts, counts, ranks, offs_t, i + 1, j, lanes, NUM_S, BLOCK_M, BLOCK_R)
-        acc = _add_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), t, scale, b, PRECISION)
-        t_rows = ((pick(starts, offs_t, i) + offs_m) * NUM_S + j)[:, None] * lanes
-        m_mask = offs_m < count
-        if MULTI:  # a step of rank > BLOCK_R: its rank chunks past the first, one after the other (104 -> 152
-            # registers with 8 warps, offline sm_90, so only compiled where a step needs it)
-            for r0 in range(BLOCK_R, rank, BLOCK_R):
-                b_r = _b_chunk(b_ptr + row * width + offs_n[None, :], width, r0 + lanes0, rank, n_mask)
-                acc = _add_dot(acc, _t_chunk(t_ptr, t_rows, r0 + lanes0, m_mask, rank), scale, b_r, PRECISION)
-        y_mask = (offs_m < tl.where(rank > 0, count, 0))[:, None] & n_mask[None, :]
-        y_new = (y_old.to(tl.float32) + acc).to(y_old.dtype)
-        tl.store(y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :], y_new, mask=y_mask)
-        count, rank, row, scale, tok, y_old, b, t = n_count, n_rank, n_row, n_scale, n_tok, n_y_old, n_b, n_t
-
-
 def lora_expand(
     y: torch.Tensor,
     t: torch.Tensor,
@@ -242,7 +167,6 @@ class ExpandShape:
 
     scalars: tuple[int, ...]  # cols, meta_stride, widths, y offsets, first column block of slices 1 and 2
     launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
-    tail: tuple[int, ...] = ()  # the tile-loop kernel's last argument (the number of tiles)
 
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
@@ -258,15 +182,10 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     num_chunks = num_lanes(proj, slices) // BLOCK_R
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
-        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, USE_PDL=use_pdl, PRECISION=dot_precision(dtype),
-        num_warps=config.expand_warps, num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
+        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
+        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), num_warps=config.expand_warps,
+        num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
-    if config.expand_tiles > 1:
-        grid = (sum(num_blocks), triton.cdiv(step.num_tiles, config.expand_tiles))
-        launch = RepeatLaunch(_loop_expand_kernel, grid, dict(constexprs, TILES=config.expand_tiles,
-                                                                MULTI=num_chunks > 1))
-        return ExpandShape(scalars, launch, (step.num_tiles,))
-    constexprs["B_FIRST"] = min(config.b_first, num_chunks)
     return ExpandShape(scalars, RepeatLaunch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs))
 
 
@@ -288,7 +207,7 @@ def launch_expand(
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
     shape.launch(
         y, *(lora_b + [lora_b[0]] * (MAX_SLICES - len(slices))), t, step.sorted_tokens, step.tiles, proj.rank,
-        proj.row_start, proj.scale, *shape.scalars, y.stride(0), t.shape[2], *shape.tail,
+        proj.row_start, proj.scale, *shape.scalars, y.stride(0), t.shape[2],
     )
 
 

@@ -74,41 +74,6 @@ def tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, ROWS: tl.const
 
 
 @triton.jit
-def tiles_meta(tiles_ptr, sorted_ptr, rank_ptr, row_ptr, scale_ptr, col, meta_stride, first, num_tiles,
-               TILES: tl.constexpr, BLOCK_M: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr):
-    """`tile_meta` and the slot's (rank, first row, scale) in column col, for TILES tiles from first at once.
-
-    ([TILES] start, count, rank, row, scale; [TILES, BLOCK_M] token ids): tiles past num_tiles have count 0.
-    """
-    offs_t = tl.arange(0, TILES)
-    tiles = first + offs_t
-    valid = tiles < num_tiles
-    rows = tiles_ptr + tiles * (_HEAD + BLOCK_M)
-    start = tl.load(rows + 1, mask=valid, other=0)
-    count = tl.load(rows + 2, mask=valid, other=0)
-    if SLOT_TILES and FOLDED:
-        slot = tl.cast(tiles, tl.int64)
-    else:
-        slot = tl.load(rows, mask=valid, other=0)
-    offs_m = tl.arange(0, BLOCK_M)
-    if FOLDED:
-        tok = tl.load(rows[:, None] + _HEAD + offs_m[None, :], mask=valid[:, None], other=0)
-    else:
-        tok = tl.load(sorted_ptr + start[:, None] + offs_m[None, :], mask=offs_m[None, :] < count[:, None], other=0)
-    meta = slot * meta_stride + col
-    rank = tl.load(rank_ptr + meta, mask=valid, other=0)
-    row = tl.load(row_ptr + meta, mask=valid, other=0)
-    scale = tl.load(scale_ptr + meta, mask=valid, other=0.0)
-    return start, count, rank, row, scale, tok
-
-
-@triton.jit
-def pick(values, offs, i):
-    """values[i] of a small vector (offs = its arange), as a scalar; 0 where i is past its end."""
-    return tl.sum(tl.where(offs == i, values, 0), axis=0)
-
-
-@triton.jit
 def pick_slice(j, v0, v1, v2, NUM_S: tl.constexpr):
     """Slice j's value of a per-slice triple (scalars or pointers); slices past NUM_S are never picked."""
     v = v0

@@ -33,8 +33,7 @@ CASES = [
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
-            "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16},
-            "tiles2": {"expand_tiles": 2, "block_n": 16}, "tiles4-unfolded": {"expand_tiles": 4, "is_folded": False}}
+            "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
