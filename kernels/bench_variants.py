@@ -29,10 +29,10 @@ def _height(**changes):
 # label -> (prepare_lora_step keyword changes, config for (step, proj); None: the step's own choice through
 # add_lora's cache). s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice;
 # t1024: up to 1024 shrink programs; gemvN: the GEMV shrink on steps of at most N tokens per tile (rN: N rank
-# rows per program, wN: N warps); n128 w4: 128-wide expand blocks, 4 expand warps. Runs 8..22 timed v4's tile
+# rows per program, wN: N warps); n128 w4: 128-wide expand blocks, 4 expand warps. Runs 8..29 timed v4's tile
 # policy, a fused one-launch path, a signal path, a persistent launch, L2 prefetch from the shrink, several expand
-# blocks per program, a narrow tensor-core-free shrink and one-knob variations (docs/kernels.md); those that lost
-# every shape are gone from the code and from this table.
+# blocks or tiles per program, a narrow tensor-core-free shrink, a CUDA-core expand and one-knob variations
+# (docs/kernels.md); those that lost every shape are gone from the code and from this table.
 PATH_VARIANTS = {
     "split s1": ({}, _height(is_pdl=False)),
     "slice s1": ({}, _height(is_pdl=False, is_per_slice=True)),
