@@ -12,11 +12,11 @@ while IFS='|' read -r shape path; do
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     python3 -P bench/profile.py "$shape" "$path" > "$OUT/ncu_$i.txt" 2>&1
   echo "== $shape $path rc $?"
-  grep -E "^  _|Duration|SM Active Cycles|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" "$OUT/ncu_$i.txt" | sed "s/  \\+/ /g" | head -30
+  grep -E "^  _|Duration|SM Active Cycles|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|stalled" \
+    "$OUT/ncu_$i.txt" | sed "s/  \\+/ /g" | head -40
 done <<'LIST'
-64 x 1 x 64|split
-64 x 1 x 64|slice
-16 x 8 x 64|slice
-256 x 32 x 8|slice
-1 x 1 x 8|slice
+64 x 32 x 16|auto
+256 x 32 x 8|auto
+256 x 8 x 64|auto
+64 x 1 x 64|auto
 LIST
