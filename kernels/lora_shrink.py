@@ -5,7 +5,9 @@ the step (`LoRAStep.sorted_tokens`, `LoRAStep.tiles`) and write `t` in sorted or
 one tile's rows contiguously. The kernel splits the reduction over in_dim into `split_k` programs,
 because a decode step has too few (tile, rank chunk) pairs to fill the GPU on its own; the last of them
 to finish adds the partial sums. A program computes every slice of the projection, or one slice
-(`KernelConfig.is_per_slice`: three times the programs, each a third of the work).
+(`KernelConfig.is_per_slice`: three times the programs, each a third of the work). On steps whose tiles hold
+a token or two (`KernelConfig.gemv_rows`), the GEMV kernel runs instead: one program per (tile, slice, a few
+rank rows) over all of in_dim on CUDA cores, no K split.
 """
 
 from __future__ import annotations
@@ -335,7 +337,8 @@ def lora_shrink(
     x: [num_tokens, in_dim]; lora_a[j]: [num_rows, in_dim], the pool of slice slices[j] (at most 3 slices);
     returns t: [num_lora_tokens, len(slices), lanes] float32 in slot-sorted token order, lanes = the max
     rank rounded up to BLOCK_R. Lanes at or past a token's rank are not written; the expand never reads
-    them. split_k (default: planned from config) splits the in_dim reduction over that many programs.
+    them. split_k (default: planned from config) splits the in_dim reduction over that many programs (not
+    on steps that take the GEMV kernel, which never splits it).
     """
     return launch_shrink(x, lora_a, proj, step, slices, config, split_k)
 
