@@ -91,7 +91,8 @@ PER_SLICE_MAX_TILES = 8
 WIDE_K_MIN_TILES = 32
 # The GEMV shrink (v9, run 23) on decode steps of at most 2 tokens per tile, of one rank chunk or from 32 tiles on:
 # 1x1x8 5.9 -> 4.2 us, 16x8x16 8.0 -> 7.1, 64x32x16 16.0 -> 15.1, 64x32 mixed ranks 30.0 -> 25.9 (4 warps); it lost
-# on 16x8x64 (13.2 against 12.5) and on every step of 8 tokens per tile (the products of 8 rows on CUDA cores).
+# on 16x8x64 (13.2 against 12.5) and on steps of 8 tokens per tile at rank >= 16 (8 rows of x re-read per program
+# and multiplied on CUDA cores), and tied at rank 8.
 GEMV_TILE_TOKENS = 2
 # Steps of up to 8 full 16-token tiles at rank > 16 take 128-wide expand blocks of 4 warps: 64x1x64 10.5 -> 10.0,
 # 10.2, 10.2 us in runs 22..24 (on steps of 2 or 8 tokens per tile they lost 0.8..1.7 us).
