@@ -43,10 +43,10 @@ PATH_VARIANTS = {
     "auto pdl n256 w8": ({}, _auto(block_n=256, expand_warps=8)),
     "no gemv": ({}, _auto(gemv_rows=0)),
     "gemv2": ({}, _auto(gemv_rows=2)),
-    "xr48": ({}, _auto(expand_maxnreg=48)),
-    "xr40": ({}, _auto(expand_maxnreg=40)),
-    "xr32": ({}, _auto(expand_maxnreg=32)),
-    "n128 w4 xr32": ({}, _auto(block_n=128, expand_warps=4, expand_maxnreg=32)),
+    "gemv2 w8": ({}, _auto(gemv_rows=2, gemv_warps=8)),
+    "gemv2 r1": ({}, _auto(gemv_rows=2, gemv_ranks=1)),
+    "gemv2 n128 w4": ({}, _auto(gemv_rows=2, block_n=128, expand_warps=4)),
+    "gemv8 r2 w8 n128 w4": ({}, _auto(gemv_rows=8, gemv_ranks=2, gemv_warps=8, block_n=128, expand_warps=4)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

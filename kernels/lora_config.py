@@ -35,7 +35,6 @@ class KernelConfig:
     expand_warps: int = 8
     expand_stages: int = 2  # the expand's rank loop is 1..8 steps: a shallow pipeline
     b_first: int = 0  # expand: rank chunks of B (0..4) requested before t (with PDL: while the shrink runs)
-    expand_maxnreg: int = 0  # expand: registers per thread at most (0: the compiler's choice; fewer: more programs)
     is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
     is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
     is_per_slice: bool = False  # shrink: one program per slice (else all slices at once, x read once per split)

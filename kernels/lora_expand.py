@@ -185,7 +185,6 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
         USE_PDL=use_pdl, PRECISION=dot_precision(dtype), num_warps=config.expand_warps,
         num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
-        **({"maxnreg": config.expand_maxnreg} if config.expand_maxnreg else {}),
     )
     return ExpandShape(scalars, RepeatLaunch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs))
 
