@@ -20,11 +20,11 @@ from kubelora.kernels.lora_shrink import _gemv_shrink_kernel, _shrink_kernel
 
 POINTERS = {"sorted_ptr": "*i64", "tiles_ptr": "*i64", "rank_ptr": "*i64", "row_ptr": "*i64", "scale_ptr": "*fp32",
             "t_ptr": "*fp32", "parts_ptr": "*fp32", "arrivals_ptr": "*i32"}
-GEMV = dict(BLOCK_M=16, BLOCK_K=4096, USE_PDL=True)
 # Arguments the launcher sees as multiples of 16 at the benchmark's sizes (Triton specializes on that).
 DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
              "k_per_split", "num_groups"}
 COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1)
+GEMV = dict(BLOCK_M=16, BLOCK_K=4096, USE_PDL=True)  # the GEMV shrink's shapes below, at in_dim 4096 in one step
 SHAPES = [
     ("shrink m16 k128 split8", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=False), 4, 3),
     ("shrink m16 pdl", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=True), 4, 3),

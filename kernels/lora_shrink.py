@@ -235,6 +235,11 @@ class ShrinkShape:
     rank_groups: int = 0  # the GEMV shrink's rank-row groups per (tile, slice); 0: the tensor-core shrink
 
 
+def padded_cols(slices: list[int]) -> tuple[int, ...]:
+    """The slices' columns in the proj tables, padded to MAX_SLICES with the first (padding is never picked)."""
+    return tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
+
+
 def uses_gemv(step: LoRAStep, config: KernelConfig) -> bool:
     """The step takes the GEMV shrink: config.gemv_rows is set and no tile holds more tokens."""
     return 0 < step.max_tile_count <= config.gemv_rows
@@ -259,11 +264,10 @@ def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], co
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, USE_PDL=uses_pdl(config.is_pdl, device),
         num_warps=config.gemv_warps, num_stages=1,
     )
-    cols = tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
     grid = (step.num_tiles * len(slices) * rank_groups,)
     lanes = num_lanes(proj, slices)
-    return ShrinkShape(cols, in_dim, step.sorted_tokens.numel(), lanes // BLOCK_R, lanes, 1, in_dim, len(slices),
-                       RepeatLaunch(_gemv_shrink_kernel, grid, constexprs), rank_groups)
+    return ShrinkShape(padded_cols(slices), in_dim, step.sorted_tokens.numel(), lanes // BLOCK_R, lanes, 1, in_dim,
+                       len(slices), RepeatLaunch(_gemv_shrink_kernel, grid, constexprs), rank_groups)
 
 
 def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
@@ -282,10 +286,9 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
         USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
-    cols = tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
     grid = (step.num_tiles * groups * num_chunks, split_k)
-    return ShrinkShape(cols, in_dim, step.sorted_tokens.numel(), num_chunks, lanes, split_k, k_per_split, groups,
-                       RepeatLaunch(_shrink_kernel, grid, constexprs))
+    return ShrinkShape(padded_cols(slices), in_dim, step.sorted_tokens.numel(), num_chunks, lanes, split_k,
+                       k_per_split, groups, RepeatLaunch(_shrink_kernel, grid, constexprs))
 
 
 def launch_shrink(

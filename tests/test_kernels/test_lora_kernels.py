@@ -65,6 +65,15 @@ def test_unfolded_tile_table_reads(triton_backend, device, case, path):
     check_y(p, run_path(triton_backend, p, path, is_folded=False))
 
 
+def check_lanes_below_rank(p, t, ref, device) -> torch.Tensor:
+    """t equals the reference on every lane below its token's rank, none of them left poisoned; returns that mask."""
+    lane_rank = p.proj.rank[p.step.token_slots[p.step.sorted_tokens]]  # [num_lora_tokens, num_slices]
+    valid = torch.arange(t.shape[2], device=device) < lane_rank[..., None]
+    assert not t[valid].isnan().any()
+    torch.testing.assert_close(t[valid], ref[valid], rtol=1e-5, atol=1e-4)
+    return valid
+
+
 @pytest.mark.parametrize("split_k", [1, 3, 32])
 def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch, split_k):
     from kubelora.kernels import lora_shrink
@@ -79,10 +88,7 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
         t = lora_shrink.lora_shrink(x, lora_a, p.proj, p.step, slices, config, split_k)
         ref = lora_shrink.lora_shrink_torch(x, lora_a, p.proj, p.step, slices)
         assert t.shape == ref.shape and t.shape[2] % BLOCK_R == 0
-        lane_rank = p.proj.rank[p.step.token_slots[p.step.sorted_tokens]]  # [num_lora_tokens, num_slices]
-        valid = torch.arange(t.shape[2], device=device) < lane_rank[..., None]
-        assert not t[valid].isnan().any()
-        torch.testing.assert_close(t[valid], ref[valid], rtol=1e-5, atol=1e-4)
+        check_lanes_below_rank(p, t, ref, device)
     assert not lora_shrink.arrival_counters(torch.device(device), 1).any()
 
 
@@ -101,10 +107,8 @@ def test_gemv_shrink_writes_every_lane_below_rank(triton_backend, device, monkey
     t = lora_shrink.lora_shrink(x, lora_a, p.proj, p.step, slices, config)
     ref = lora_shrink.lora_shrink_torch(x, lora_a, p.proj, p.step, slices)
     assert t.shape == ref.shape
-    lane_rank = p.proj.rank[p.step.token_slots[p.step.sorted_tokens]]  # [num_lora_tokens, num_slices]
-    valid = torch.arange(t.shape[2], device=device) < lane_rank[..., None]
-    assert not t[valid].isnan().any() and t[~valid].isnan().all()  # lanes past a rank: left as they were
-    torch.testing.assert_close(t[valid], ref[valid], rtol=1e-5, atol=1e-4)
+    valid = check_lanes_below_rank(p, t, ref, device)
+    assert t[~valid].isnan().all()  # lanes past a rank: left as they were
 
 
 def test_expand_matches_reference(triton_backend, device):
