@@ -22,5 +22,5 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     -o addopts="" --import-mode=importlib -rfE ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/tests_full.txt" | tail -n 30 | tee "$OUT/tests.txt"
 fi
 [ "${COMPARE:-0}" = 1 ] && extra+=(--compare)
-timeout "${BENCH_TIMEOUT:-300}" python3 -P bench/kernels.py --write "$OUT/benchmarks.md" --date 2026-11-30 \
+timeout "${BENCH_TIMEOUT:-300}" python3 -P bench/kernels.py --write "$OUT/benchmarks.md" --date "${DATE:-$(date -u +%F)}" \
   "${extra[@]}" "$@" 2>&1 | tee "$OUT/bench.txt"

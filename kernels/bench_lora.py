@@ -158,7 +158,7 @@ def variations(args: argparse.Namespace, shapes: list[Shape], dtype: torch.dtype
     lines = tune([s for s in shapes if s.name in args.tune], dtype) if args.tune else []
     if args.compare is not None:
         names = args.compare or [s.name for s in shapes if not s.name.startswith("prefill")]
-        lines += compare_paths([s for s in shapes if s.name in names], dtype, args.pdl)
+        lines += compare_paths([s for s in shapes if s.name in names], dtype, args.pdl, args.variants)
     return lines
 
 
@@ -199,6 +199,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", nargs="*", default=None,
                         help="shape names to time each launch variant on (none given: every decode shape)")
     parser.add_argument("--pdl", action="store_true", help="with --compare: time the PDL variant too")
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help="with --compare: only the variants with these labels (default: all)")
     parser.add_argument("--shapes", nargs="*", default=[], help="bench only these shape names (default: all)")
 
 

@@ -47,6 +47,11 @@ PATH_VARIANTS = {
     "gemv2 r1": ({}, _auto(gemv_rows=2, gemv_ranks=1)),
     "gemv2 n128 w4": ({}, _auto(gemv_rows=2, block_n=128, expand_warps=4)),
     "gemv8 r2 w8 n128 w4": ({}, _auto(gemv_rows=8, gemv_ranks=2, gemv_warps=8, block_n=128, expand_warps=4)),
+    "packed n128 w4": ({}, _auto(is_packed=True, block_n=128, expand_warps=4)),
+    "packed n128 w4 s4": ({}, _auto(is_packed=True, block_n=128, expand_warps=4, packed_stages=4)),
+    "packed n256 w8": ({}, _auto(is_packed=True, block_n=256, expand_warps=8)),
+    "packed n64 w4 s4": ({}, _auto(is_packed=True, block_n=64, expand_warps=4, packed_stages=4)),
+    "packed n128 w4 s2": ({}, _auto(is_packed=True, block_n=128, expand_warps=4, packed_stages=2)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
@@ -85,8 +90,12 @@ def probe_pdl() -> None:
     raise SystemExit(0 if max(eager_error, graph_error) < 2e-2 else 1)
 
 
-def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool) -> list[str]:
-    """Us per call of each PATH_VARIANTS entry, one line per shape; a variant off the reference is marked BAD."""
+def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool, labels: list[str] | None = None) -> list[str]:
+    """Us per call of each PATH_VARIANTS entry (or of those labels), one line per shape; a variant off the
+    reference is marked BAD."""
+    unknown = set(labels or ()) - set(PATH_VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants: {', '.join(sorted(unknown))}")
     lines = []
     for shape in shapes:
         _, sets = shape_sets(shape, dtype)
@@ -94,7 +103,7 @@ def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool) -> li
         fresh_y = sets[0].y.clone()  # the check's delta is taken on a fresh y, not one grown by the replays
         times = {}
         for label, (step_changes, config_for) in PATH_VARIANTS.items():
-            if label in PDL_VARIANTS and not with_pdl:
+            if label in PDL_VARIANTS and not with_pdl or labels is not None and label not in labels:
                 continue
             try:
                 step = _with_step(sets, shape, step_changes)
@@ -143,6 +152,8 @@ TUNE_VARIANTS = {
     "n128": (dict(block_n=128), None), "n512": (dict(block_n=512), None),
     "w4": (dict(expand_warps=4), None), "n128 w4": (dict(block_n=128, expand_warps=4), None),
     "b1": (dict(b_first=1), None), "b2": (dict(b_first=2), None),
+    "packed n128 w4": (dict(is_packed=True, block_n=128, expand_warps=4), None),
+    "packed n256 w8": (dict(is_packed=True, block_n=256, expand_warps=8), None),
 }
 
 
