@@ -1,5 +1,6 @@
 # Nsight Compute on a few benchmark shapes (bench/profile.py), one device call: each kernel's duration, DRAM
-# throughput, occupancy and warp state; the full reports go under $OUT. Edit the list below to choose shapes.
+# throughput, occupancy and warp state; the full reports go under $OUT. Edit the list below to choose the shapes
+# and their launches (after the |, a label of kernels/bench_variants.py's PATH_VARIANTS).
 set -uo pipefail
 mkdir -p /tmp/p/kubelora; for d in kernels engine cli; do cp -r "$d" /tmp/p/kubelora/; done
 export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
@@ -9,11 +10,11 @@ i=0
 while IFS='|' read -r shape path; do
   i=$((i+1))
   timeout 120 "$NCU" --clock-control none --nvtx --nvtx-include "lora/" --section SpeedOfLight --section Occupancy \
-    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters \
     python3 -P bench/profile.py "$shape" "$path" > "$OUT/ncu_$i.txt" 2>&1
   echo "== $shape $path rc $?"
   grep -E "^  _|Duration|SM Active Cycles|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|stalled" \
-    "$OUT/ncu_$i.txt" | sed "s/  \\+/ /g" | head -40
+    "$OUT/ncu_$i.txt" | sed "s/  \\+/ /g" | head -60
 done <<'LIST'
 64 x 32 x 16|auto
 256 x 32 x 8|auto

@@ -2,9 +2,9 @@
 
 `ncu --nvtx --nvtx-include "lora/" ... python3 -P bench/profile.py SHAPE LAUNCH`.
 
-SHAPE is a `kubelora bench kernels` shape name (e.g. "64 x 32 x 16"); LAUNCH is `auto` (the step's own launch),
-`split` (the tile height's default config) or `slice` (the same with one shrink program per slice). Three warm-up
-calls, then two calls inside the NVTX range `lora` on other input sets.
+SHAPE is a `kubelora bench kernels` shape name (e.g. "64 x 32 x 16"); LAUNCH is a label of
+`kernels/bench_variants.py`'s PATH_VARIANTS (`auto`: the step's own launch). Three warm-up calls, then two calls
+inside the NVTX range `lora` on other input sets.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import sys
 import torch
 
 from kubelora.kernels.bench_lora import default_shapes, ours, shape_sets
-from kubelora.kernels.lora_config import step_config
+from kubelora.kernels.bench_variants import PATH_VARIANTS
 
 
 def main(name: str, launch: str) -> None:
     shape = next(s for s in default_shapes() if s.name == name)
     _, sets = shape_sets(shape, torch.bfloat16)
-    config = None if launch == "auto" else step_config(sets[0].step, is_per_slice=launch == "slice")
+    step_changes, config_for = PATH_VARIANTS[launch]
+    assert not step_changes, "variants with their own step are not profiled"
+    config = None if config_for is None else config_for(sets[0].step, sets[0].proj)
     for st in sets[:3]:
         ours(config)(st)
     torch.cuda.synchronize()

@@ -31,8 +31,9 @@ def _height(**changes):
 # t1024: up to 1024 shrink programs; gemvN: the GEMV shrink on steps of at most N tokens per tile (rN: N rank
 # rows per program, wN: N warps); n128 w4: 128-wide expand blocks, 4 expand warps. Runs 8..29 timed v4's tile
 # policy, a fused one-launch path, a signal path, a persistent launch, L2 prefetch from the shrink, several expand
-# blocks or tiles per program, a narrow tensor-core-free shrink, a CUDA-core expand and one-knob variations
-# (docs/kernels.md); those that lost every shape are gone from the code and from this table.
+# blocks or tiles per program, a narrow tensor-core-free shrink, a CUDA-core expand and one-knob variations; run 32
+# a packed expand over 16 consecutive tokens of several adapters (docs/kernels.md); those that lost every shape are
+# gone from the code and from this table.
 PATH_VARIANTS = {
     "split s1": ({}, _height(is_pdl=False)),
     "slice s1": ({}, _height(is_pdl=False, is_per_slice=True)),
@@ -47,11 +48,6 @@ PATH_VARIANTS = {
     "gemv2 r1": ({}, _auto(gemv_rows=2, gemv_ranks=1)),
     "gemv2 n128 w4": ({}, _auto(gemv_rows=2, block_n=128, expand_warps=4)),
     "gemv8 r2 w8 n128 w4": ({}, _auto(gemv_rows=8, gemv_ranks=2, gemv_warps=8, block_n=128, expand_warps=4)),
-    "packed n128 w4": ({}, _auto(is_packed=True, block_n=128, expand_warps=4)),
-    "packed n128 w4 s4": ({}, _auto(is_packed=True, block_n=128, expand_warps=4, packed_stages=4)),
-    "packed n256 w8": ({}, _auto(is_packed=True, block_n=256, expand_warps=8)),
-    "packed n64 w4 s4": ({}, _auto(is_packed=True, block_n=64, expand_warps=4, packed_stages=4)),
-    "packed n128 w4 s2": ({}, _auto(is_packed=True, block_n=128, expand_warps=4, packed_stages=2)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
@@ -90,7 +86,8 @@ def probe_pdl() -> None:
     raise SystemExit(0 if max(eager_error, graph_error) < 2e-2 else 1)
 
 
-def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool, labels: list[str] | None = None) -> list[str]:
+def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool,
+                  labels: list[str] | None = None) -> list[str]:
     """Us per call of each PATH_VARIANTS entry (or of those labels), one line per shape; a variant off the
     reference is marked BAD."""
     unknown = set(labels or ()) - set(PATH_VARIANTS)
@@ -152,8 +149,6 @@ TUNE_VARIANTS = {
     "n128": (dict(block_n=128), None), "n512": (dict(block_n=512), None),
     "w4": (dict(expand_warps=4), None), "n128 w4": (dict(block_n=128, expand_warps=4), None),
     "b1": (dict(b_first=1), None), "b2": (dict(b_first=2), None),
-    "packed n128 w4": (dict(is_packed=True, block_n=128, expand_warps=4), None),
-    "packed n256 w8": (dict(is_packed=True, block_n=256, expand_warps=8), None),
 }
 
 

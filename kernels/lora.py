@@ -33,11 +33,6 @@ TILE_HEIGHTS = (16, 32, 64)
 MAX_TILES = 32
 # Columns of a tile table row before the tile's token ids: slot, start in sorted_tokens, number of tokens.
 TILE_HEAD = 3
-# Decode steps also cut the sorted LoRA tokens into groups of GROUP_M consecutive tokens, whatever their slots (the
-# packed expand, `KernelConfig.is_packed`). A group row: start in sorted_tokens, number of tokens, number of distinct
-# slots, then GROUP_M token ids, GROUP_M slots of those tokens and the group's distinct slots, each padded with 0.
-GROUP_M = 16
-GROUP_HEAD = 3
 
 
 @dataclass(frozen=True)
@@ -62,12 +57,6 @@ class LoRAStep:
     is_slot_tiles: bool = False
     num_lora_tokens: int = 0
     max_tile_count: int = 0  # the most tokens in one tile (<= block_m)
-    # [num_groups, GROUP_HEAD + 3 * GROUP_M] int64, decode steps only (block_m == GROUP_M): see GROUP_M
-    groups: torch.Tensor | None = None
-
-    @property
-    def num_groups(self) -> int:
-        return 0 if self.groups is None else self.groups.shape[0]
 
     @property
     def num_tiles(self) -> int:
@@ -108,23 +97,6 @@ def _tile_rows(counts: list[int], order: list[int], block_m: int, is_slot_tiles:
     return rows
 
 
-def _group_rows(sorted_slots: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """The group table (see GROUP_M) of the slot-sorted LoRA tokens, flattened: vector ops, no loop per token."""
-    num = sorted_slots.numel()
-    num_groups = -(-num // GROUP_M)
-    pad = num_groups * GROUP_M - num
-    # Padding repeats the last token's slot: it starts no new slot and is masked by the group's count.
-    slots = torch.cat([sorted_slots, sorted_slots[-1:].expand(pad)]).view(num_groups, GROUP_M)
-    tokens = torch.cat([order, order.new_zeros(pad)]).view(num_groups, GROUP_M)
-    is_new = torch.ones_like(slots, dtype=torch.bool)
-    is_new[:, 1:] = slots[:, 1:] != slots[:, :-1]
-    distinct = torch.zeros_like(slots).scatter_(1, is_new.cumsum(1) - 1, slots)
-    counts = torch.full((num_groups,), GROUP_M, dtype=torch.int64)
-    counts[-1] = GROUP_M - pad
-    head = torch.stack([torch.arange(num_groups) * GROUP_M, counts, is_new.sum(1)], dim=1)
-    return torch.cat([head, tokens, slots, distinct], dim=1).flatten()
-
-
 def prepare_lora_step(
     token_slots: list[int],
     num_slots: int,
@@ -147,22 +119,18 @@ def prepare_lora_step(
     block_m = _tile_height(counts, tile_heights, max_tiles)
     is_slot_tiles = bool(counts) and max(counts) <= block_m
     tiles = torch.tensor(_tile_rows(counts, order.tolist(), block_m, is_slot_tiles), dtype=torch.int64)
-    has_groups = block_m == GROUP_M and num_lora_tokens > 0
-    groups = _group_rows(slots[order], order) if has_groups else order.new_zeros(0)
-    packed = torch.cat([slots, order, tiles, groups]).to(device)
+    packed = torch.cat([slots, order, tiles]).to(device)
     num_tokens = slots.numel()
-    groups_at = num_tokens + num_lora_tokens + tiles.numel()
     return LoRAStep(
         token_slots=packed[:num_tokens],
         num_slots=num_slots,
         has_lora=num_lora_tokens > 0,
         sorted_tokens=packed[num_tokens : num_tokens + num_lora_tokens],
-        tiles=packed[num_tokens + num_lora_tokens : groups_at].view(-1, TILE_HEAD + block_m),
+        tiles=packed[num_tokens + num_lora_tokens :].view(-1, TILE_HEAD + block_m),
         block_m=block_m,
         is_slot_tiles=is_slot_tiles,
         num_lora_tokens=num_lora_tokens,
         max_tile_count=min(max(counts, default=0), block_m),
-        groups=packed[groups_at:].view(-1, GROUP_HEAD + 3 * GROUP_M) if has_groups else None,
     )
 
 

@@ -44,10 +44,6 @@ class KernelConfig:
     gemv_ranks: int = 0  # rank rows per GEMV program (1, 2 or 4; 0: the most that keeps GEMV_PROGRAMS programs)
     gemv_k: int = 4096  # in_dim columns per GEMV loop step at most (a power of two)
     gemv_warps: int = 4
-    # expand: one program per (column block, GROUP_M consecutive sorted tokens of any slots) instead of per tile, a
-    # loop over the group's (slot, rank chunk) pairs pipelined packed_stages deep (decode steps only)
-    is_packed: bool = False
-    packed_stages: int = 3
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n", "gemv_k"):

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kubelora.kernels.lora import GROUP_HEAD, GROUP_M, LoRAProj, LoRAStep
+from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes
 from kubelora.kernels.lora_launch import RepeatLaunch
 from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_meta, uses_pdl
@@ -142,66 +142,6 @@ def _expand_kernel(
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
 
 
-@triton.jit
-def _packed_expand_kernel(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, groups_ptr, rank_ptr, row_ptr, scale_ptr,
-    col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, lanes,
-    NUM_S: tl.constexpr, GROUP_M: tl.constexpr, GROUP_HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
-):
-    # Program (column block of one slice, group of GROUP_M consecutive sorted tokens of any slots). Each slot of
-    # the group is one or more steps of the loop over (slot, rank chunk): its B rows times t of its own rows only
-    # (the others' lanes masked to zero), so a 16-row product serves up to 16 adapters and y is read and written
-    # once per group, not once per tile of 1..2 tokens. The loop's B and t loads are pipelined (num_stages).
-    pid_n = tl.program_id(0)
-    group = tl.program_id(1)
-    j, b_ptr, col, width, y_off, nb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
-                                                    width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
-    g_row = groups_ptr + group * (GROUP_HEAD + 3 * GROUP_M)
-    start = tl.load(g_row)
-    count = tl.load(g_row + 1)
-    num_slots = tl.load(g_row + 2)
-    offs_m = tl.arange(0, GROUP_M)
-    m_mask = offs_m < count
-    tok = tl.load(g_row + GROUP_HEAD + offs_m)
-    row_slot = tl.load(g_row + GROUP_HEAD + GROUP_M + offs_m)
-    row_rank = tl.load(rank_ptr + row_slot * meta_stride + col, mask=m_mask, other=0)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < width
-    # Rows of tokens whose adapter does not adapt this slice (rank 0) are neither read nor written.
-    y_mask = (m_mask & (row_rank > 0))[:, None] & n_mask[None, :]
-    y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
-    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    acc = tl.zeros([GROUP_M, BLOCK_N], dtype=tl.float32)
-    t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
-    lanes0 = tl.arange(0, BLOCK_R)
-    chunks = lanes // BLOCK_R
-    # The group's slots and their (rank, first row, scale) in registers before the loop: the loop's loads then
-    # depend on no other load, and the pipeliner keeps num_stages - 1 steps of B and t in flight.
-    has_slot = offs_m < num_slots
-    slots = tl.load(g_row + GROUP_HEAD + 2 * GROUP_M + offs_m, mask=has_slot, other=0)
-    ranks = tl.load(rank_ptr + slots * meta_stride + col, mask=has_slot, other=0)
-    rows = tl.load(row_ptr + slots * meta_stride + col, mask=has_slot, other=0)
-    scales = tl.load(scale_ptr + slots * meta_stride + col, mask=has_slot, other=0.0)
-    if USE_PDL:  # launched early: t is complete once the whole shrink grid is
-        gdc_wait()
-    for step in range(0, num_slots * chunks):
-        k = step // chunks
-        r0 = (step - k * chunks) * BLOCK_R
-        pick = offs_m == k
-        slot = tl.sum(tl.where(pick, slots, 0))
-        rank = tl.sum(tl.where(pick, ranks, 0))
-        row = tl.sum(tl.where(pick, rows, 0))
-        scale = tl.sum(tl.where(pick, scales, 0.0))
-        offs_r = r0 + lanes0
-        b = _b_chunk(b_ptr + row * width + offs_n[None, :], width, offs_r, rank, n_mask)
-        t_mask = (m_mask & (row_slot == slot))[:, None] & (offs_r < rank)[None, :]
-        t = tl.load(t_ptr + t_rows + offs_r[None, :], mask=t_mask, other=0.0, cache_modifier=".cg")
-        acc = _add_dot(acc, t, scale, b, PRECISION)
-    tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
-
-
 def lora_expand(
     y: torch.Tensor,
     t: torch.Tensor,
@@ -227,12 +167,6 @@ class ExpandShape:
 
     scalars: tuple[int, ...]  # cols, meta_stride, widths, y offsets, first column block of slices 1 and 2
     launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
-    is_packed: bool = False  # the packed expand over groups of sorted tokens (else one program per tile)
-
-
-def uses_packed(step: LoRAStep, config: KernelConfig) -> bool:
-    """The config asks for the packed expand and the step has its group table (decode steps)."""
-    return config.is_packed and step.groups is not None
 
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
@@ -245,13 +179,6 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     use_pdl = uses_pdl(config.is_pdl, device)
     scalars = (*(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
                *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2])
-    if uses_packed(step, config):
-        constexprs = dict(NUM_S=len(slices), GROUP_M=GROUP_M, GROUP_HEAD=GROUP_HEAD, BLOCK_N=config.block_n,
-                          BLOCK_R=BLOCK_R, USE_PDL=use_pdl, PRECISION=dot_precision(dtype),
-                          num_warps=config.expand_warps, num_stages=config.packed_stages,
-                          **({"launch_pdl": True} if use_pdl else {}))
-        grid = (sum(num_blocks), step.num_groups)
-        return ExpandShape(scalars, RepeatLaunch(_packed_expand_kernel, grid, constexprs), is_packed=True)
     num_chunks = num_lanes(proj, slices) // BLOCK_R
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
@@ -278,9 +205,10 @@ def launch_expand(
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
                             lora_b[0].dtype)
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
-    pools = lora_b + [lora_b[0]] * (MAX_SLICES - len(slices))
-    tables = (step.groups,) if shape.is_packed else (step.sorted_tokens, step.tiles)
-    shape.launch(y, *pools, t, *tables, proj.rank, proj.row_start, proj.scale, *shape.scalars, y.stride(0), t.shape[2])
+    shape.launch(
+        y, *(lora_b + [lora_b[0]] * (MAX_SLICES - len(slices))), t, step.sorted_tokens, step.tiles, proj.rank,
+        proj.row_start, proj.scale, *shape.scalars, y.stride(0), t.shape[2],
+    )
 
 
 def lora_expand_torch(

@@ -61,6 +61,10 @@ def test_variant_comparison_runs(triton_backend, monkeypatch):
     assert "BAD" not in lines[0] and "auto 1.0" in lines[0] and "slice s1 1.0" in lines[0] and "+pdl" not in lines[0]
     lines = bench_variants.compare_paths([shape], torch.float32, with_pdl=True)  # PDL itself off the GPU
     assert "BAD" not in lines[0] and "slice pdl t1024 1.0" in lines[0] and "pdl s1 split4 1.0" in lines[0]
+    lines = bench_variants.compare_paths([shape], torch.float32, with_pdl=True, labels=["auto", "gemv2"])
+    assert lines[0].endswith("auto 1.0, gemv2 1.0")
+    with pytest.raises(SystemExit, match="unknown variants: nope"):
+        bench_variants.compare_paths([shape], torch.float32, with_pdl=False, labels=["auto", "nope"])
     lines = bench_variants.tune([shape], torch.float32)
     assert "auto (" in lines[0] and "tiles=16,32 1.0" in lines[0] and "n128 w4 1.0" in lines[0]
     monkeypatch.setattr(bench_lora, "time_graph", fake_timer)

@@ -33,8 +33,7 @@ CASES = [
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
-            "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}, "packed": {"is_packed": True},
-            "gemv-packed": {"gemv_rows": 8, "is_packed": True}}
+            "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:

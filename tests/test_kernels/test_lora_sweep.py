@@ -55,8 +55,7 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
 # The step's own launch (add_lora, PDL on decode steps), or the tile height's default config with these changes.
 LAUNCHES = {"auto": None, "split-no-pdl": {"is_pdl": False}, "slice": {"is_per_slice": True},
             "slice-no-pdl": {"is_per_slice": True, "is_pdl": False}, "all-slices": {"is_per_slice": False},
-            "gemv": {"gemv_rows": 8}, "gemv-r1-no-pdl": {"gemv_rows": 8, "gemv_ranks": 1, "is_pdl": False},
-            "packed": {"is_packed": True}, "gemv-packed-no-pdl": {"gemv_rows": 8, "is_packed": True, "is_pdl": False}}
+            "gemv": {"gemv_rows": 8}, "gemv-r1-no-pdl": {"gemv_rows": 8, "gemv_ranks": 1, "is_pdl": False}}
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
