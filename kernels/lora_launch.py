@@ -10,18 +10,58 @@ goes through the JIT again.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 from triton import knobs
 from triton.compiler.compiler import CompiledKernel
 
+_DTYPE = operator.attrgetter("dtype")
 
-def specialization_key(args: tuple) -> tuple:
-    """What a launch's compiled kernel depends on among its runtime arguments.
+
+def _picker(positions: list[int]):
+    """args -> the tuple of args at these positions (itemgetter returns a bare item for one position)."""
+    if len(positions) == 1:
+        return lambda args: (args[positions[0]],)
+    return operator.itemgetter(*positions) if positions else lambda args: ()
+
+
+class Specialization:
+    """What a launch's compiled kernel depends on among its runtime arguments, recorded from one call's.
 
     Triton specializes integers on their value (== 1, divisible by 16) and pointers on their dtype and on
-    16-byte alignment; this key is stricter for integers (the exact value), so equal keys mean the same kernel.
+    16-byte alignment; this is stricter for integers (the exact value), so a call that `holds` gets the same
+    compiled kernel. The check runs on every layer's launch, so it is a few C-level passes, not a loop over the
+    arguments in Python.
     """
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def __init__(self, args: tuple) -> None:
+        is_tensor = [isinstance(a, torch.Tensor) for a in args]
+        self._num_args = len(args)
+        self._tensors = _picker([i for i, t in enumerate(is_tensor) if t])
+        self._values = _picker([i for i, t in enumerate(is_tensor) if not t])
+        tensors = self._tensors(args)
+        self._dtypes = list(map(_DTYPE, tensors))
+        self._aligned = [p % 16 == 0 for p in map(torch.Tensor.data_ptr, tensors)]
+        self._all_aligned = all(self._aligned)
+        self._value_args = self._values(args)
+
+    def holds(self, args: tuple) -> bool:
+        if len(args) != self._num_args:
+            return False
+        try:
+            if self._values(args) != self._value_args:
+                return False
+            tensors = self._tensors(args)
+            if list(map(_DTYPE, tensors)) != self._dtypes:
+                return False
+            pointers = list(map(torch.Tensor.data_ptr, tensors))
+        except (AttributeError, TypeError, RuntimeError):  # a tensor where a value was, or the other way round
+            return False
+        if self._all_aligned:  # the usual case: one OR over the addresses
+            return not functools.reduce(operator.or_, pointers, 0) & 15
+        return [p % 16 == 0 for p in pointers] == self._aligned
 
 
 def has_launch_hooks() -> bool:
@@ -44,16 +84,15 @@ class RepeatLaunch:
         self._grid3 = tuple(grid) + (1,) * (3 - len(grid))  # a compiled kernel's launcher takes all three
         self.constexprs = constexprs  # constexpr arguments and launch options (num_warps, num_stages, ...)
         self._kernel = None
-        self._key: tuple | None = None
+        self._specialization: Specialization | None = None
         self._tail: tuple = ()  # the constexpr arguments' values in signature order, after the runtime ones
 
     def __call__(self, *args) -> None:
         """Launch with the runtime arguments, in signature order (the constexprs come from the constructor)."""
-        key = specialization_key(args)
-        if self._kernel is not None and key == self._key and not has_launch_hooks():
+        if self._kernel is not None and self._specialization.holds(args) and not has_launch_hooks():
             self._kernel[self._grid3](*args, *self._tail)
             return
         kernel = self.fn[self.grid](*args, **self.constexprs)
         if is_compiled(kernel):
-            self._kernel, self._key = kernel, key
+            self._kernel, self._specialization = kernel, Specialization(args)
             self._tail = tuple(self.constexprs[name] for name in self.fn.arg_names[len(args):])

@@ -152,7 +152,14 @@ def test_repeat_launch_skips_the_jit_only_while_the_specialization_holds(monkeyp
     launch(base, 8)  # another integer: through the JIT again
     launch(base[1:], 8)  # 4-byte aligned: through the JIT again
     launch(base.double(), 8)  # another dtype: through the JIT again
-    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit"]
+    launch(base.double()[2:], 8)  # 16-byte aligned view of the same dtype: direct
+    launch(8, base.double())  # the arguments' kinds swapped: through the JIT (which rejects it in real life)
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit", "direct", "jit"]
     assert calls[0][3] == dict(BLOCK=16, FLAG=True, num_warps=4)
     assert calls[0][1] == (4, 2) and calls[1][1] == (4, 2, 1)  # a compiled kernel's launcher takes three dims
     assert calls[1][2][1:] == (7, 16, True)  # the constexprs passed in signature order
+    launch(8, base.double()[2:])  # the swapped kinds again, aligned: direct
+    launch(8, base.double()[1:])  # misaligned: the JIT, and a misaligned pointer is what it records
+    launch(8, base.double()[3:])  # misaligned too: direct
+    launch(8, base.double())  # aligned against a misaligned record: the JIT
+    assert [c[0] for c in calls[-4:]] == ["direct", "jit", "direct", "jit"]
