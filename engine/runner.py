@@ -12,7 +12,7 @@ from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
 from kubelora.engine.sampler import sample
 from kubelora.engine.scheduler import Batch
-from kubelora.kernels.lora import LoRAProj, prepare_lora_proj, prepare_lora_step
+from kubelora.kernels.lora import prepare_lora_projs, prepare_lora_step
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class ModelRunner:
             return None
         token_slots = [c.slot for c in batch.chunks for _ in c.token_ids]
         step = prepare_lora_step(token_slots, len(batch.slots), self.config.device)
-        proj = {kind: _prepare_kind(batch.slots, self.model.config.kind_modules(kind), self.config.device)
-                for kind in PROJ_KINDS}
+        tables = {kind: _kind_tables(batch.slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
+        proj = prepare_lora_projs(tables, self.config.device)  # every kind in one host->device copy
         return LoRAContext(step=step, proj=proj, backend=self.config.lora_backend)
 
     def _sample(self, batch: Batch, logits: torch.Tensor, plan: LogitsPlan) -> list[int | None]:
@@ -82,11 +82,12 @@ class ModelRunner:
         return [None if r is None else next(tokens) for r in plan.sample_rows]
 
 
-def _prepare_kind(slots: tuple[SlotView, ...], modules: tuple[str, ...], device: torch.device) -> LoRAProj:
+def _kind_tables(slots: tuple[SlotView, ...], modules: tuple[str, ...]) -> tuple[list, list, list]:
+    """One projection kind's (row_start, rank, scale) per slot and module, as `prepare_lora_projs` takes them."""
     row_start = [[view.row_start.get(m, 0) for m in modules] for view in slots]
     rank = [[view.rank.get(m, 0) for m in modules] for view in slots]
     scale = [[view.scale.get(m, 0.0) for m in modules] for view in slots]
-    return prepare_lora_proj(row_start, rank, scale, device)
+    return row_start, rank, scale
 
 
 def prepare_logits_plan(batch: Batch, device: torch.device) -> LogitsPlan:

@@ -138,14 +138,46 @@ def prepare_lora_proj(
     row_start: list[list[int]], rank: list[list[int]], scale: list[list[float]], device: torch.device | str
 ) -> LoRAProj:
     """Pack one projection's slot table (outer list: slots, inner: slices) into device tensors."""
-    ranks = torch.tensor(rank, dtype=torch.int64).reshape(len(rank), -1)
-    max_rank = tuple(max(column) for column in zip(*rank))  # host lists: no tensor op per step and kind
-    return LoRAProj(
-        row_start=torch.tensor(row_start, dtype=torch.int64).reshape(ranks.shape).to(device),
-        rank=ranks.to(device),
-        scale=torch.tensor(scale, dtype=torch.float32).reshape(ranks.shape).to(device),
-        max_rank=max_rank,
-    )
+    return prepare_lora_projs({"": (row_start, rank, scale)}, device)[""]
+
+
+def prepare_lora_projs(
+    tables: dict[str, tuple[list[list[int]], list[list[int]], list[list[float]]]], device: torch.device | str
+) -> dict[str, LoRAProj]:
+    """`prepare_lora_proj` for several projection kinds (kind -> (row_start, rank, scale)) in one host->device copy.
+
+    The int64 tables and the float32 scales (two to an int64) are laid end to end, each from a 16-byte boundary,
+    and every kind's tensors are views of the one device buffer.
+    """
+    parts: list[torch.Tensor] = []
+    layout = []
+    size = 0
+
+    def place(values: torch.Tensor) -> int:  # 1-D int64; returns its first element's index in the buffer
+        nonlocal size
+        first = size
+        parts.extend([values, values.new_zeros(values.numel() % 2)])
+        size += values.numel() + values.numel() % 2
+        return first
+
+    for kind, (row_start, rank, scale) in tables.items():
+        ranks = torch.tensor(rank, dtype=torch.int64).reshape(len(rank), -1)
+        scales = torch.tensor(scale, dtype=torch.float32).flatten()
+        scales = torch.cat([scales, scales.new_zeros(scales.numel() % 2)]).view(torch.int64)
+        max_rank = tuple(max(column) for column in zip(*rank))  # host lists: no tensor op per step and kind
+        rows = place(torch.tensor(row_start, dtype=torch.int64).flatten())
+        layout.append((kind, ranks.shape, rows, place(ranks.flatten()), place(scales), max_rank))
+    packed = torch.cat(parts).to(device)
+    projs = {}
+    for kind, shape, rows, ranks, scales, max_rank in layout:
+        num = shape.numel()
+        projs[kind] = LoRAProj(
+            row_start=packed[rows : rows + num].view(shape),
+            rank=packed[ranks : ranks + num].view(shape),
+            scale=packed[scales : scales + (num + 1) // 2].view(torch.float32)[:num].view(shape),
+            max_rank=max_rank,
+        )
+    return projs
 
 
 def add_lora_torch(

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes
-from kubelora.kernels.lora_launch import RepeatLaunch
+from kubelora.kernels.lora_launch import RepeatLaunch, shared_launch
 from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_meta, uses_pdl
 
 
@@ -186,7 +186,7 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
         USE_PDL=use_pdl, PRECISION=dot_precision(dtype), num_warps=config.expand_warps,
         num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
-    return ExpandShape(scalars, RepeatLaunch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs))
+    return ExpandShape(scalars, shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, scalars))
 
 
 def launch_expand(

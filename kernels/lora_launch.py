@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections import OrderedDict
 
 import torch
 from triton import knobs
@@ -96,3 +97,27 @@ class RepeatLaunch:
         if is_compiled(kernel):
             self._kernel, self._specialization = kernel, Specialization(args)
             self._tail = tuple(self.constexprs[name] for name in self.fn.arg_names[len(args):])
+
+
+# Launches kept across steps (`shared_launch`): decode steps of one batch shape plan the same launches step after
+# step, and each new RepeatLaunch would go through the JIT once per step.
+SHARED_LAUNCHES = 256
+_shared: OrderedDict[tuple, RepeatLaunch] = OrderedDict()
+
+
+def shared_launch(fn, grid: tuple[int, ...], constexprs: dict, key: tuple = ()) -> RepeatLaunch:
+    """The RepeatLaunch of this kernel, grid and constexprs, the same object for every step that plans it.
+
+    key: the planner's integer launch arguments, so that two projections launching the same kernel and grid
+    with other integers keep their own launches instead of taking turns through the JIT. The least recently
+    planned of more than SHARED_LAUNCHES are dropped.
+    """
+    cache_key = (fn, tuple(grid), tuple(sorted(constexprs.items())), key)
+    launch = _shared.get(cache_key)
+    if launch is None:
+        launch = _shared[cache_key] = RepeatLaunch(fn, grid, constexprs)
+        while len(_shared) > SHARED_LAUNCHES:
+            _shared.popitem(last=False)
+    else:
+        _shared.move_to_end(cache_key)
+    return launch

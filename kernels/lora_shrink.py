@@ -21,7 +21,7 @@ import triton.language as tl
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import (BLOCK_R, GEMV_PROGRAMS, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision,
                                           num_lanes)
-from kubelora.kernels.lora_launch import RepeatLaunch
+from kubelora.kernels.lora_launch import RepeatLaunch, shared_launch
 from kubelora.kernels.lora_tile import gdc_launch_dependents, pick_slice, sum_splits, tile_meta, tile_rows, uses_pdl
 
 
@@ -266,8 +266,9 @@ def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], co
     )
     grid = (step.num_tiles * len(slices) * rank_groups,)
     lanes = num_lanes(proj, slices)
-    return ShrinkShape(padded_cols(slices), in_dim, step.sorted_tokens.numel(), lanes // BLOCK_R, lanes, 1, in_dim,
-                       len(slices), RepeatLaunch(_gemv_shrink_kernel, grid, constexprs), rank_groups)
+    cols, num_sorted = padded_cols(slices), step.sorted_tokens.numel()
+    launch = shared_launch(_gemv_shrink_kernel, grid, constexprs, (*cols, in_dim, num_sorted, lanes, rank_groups))
+    return ShrinkShape(cols, in_dim, num_sorted, lanes // BLOCK_R, lanes, 1, in_dim, len(slices), launch, rank_groups)
 
 
 def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
@@ -287,8 +288,9 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     grid = (step.num_tiles * groups * num_chunks, split_k)
-    return ShrinkShape(padded_cols(slices), in_dim, step.sorted_tokens.numel(), num_chunks, lanes, split_k,
-                       k_per_split, groups, RepeatLaunch(_shrink_kernel, grid, constexprs))
+    cols, num_sorted = padded_cols(slices), step.sorted_tokens.numel()
+    launch = shared_launch(_shrink_kernel, grid, constexprs, (*cols, in_dim, num_sorted, lanes, split_k, k_per_split))
+    return ShrinkShape(cols, in_dim, num_sorted, num_chunks, lanes, split_k, k_per_split, groups, launch)
 
 
 def launch_shrink(

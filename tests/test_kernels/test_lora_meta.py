@@ -12,6 +12,7 @@ from kubelora.kernels.lora import (
     add_lora_torch,
     default_backend,
     prepare_lora_proj,
+    prepare_lora_projs,
     prepare_lora_step,
 )
 from kubelora.kernels.lora_problems import DISTRIBUTIONS, build_problem, check_y
@@ -60,6 +61,24 @@ def test_proj_max_rank_per_slice():
     proj = prepare_lora_proj([[0, 0], [3, 0]], [[3, 0], [12, 0]], [[1.0, 1.0], [0.5, 0.5]], "cpu")
     assert proj.max_rank == (12, 0)
     assert proj.rank.dtype == torch.int64 and proj.scale.dtype == torch.float32
+
+
+def test_projs_of_several_kinds_share_one_buffer():
+    """Every kind's tables are views of one packed buffer (one copy per step), with the values given."""
+    tables = {
+        "qkv": ([[0, 5, 9], [16, 21, 25]], [[5, 4, 0], [3, 3, 3]], [[0.5, 2.0, 1.0], [0.25, 0.25, 3.0]]),
+        "o": ([[7], [2]], [[1], [9]], [[1.5], [0.125]]),
+        "down": ([[0], [0]], [[0], [0]], [[0.0], [0.0]]),
+    }
+    projs = prepare_lora_projs(tables, "cpu")
+    assert len({p.rank.untyped_storage().data_ptr() for p in projs.values()}) == 1
+    for kind, (row_start, rank, scale) in tables.items():
+        proj = projs[kind]
+        assert proj.row_start.tolist() == row_start and proj.rank.tolist() == rank and proj.scale.tolist() == scale
+        assert proj.scale.dtype == torch.float32 and proj.rank.stride() == (len(rank[0]), 1)
+        assert proj.rank.data_ptr() % 16 == 0 and proj.scale.data_ptr() % 16 == 0  # Triton's pointer alignment
+        assert proj.max_rank == prepare_lora_proj(row_start, rank, scale, "cpu").max_rank
+    assert projs["down"].max_rank == (0,)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +177,13 @@ def test_repeat_launch_skips_the_jit_only_while_the_specialization_holds(monkeyp
     assert calls[0][3] == dict(BLOCK=16, FLAG=True, num_warps=4)
     assert calls[0][1] == (4, 2) and calls[1][1] == (4, 2, 1)  # a compiled kernel's launcher takes three dims
     assert calls[1][2][1:] == (7, 16, True)  # the constexprs passed in signature order
+    shared = lora_launch.shared_launch(Fn, (4, 2), dict(BLOCK=16), key=(7,))
+    assert lora_launch.shared_launch(Fn, (4, 2), dict(BLOCK=16), key=(7,)) is shared  # a later step: the same launch
+    assert lora_launch.shared_launch(Fn, (4, 2), dict(BLOCK=16), key=(8,)) is not shared
+    assert lora_launch.shared_launch(Fn, (4, 3), dict(BLOCK=16), key=(7,)) is not shared
+    monkeypatch.setattr(lora_launch, "SHARED_LAUNCHES", 2)
+    lora_launch.shared_launch(Fn, (5, 2), dict(BLOCK=16))  # a third since `shared`: the least recent goes
+    assert lora_launch.shared_launch(Fn, (4, 2), dict(BLOCK=16), key=(7,)) is not shared
     launch(8, base.double()[2:])  # the swapped kinds again, aligned: direct
     launch(8, base.double()[1:])  # misaligned: the JIT, and a misaligned pointer is what it records
     launch(8, base.double()[3:])  # misaligned too: direct
