@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from kubelora.kernels import lora, lora_launch
+from kubelora.kernels import lora_launch
 from kubelora.kernels.bench_baselines import build_sets
-from kubelora.kernels.lora import add_lora, prepare_lora_proj, prepare_lora_step
+from kubelora.kernels.lora import add_lora, prepare_lora_projs, prepare_lora_step
 
 HIDDEN = 2048
 WIDTHS = [2048, 512, 512]
@@ -79,10 +79,7 @@ def step_ms(slots: list[int], adapters: int, rank: int, steps: int) -> float:
 
     def one_step() -> None:
         step = prepare_lora_step(slots, adapters, "cuda")
-        if hasattr(lora, "prepare_lora_projs"):  # one copy for every kind (else the earlier one per kind)
-            projs = lora.prepare_lora_projs(kinds, "cuda")
-        else:
-            projs = {kind: prepare_lora_proj(*table, "cuda") for kind, table in kinds.items()}
+        projs = prepare_lora_projs(kinds, "cuda")
         for _ in range(LAYERS):
             for kind, (lora_a, lora_b) in pools.items():
                 add_lora(ys[kind], x, lora_a, lora_b, projs[kind], step, backend="triton")

@@ -13,6 +13,13 @@ from kubelora.kernels.lora import LoRAProj, LoRAStep
 BLOCK_R = 16
 # Output slices fused into one launch pair (q/k/v); a projection with more runs several pairs.
 MAX_SLICES = 3
+
+
+def pad_slices(values: list) -> list:
+    """Per-slice launch arguments (pools, columns, widths, offsets) padded to MAX_SLICES with the first slice's:
+    the kernels take three of each and never pick the padding."""
+    return values + values[:1] * (MAX_SLICES - len(values))
+
 # K splits of the shrink: the last split adds all partials in one [split, tile, 16] register load.
 MAX_SPLIT = 32
 # The GEMV shrink (KernelConfig.gemv_rows) holds rows x (in_dim step / threads) inputs per thread in registers.

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
-from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes
+from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes, pad_slices
 from kubelora.kernels.lora_launch import RepeatLaunch, shared_launch
 from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_meta, uses_pdl
 
@@ -175,10 +175,9 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
-    pad = MAX_SLICES - len(slices)
     use_pdl = uses_pdl(config.is_pdl, device)
-    scalars = (*(slices + [slices[0]] * pad), proj.rank.stride(0), *(widths + [widths[0]] * pad),
-               *(y_offsets + [y_offsets[0]] * pad), first_nb[1], first_nb[2])
+    scalars = (*pad_slices(slices), proj.rank.stride(0), *pad_slices(widths), *pad_slices(y_offsets), first_nb[1],
+               first_nb[2])
     num_chunks = num_lanes(proj, slices) // BLOCK_R
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
@@ -205,10 +204,8 @@ def launch_expand(
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
                             lora_b[0].dtype)
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
-    shape.launch(
-        y, *(lora_b + [lora_b[0]] * (MAX_SLICES - len(slices))), t, step.sorted_tokens, step.tiles, proj.rank,
-        proj.row_start, proj.scale, *shape.scalars, y.stride(0), t.shape[2],
-    )
+    shape.launch(y, *pad_slices(lora_b), t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, proj.scale,
+                 *shape.scalars, y.stride(0), t.shape[2])
 
 
 def lora_expand_torch(

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import (BLOCK_R, GEMV_PROGRAMS, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision,
-                                          num_lanes)
+                                          num_lanes, pad_slices)
 from kubelora.kernels.lora_launch import RepeatLaunch, shared_launch
 from kubelora.kernels.lora_tile import gdc_launch_dependents, pick_slice, sum_splits, tile_meta, tile_rows, uses_pdl
 
@@ -235,11 +235,6 @@ class ShrinkShape:
     rank_groups: int = 0  # the GEMV shrink's rank-row groups per (tile, slice); 0: the tensor-core shrink
 
 
-def padded_cols(slices: list[int]) -> tuple[int, ...]:
-    """The slices' columns in the proj tables, padded to MAX_SLICES with the first (padding is never picked)."""
-    return tuple(slices + [slices[0]] * (MAX_SLICES - len(slices)))
-
-
 def uses_gemv(step: LoRAStep, config: KernelConfig) -> bool:
     """The step takes the GEMV shrink: config.gemv_rows is set and no tile holds more tokens."""
     return 0 < step.max_tile_count <= config.gemv_rows
@@ -266,7 +261,7 @@ def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], co
     )
     grid = (step.num_tiles * len(slices) * rank_groups,)
     lanes = num_lanes(proj, slices)
-    cols, num_sorted = padded_cols(slices), step.sorted_tokens.numel()
+    cols, num_sorted = tuple(pad_slices(slices)), step.sorted_tokens.numel()
     launch = shared_launch(_gemv_shrink_kernel, grid, constexprs, (*cols, in_dim, num_sorted, lanes, rank_groups))
     return ShrinkShape(cols, in_dim, num_sorted, lanes // BLOCK_R, lanes, 1, in_dim, len(slices), launch, rank_groups)
 
@@ -288,7 +283,7 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     grid = (step.num_tiles * groups * num_chunks, split_k)
-    cols, num_sorted = padded_cols(slices), step.sorted_tokens.numel()
+    cols, num_sorted = tuple(pad_slices(slices)), step.sorted_tokens.numel()
     launch = shared_launch(_shrink_kernel, grid, constexprs, (*cols, in_dim, num_sorted, lanes, split_k, k_per_split))
     return ShrinkShape(cols, in_dim, num_sorted, num_chunks, lanes, split_k, k_per_split, groups, launch)
 
@@ -312,7 +307,7 @@ def launch_shrink(
     assert len(lora_a) == len(slices) and x.stride(1) == 1 and x.shape[1] == shape.in_dim
     num_slices = len(slices)
     t = new_workspace(shape.num_sorted, num_slices, shape.lanes, device=x.device)
-    pools = lora_a + [lora_a[0]] * (MAX_SLICES - num_slices)
+    pools = pad_slices(lora_a)
     if shape.rank_groups:
         shape.launch(x, *pools, t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, *shape.cols,
                      proj.rank.stride(0), shape.in_dim, x.stride(0), shape.rank_groups, shape.lanes)
