@@ -23,7 +23,8 @@ POINTERS = {"sorted_ptr": "*i64", "tiles_ptr": "*i64", "rank_ptr": "*i64", "row_
 # Arguments the launcher sees as multiples of 16 at the benchmark's sizes (Triton specializes on that).
 DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
              "k_per_split", "num_groups"}
-COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1)
+COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1, STACK=1)
+EXPAND = dict(BLOCK_M=16, BLOCK_R=16, USE_PDL=True)  # the decode expand
 GEMV = dict(BLOCK_M=16, BLOCK_K=4096, USE_PDL=True)  # the GEMV shrink's shapes below, at in_dim 4096 in one step
 SHAPES = [
     ("shrink m16 k128 split8", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=16, SPLIT=8, USE_PDL=False), 4, 3),
@@ -42,6 +43,16 @@ SHAPES = [
     ("expand m32 n128 pdl", _expand_kernel, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_R=16, B_FIRST=1, USE_PDL=True), 8,
      2),
     ("expand m64 n256", _expand_kernel, dict(BLOCK_M=64, BLOCK_N=256, BLOCK_R=16, B_FIRST=0, USE_PDL=False), 4, 2),
+    # stacked column sub-blocks (2 tokens per tile: 8 sub-blocks; 8 tokens: 2), B requested for rank 16 / 64
+    ("expand stack8 n256 b1", _expand_kernel, dict(EXPAND, BLOCK_N=256, B_FIRST=1, STACK=8), 8, 1),
+    ("expand stack8 n256 b1 w4", _expand_kernel, dict(EXPAND, BLOCK_N=256, B_FIRST=1, STACK=8), 4, 1),
+    ("expand stack8 n512 b1", _expand_kernel, dict(EXPAND, BLOCK_N=512, B_FIRST=1, STACK=8), 8, 1),
+    ("expand stack8 n1024 b1", _expand_kernel, dict(EXPAND, BLOCK_N=1024, B_FIRST=1, STACK=8), 8, 1),
+    ("expand stack8 n256 b4", _expand_kernel, dict(EXPAND, BLOCK_N=256, B_FIRST=4, STACK=8), 8, 1),
+    ("expand stack8 n512 b4", _expand_kernel, dict(EXPAND, BLOCK_N=512, B_FIRST=4, STACK=8), 8, 1),
+    ("expand stack2 n256 b1", _expand_kernel, dict(EXPAND, BLOCK_N=256, B_FIRST=1, STACK=2), 8, 1),
+    ("expand stack2 n512 b1", _expand_kernel, dict(EXPAND, BLOCK_N=512, B_FIRST=1, STACK=2), 8, 1),
+    ("expand m16 n256 b1 s1", _expand_kernel, dict(EXPAND, BLOCK_N=256, B_FIRST=1), 8, 1),
 ]
 
 

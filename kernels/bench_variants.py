@@ -48,6 +48,13 @@ PATH_VARIANTS = {
     "gemv2 r1": ({}, _auto(gemv_rows=2, gemv_ranks=1)),
     "gemv2 n128 w4": ({}, _auto(gemv_rows=2, block_n=128, expand_warps=4)),
     "gemv8 r2 w8 n128 w4": ({}, _auto(gemv_rows=8, gemv_ranks=2, gemv_warps=8, block_n=128, expand_warps=4)),
+    # stack: the expand stacks column sub-blocks in its rows on steps of <= 8 tokens per tile (nN: N columns per
+    # program, w4: 4 warps)
+    "stack": ({}, _auto(stack_tokens=8)),
+    "stack w4": ({}, _auto(stack_tokens=8, expand_warps=4)),
+    "stack n512": ({}, _auto(stack_tokens=8, block_n=512)),
+    "stack n512 w4": ({}, _auto(stack_tokens=8, block_n=512, expand_warps=4)),
+    "stack n1024": ({}, _auto(stack_tokens=8, block_n=1024)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

@@ -51,6 +51,9 @@ class KernelConfig:
     gemv_ranks: int = 0  # rank rows per GEMV program (1, 2 or 4; 0: the most that keeps GEMV_PROGRAMS programs)
     gemv_k: int = 4096  # in_dim columns per GEMV loop step at most (a power of two)
     gemv_warps: int = 4
+    # expand: on steps whose tiles hold at most this many tokens (0: never), the product's rows stack column
+    # sub-blocks of the tile's tokens (`stack_factor`) instead of padding the tokens to the tile height
+    stack_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n", "gemv_k"):
@@ -59,6 +62,8 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")
         if self.gemv_ranks not in (0, 1, 2, 4) or not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"KernelConfig: gemv_ranks must be 0, 1, 2 or 4, gemv_rows in 0..{GEMV_MAX_ROWS}")
+        if not 0 <= self.stack_tokens <= 8:
+            raise ValueError(f"KernelConfig.stack_tokens={self.stack_tokens}: must be in 0..8")
         if not 0 <= self.b_first <= 4:
             raise ValueError(f"KernelConfig.b_first={self.b_first}: must be in 0..4")
         if not 1 <= self.max_split <= MAX_SPLIT or self.target_programs < 1:
@@ -81,6 +86,18 @@ DEFAULT_CONFIGS = {
 def dot_precision(dtype: torch.dtype) -> str:
     # float32 pools stay exact (the CPU interpreter and fp32 engines); tf32 would cost 1e-3 relative error.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def stack_factor(step: LoRAStep, config: KernelConfig) -> int:
+    """Column sub-blocks the expand stacks in its product's rows (1: none, rows are the tile's tokens).
+
+    A step of at most `config.stack_tokens` tokens per tile stacks block_m / R sub-blocks of R rows, R the tile's
+    token count rounded up to a power of two, each at least 16 columns wide (tl.dot's N).
+    """
+    if not 0 < step.max_tile_count <= config.stack_tokens:
+        return 1
+    rows = 1 << (step.max_tile_count - 1).bit_length()
+    return max(1, min(step.block_m // rows, config.block_n // 16))
 
 
 def num_lanes(proj: LoRAProj, slices: list[int]) -> int:

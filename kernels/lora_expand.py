@@ -14,21 +14,22 @@ import triton
 import triton.language as tl
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
-from kubelora.kernels.lora_config import BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes, pad_slices
+from kubelora.kernels.lora_config import (BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes, pad_slices,
+                                         stack_factor)
 from kubelora.kernels.lora_launch import RepeatLaunch, shared_launch
-from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_meta, uses_pdl
+from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_tokens, uses_pdl
 
 
 @triton.jit
 def _b_chunk(b_rows, width, offs_r, rank, n_mask):
-    # B rows offs_r of the adapter ([BLOCK_R, BLOCK_N]); rows at or past its rank move no bytes.
-    return tl.load(b_rows + offs_r[:, None] * width, mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
+    # B rows offs_r of the adapter ([K, columns]; n_mask broadcasts to it); rows at or past its rank move no bytes.
+    return tl.load(b_rows + offs_r[:, None] * width, mask=(offs_r < rank)[:, None] & n_mask, other=0.0)
 
 
 @triton.jit
 def _t_chunk(t_ptr, t_rows, offs_r, m_mask, rank):
-    # t[:, offs_r] ([BLOCK_M, BLOCK_R] float32), through L2 only (.cg): the shrink launch wrote it.
-    return tl.load(t_ptr + t_rows + offs_r[None, :], mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0,
+    # t[:, offs_r] ([BLOCK_M, K] float32; m_mask broadcasts to it), through L2 only (.cg): the shrink launch wrote it.
+    return tl.load(t_ptr + t_rows + offs_r[None, :], mask=m_mask & (offs_r < rank)[None, :], other=0.0,
                    cache_modifier=".cg")
 
 
@@ -93,31 +94,51 @@ def _expand_kernel(
     y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, STACK: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
+    # STACK > 1 (tiles of at most BLOCK_M / STACK tokens): the BLOCK_M rows of the product are STACK column
+    # sub-blocks of BLOCK_N / STACK columns for the tile's first BLOCK_M / STACK tokens, row = sub-block x
+    # ROWS + token, and the rank dimension is STACK copies of the chunk's lanes, copy s multiplied only by the
+    # rows of sub-block s (t is masked to zero elsewhere). One MMA then serves every column of the block
+    # without computing or holding rows past the tile's tokens.
+    ROWS: tl.constexpr = BLOCK_M // STACK
+    SUB_N: tl.constexpr = BLOCK_N // STACK
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
     j, b_ptr, col, width, y_off, nb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
                                                     width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
-    slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
+    offs_m = tl.arange(0, BLOCK_M)
+    if STACK == 1:
+        q = offs_m  # the row's token within the tile
+        lanes0 = tl.arange(0, BLOCK_R)  # the product's K: the chunk's rank lanes
+    else:
+        q = offs_m % ROWS
+        lanes0 = tl.arange(0, STACK * BLOCK_R) % BLOCK_R  # STACK copies of the chunk's lanes
+    slot, start, count, tok = tile_tokens(tiles_ptr, sorted_ptr, tile, BLOCK_M, q, SLOT_TILES, FOLDED)
     rank = tl.load(rank_ptr + slot * meta_stride + col)
     row = tl.load(row_ptr + slot * meta_stride + col)
     scale = tl.load(scale_ptr + slot * meta_stride + col)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < width
+    m_mask = (q < count)[:, None]
+    if STACK == 1:
+        y_cols = (nb * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+        b_cols = y_cols
+    else:
+        offs_n = tl.arange(0, SUB_N)
+        y_cols = (nb * BLOCK_N + (offs_m // ROWS) * SUB_N)[:, None] + offs_n[None, :]
+        k_sub = tl.arange(0, STACK * BLOCK_R) // BLOCK_R
+        b_cols = (nb * BLOCK_N + k_sub * SUB_N)[:, None] + offs_n[None, :]
+        m_mask = m_mask & ((offs_m // ROWS)[:, None] == k_sub[None, :])
     # y is loaded first so that its bytes are in flight while t and B arrive. Rows past the tile's tokens
     # and slices the adapter does not adapt (rank 0) are neither read nor written.
-    y_rows = offs_m < tl.where(rank > 0, count, 0)
-    y_mask = y_rows[:, None] & n_mask[None, :]
-    y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + offs_n[None, :]
+    y_rows = q < tl.where(rank > 0, count, 0)
+    y_mask = y_rows[:, None] & (y_cols < width)
+    y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + y_cols
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
-    lanes0 = tl.arange(0, BLOCK_R)
-    b_rows = b_ptr + row * width + offs_n[None, :]
+    acc = tl.zeros([BLOCK_M, SUB_N], dtype=tl.float32)
+    t_rows = ((start + q) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
+    n_mask = b_cols < width
+    b_rows = b_ptr + row * width + b_cols
     r_first = 0
     if B_FIRST > 0:
         # The first B_FIRST rank chunks of B are requested before t: launched early (programmatic dependent
@@ -182,8 +203,8 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
-        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), num_warps=config.expand_warps,
-        num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
+        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config),
+        num_warps=config.expand_warps, num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
     return ExpandShape(scalars, shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, scalars))
 

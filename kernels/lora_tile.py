@@ -57,8 +57,14 @@ def tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, SLOT_TILES: tl
 def tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SLOT_TILES: tl.constexpr,
               FOLDED: tl.constexpr):
     """`tile_meta` with the first ROWS (<= BLOCK_M) token ids only: for steps whose tiles hold at most ROWS tokens."""
+    return tile_tokens(tiles_ptr, sorted_ptr, tile, BLOCK_M, tl.arange(0, ROWS), SLOT_TILES, FOLDED)
+
+
+@triton.jit
+def tile_tokens(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, offs_m, SLOT_TILES: tl.constexpr,
+                FOLDED: tl.constexpr):
+    """`tile_meta` with the token ids at positions offs_m (< BLOCK_M, repeats allowed) of the tile."""
     row = tiles_ptr + tile * (_HEAD + BLOCK_M)
-    offs_m = tl.arange(0, ROWS)
     start = tl.load(row + 1)
     count = tl.load(row + 2)
     if FOLDED:

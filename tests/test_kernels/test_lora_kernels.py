@@ -33,7 +33,8 @@ CASES = [
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
-            "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}}
+            "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}, "stack": {"stack_tokens": 8},
+            "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -157,6 +158,26 @@ def test_every_tile_height(triton_backend, device, block_m, tokens_per_slot, pat
     p.step = prepare_lora_step(slots, 4, device, tile_heights=(block_m,))  # slot 3: no tokens, an empty tile
     assert p.step.block_m == block_m and p.step.is_slot_tiles == (tokens_per_slot <= block_m)
     check_y(p, run_path(triton_backend, p, path))
+
+
+@pytest.mark.parametrize("block_n", [256, 512])
+@pytest.mark.parametrize("tokens_per_slot", [1, 2, 3, 4, 5, 8])
+def test_stacked_expand_every_factor(triton_backend, device, tokens_per_slot, block_n):
+    """The expand with column sub-blocks stacked in its rows, at every factor (16 down to 2): widths that are no
+    multiple of a sub-block, ranks past the chunks requested before t (the rank loop), slices of rank 0."""
+    from kubelora.kernels.lora_config import stack_factor
+
+    ranks = [[3, 0, 70], [16, 17, 1], [33, 8, 8]]
+    slots = [a for _ in range(tokens_per_slot) for a in range(3)] + [-1]
+    p = build_problem(len(slots), ranks, [40, 300, 24], 24, "one", torch.float32, seed=13, device=device)
+    p.slots = slots
+    p.step = prepare_lora_step(slots, len(ranks), device)
+    config = step_config(p.step, stack_tokens=8, block_n=block_n, b_first=2)
+    rows = 1 << (tokens_per_slot - 1).bit_length()
+    assert stack_factor(p.step, config) == 16 // rows
+    y = p.y0.clone()
+    triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, config)
+    check_y(p, y)
 
 
 def test_pdl_only_where_it_can_run():
