@@ -93,7 +93,7 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
         t = lora_shrink.lora_shrink(x, lora_a, p.proj, p.step, slices, config, split_k)
         ref = lora_shrink.lora_shrink_torch(x, lora_a, p.proj, p.step, slices)
         if expand_sum and split_k > 1:
-            assert t.shape[0] == split_k
+            assert t.dim() == 4 and 1 < t.shape[0] <= split_k  # (at most one split per 16-wide in_dim step)
             t = t.sum(0)  # a plane's unwritten lane below the rank stays NaN in the sum
         assert t.shape == ref.shape and t.shape[2] % BLOCK_R == 0
         check_lanes_below_rank(p, t, ref, device)
