@@ -23,7 +23,7 @@ POINTERS = {"sorted_ptr": "*i64", "tiles_ptr": "*i64", "rank_ptr": "*i64", "row_
 # Arguments the launcher sees as multiples of 16 at the benchmark's sizes (Triton specializes on that).
 DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
              "k_per_split", "num_groups"}
-COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1, STACK=1, REDUCE=True)
+COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1, STACK=1)
 EXPAND = dict(BLOCK_M=16, BLOCK_R=16, USE_PDL=True)  # the decode expand
 GEMV = dict(BLOCK_M=16, BLOCK_K=4096, USE_PDL=True)  # the GEMV shrink's shapes below, at in_dim 4096 in one step
 SHAPES = [
@@ -53,12 +53,6 @@ SHAPES = [
     ("expand stack2 n256 b1", _expand_kernel, dict(EXPAND, BLOCK_N=256, B_FIRST=1, STACK=2), 8, 1),
     ("expand stack2 n512 b1", _expand_kernel, dict(EXPAND, BLOCK_N=512, B_FIRST=1, STACK=2), 8, 1),
     ("expand m16 n256 b1 s1", _expand_kernel, dict(EXPAND, BLOCK_N=256, B_FIRST=1), 8, 1),
-    # the expand adding the shrink's K-split partial sums (KernelConfig.is_expand_sum), and that shrink
-    ("expand sum4 n256 b1", _expand_kernel, dict(EXPAND, BLOCK_N=256, B_FIRST=1, SPLIT=4), 8, 1),
-    ("expand sum8 n256 b4", _expand_kernel, dict(EXPAND, BLOCK_N=256, B_FIRST=4, SPLIT=8), 8, 1),
-    ("expand sum8 stack2 n512 b1", _expand_kernel, dict(EXPAND, BLOCK_N=512, B_FIRST=1, SPLIT=8, STACK=2), 8, 1),
-    ("shrink per-slice split8 no reduce", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8,
-                                                               USE_PDL=True, GROUPS=3, REDUCE=False), 4, 3),
 ]
 
 

@@ -55,11 +55,6 @@ PATH_VARIANTS = {
     "stack n512": ({}, _auto(stack_tokens=8, block_n=512)),
     "stack n512 w4": ({}, _auto(stack_tokens=8, block_n=512, expand_warps=4)),
     "stack n1024": ({}, _auto(stack_tokens=8, block_n=1024)),
-    # sum: the shrink's K splits leave their partial sums for the expand to add (splitN: at most N splits)
-    "sum": ({}, _auto(is_expand_sum=True)),
-    "sum split4": ({}, _auto(is_expand_sum=True, max_split=4)),
-    "sum split16": ({}, _auto(is_expand_sum=True, max_split=16, target_programs=1024)),
-    "sum stack n512": ({}, _auto(is_expand_sum=True, stack_tokens=8, block_n=512)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

@@ -51,9 +51,6 @@ class KernelConfig:
     gemv_ranks: int = 0  # rank rows per GEMV program (1, 2 or 4; 0: the most that keeps GEMV_PROGRAMS programs)
     gemv_k: int = 4096  # in_dim columns per GEMV loop step at most (a power of two)
     gemv_warps: int = 4
-    # shrink K splits: each split writes its partial sum as a plane of t and the expand adds the planes (no arrival
-    # counters, no second round trip in the shrink); False: the last split to arrive adds them
-    is_expand_sum: bool = False
     # expand: on steps whose tiles hold at most this many tokens (0: never), the product's rows stack column
     # sub-blocks of the tile's tokens (`stack_factor`) instead of padding the tokens to the tile height
     stack_tokens: int = 0

@@ -17,7 +17,7 @@ from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import (BLOCK_R, MAX_SLICES, KernelConfig, dot_precision, num_lanes, pad_slices,
                                          stack_factor)
 from kubelora.kernels.lora_launch import RepeatLaunch, shared_launch
-from kubelora.kernels.lora_tile import gdc_wait, select_slice, sum_splits, tile_tokens, uses_pdl
+from kubelora.kernels.lora_tile import gdc_wait, select_slice, tile_tokens, uses_pdl
 
 
 @triton.jit
@@ -27,13 +27,10 @@ def _b_chunk(b_rows, width, offs_r, rank, n_mask):
 
 
 @triton.jit
-def _t_chunk(t_ptr, t_rows, offs_r, m_mask, rank, t_plane, t_planes, SPLIT: tl.constexpr):
+def _t_chunk(t_ptr, t_rows, offs_r, m_mask, rank):
     # t[:, offs_r] ([BLOCK_M, K] float32; m_mask broadcasts to it), through L2 only (.cg): the shrink launch wrote it.
-    # SPLIT > 1: t is t_planes partial sums t_plane apart, added here in one load.
-    mask = m_mask & (offs_r < rank)[None, :]
-    if SPLIT == 1:
-        return tl.load(t_ptr + t_rows + offs_r[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    return sum_splits(t_ptr, t_rows + offs_r[None, :], t_plane, t_planes, mask, SPLIT)
+    return tl.load(t_ptr + t_rows + offs_r[None, :], mask=m_mask & (offs_r < rank)[None, :], other=0.0,
+                   cache_modifier=".cg")
 
 
 @triton.jit
@@ -58,19 +55,18 @@ def _b_chunks(b_rows, width, lanes0, rank, n_mask, BLOCK_R: tl.constexpr, N: tl.
 
 
 @triton.jit
-def _t_chunks(t_ptr, t_rows, lanes0, m_mask, rank, t_plane, t_planes, BLOCK_R: tl.constexpr, N: tl.constexpr,
-              SPLIT: tl.constexpr):
+def _t_chunks(t_ptr, t_rows, lanes0, m_mask, rank, BLOCK_R: tl.constexpr, N: tl.constexpr):
     # The first N rank chunks of t, requested together; the unused ones repeat chunk 0.
-    t_c0 = _t_chunk(t_ptr, t_rows, lanes0, m_mask, rank, t_plane, t_planes, SPLIT)
+    t_c0 = _t_chunk(t_ptr, t_rows, lanes0, m_mask, rank)
     t_c1 = t_c0
     t_c2 = t_c0
     t_c3 = t_c0
     if N > 1:
-        t_c1 = _t_chunk(t_ptr, t_rows, BLOCK_R + lanes0, m_mask, rank, t_plane, t_planes, SPLIT)
+        t_c1 = _t_chunk(t_ptr, t_rows, BLOCK_R + lanes0, m_mask, rank)
     if N > 2:
-        t_c2 = _t_chunk(t_ptr, t_rows, 2 * BLOCK_R + lanes0, m_mask, rank, t_plane, t_planes, SPLIT)
+        t_c2 = _t_chunk(t_ptr, t_rows, 2 * BLOCK_R + lanes0, m_mask, rank)
     if N > 3:
-        t_c3 = _t_chunk(t_ptr, t_rows, 3 * BLOCK_R + lanes0, m_mask, rank, t_plane, t_planes, SPLIT)
+        t_c3 = _t_chunk(t_ptr, t_rows, 3 * BLOCK_R + lanes0, m_mask, rank)
     return t_c0, t_c1, t_c2, t_c3
 
 
@@ -95,10 +91,10 @@ def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank
 def _expand_kernel(
     y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, lanes, t_plane, t_planes,
+    y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, STACK: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, STACK: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     # STACK > 1 (tiles of at most BLOCK_M / STACK tokens): the BLOCK_M rows of the product are STACK column
@@ -153,8 +149,7 @@ def _expand_kernel(
             gdc_wait()
         # All t chunks are requested at once (lanes past the rank move no bytes); each chunk's product is
         # computed only up to the adapter's own rank (a runtime branch per tile).
-        t_c0, t_c1, t_c2, t_c3 = _t_chunks(t_ptr, t_rows, lanes0, m_mask, rank, t_plane, t_planes, BLOCK_R, B_FIRST,
-                                           SPLIT)
+        t_c0, t_c1, t_c2, t_c3 = _t_chunks(t_ptr, t_rows, lanes0, m_mask, rank, BLOCK_R, B_FIRST)
         acc = _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank, BLOCK_R, B_FIRST,
                           PRECISION)
         r_first = B_FIRST * BLOCK_R
@@ -163,7 +158,7 @@ def _expand_kernel(
     # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
     for r0 in range(r_first, rank, BLOCK_R):
         b = _b_chunk(b_rows, width, r0 + lanes0, rank, n_mask)
-        t = _t_chunk(t_ptr, t_rows, r0 + lanes0, m_mask, rank, t_plane, t_planes, SPLIT)
+        t = _t_chunk(t_ptr, t_rows, r0 + lanes0, m_mask, rank)
         acc = _add_dot(acc, t, scale, b, PRECISION)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
 
@@ -180,9 +175,9 @@ def lora_expand(
 ) -> None:
     """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * t[i, j, :r] @ B_{a,s}^T, tok = sorted[i], s = slices[j].
 
-    y: [num_tokens, total_width]; t: [num_lora_tokens, len(slices), lanes] from the shrink, or [planes, ...]:
-    partial sums of t to add; lora_b[j]: [num_rows, d_j], the pool of slice slices[j]; y_offsets[j]: its first
-    column in y. Rows of tokens without adapter and slices of rank 0 are not touched.
+    y: [num_tokens, total_width]; t: [num_lora_tokens, len(slices), lanes] from the shrink;
+    lora_b[j]: [num_rows, d_j], the pool of slice slices[j]; y_offsets[j]: its first column in y.
+    Rows of tokens without adapter and slices of rank 0 are not touched.
     """
     launch_expand(y, t, lora_b, proj, step, slices, y_offsets, config)
 
@@ -192,13 +187,12 @@ class ExpandShape:
     """Host-side parameters of one expand launch, from sizes only: computed once per step, reused per layer."""
 
     scalars: tuple[int, ...]  # cols, meta_stride, widths, y offsets, first column block of slices 1 and 2
-    planes: int  # partial sums of t to add (1: t itself)
     launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
 
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
-                config: KernelConfig, device: torch.device, dtype: torch.dtype, planes: int = 1) -> ExpandShape:
-    """The expand launch's host-side parameters (see `lora_expand`); planes: t's partial sums to add."""
+                config: KernelConfig, device: torch.device, dtype: torch.dtype) -> ExpandShape:
+    """The expand launch's host-side parameters (see `lora_expand`)."""
     assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
@@ -210,10 +204,9 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
         USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config),
-        SPLIT=triton.next_power_of_2(planes), num_warps=config.expand_warps, num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
+        num_warps=config.expand_warps, num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
-    launch = shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, (*scalars, planes))
-    return ExpandShape(scalars, planes, launch)
+    return ExpandShape(scalars, shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, scalars))
 
 
 def launch_expand(
@@ -228,13 +221,12 @@ def launch_expand(
     shape: ExpandShape | None = None,
 ) -> None:
     """The expand launch (see `lora_expand`); shape: this step's `plan_expand` result (config then unused)."""
-    planes = t.shape[0] if t.dim() == 4 else 1
     if shape is None:
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
-                            lora_b[0].dtype, planes)
-    assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous() and planes == shape.planes
+                            lora_b[0].dtype)
+    assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
     shape.launch(y, *pad_slices(lora_b), t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, proj.scale,
-                 *shape.scalars, y.stride(0), t.shape[-1], t.stride(0) if planes > 1 else 0, planes)
+                 *shape.scalars, y.stride(0), t.shape[2])
 
 
 def lora_expand_torch(
@@ -251,8 +243,6 @@ def lora_expand_torch(
 
     Same arguments as `lora_expand` (config ignored); computes in float32, adds once into y.
     """
-    if t.dim() == 4:  # partial sums
-        t = t.sum(0)
     tokens = step.sorted_tokens
     token_slot = step.token_slots[tokens]
     for j, (s, b_pool, off) in enumerate(zip(slices, lora_b, y_offsets)):

@@ -97,7 +97,7 @@ def _shrink_kernel(
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
     NUM_S: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, REDUCE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
     # is read once per split; GROUPS NUM_S: one slice per program, three times the programs, each with a third
@@ -132,10 +132,7 @@ def _shrink_kernel(
     mask0 = m_mask[:, None] & (offs_r < rank0)[None, :]
     mask1 = m_mask[:, None] & (offs_r < rank1)[None, :]
     mask2 = m_mask[:, None] & (offs_r < rank2)[None, :]
-    if SPLIT > 1 and not REDUCE:
-        # Each split writes its partial as plane ks of t ([split_k, num_sorted, NUM_S, lanes]): the expand adds them.
-        rows += ks * plane
-    elif SPLIT > 1:
+    if SPLIT > 1:
         # Write this split's partial; the last split of the (tile, group, chunk) to arrive adds them all up.
         # The barrier makes every thread's partial visible before the (release) atomic; the arrival counter
         # is reset by that last program, ready for the next launch.
@@ -236,7 +233,6 @@ class ShrinkShape:
     groups: int  # slice groups of the programs: 1 (all slices per program) or one per slice
     launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
     rank_groups: int = 0  # the GEMV shrink's rank-row groups per (tile, slice); 0: the tensor-core shrink
-    planes: int = 1  # t's partial sums left for the expand to add (KernelConfig.is_expand_sum), else 1
 
 
 def uses_gemv(step: LoRAStep, config: KernelConfig) -> bool:
@@ -280,17 +276,16 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
     num_chunks = lanes // BLOCK_R
     groups = len(slices) if config.is_per_slice else 1
     split_k, k_per_split = plan_split(in_dim, step.num_tiles * groups * num_chunks, config, split_k)
-    planes = split_k if config.is_expand_sum else 1
     constexprs = dict(
         NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype), REDUCE=planes == 1,
+        USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     grid = (step.num_tiles * groups * num_chunks, split_k)
     cols, num_sorted = tuple(pad_slices(slices)), step.sorted_tokens.numel()
     launch = shared_launch(_shrink_kernel, grid, constexprs, (*cols, in_dim, num_sorted, lanes, split_k, k_per_split))
-    return ShrinkShape(cols, in_dim, num_sorted, num_chunks, lanes, split_k, k_per_split, groups, launch, 0, planes)
+    return ShrinkShape(cols, in_dim, num_sorted, num_chunks, lanes, split_k, k_per_split, groups, launch)
 
 
 def launch_shrink(
@@ -311,15 +306,14 @@ def launch_shrink(
         shape = plan_shrink(x.shape[1], proj, step, slices, config, x.device, x.dtype, split_k)
     assert len(lora_a) == len(slices) and x.stride(1) == 1 and x.shape[1] == shape.in_dim
     num_slices = len(slices)
-    planes = (shape.planes,) if shape.planes > 1 else ()  # the splits' partials, left for the expand to add
-    t = new_workspace(*planes, shape.num_sorted, num_slices, shape.lanes, device=x.device)
+    t = new_workspace(shape.num_sorted, num_slices, shape.lanes, device=x.device)
     pools = pad_slices(lora_a)
     if shape.rank_groups:
         shape.launch(x, *pools, t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, *shape.cols,
                      proj.rank.stride(0), shape.in_dim, x.stride(0), shape.rank_groups, shape.lanes)
         return t
-    parts = new_workspace(shape.split_k if shape.split_k > 1 and shape.planes == 1 else 0, shape.num_sorted,
-                          num_slices, shape.lanes, device=x.device)
+    parts = new_workspace(shape.split_k if shape.split_k > 1 else 0, shape.num_sorted, num_slices, shape.lanes,
+                          device=x.device)
     counters = arrival_counters(x.device, step.num_tiles * shape.groups * shape.num_chunks)
     shape.launch(
         x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
@@ -342,8 +336,7 @@ def lora_shrink(
 
     x: [num_tokens, in_dim]; lora_a[j]: [num_rows, in_dim], the pool of slice slices[j] (at most 3 slices);
     returns t: [num_lora_tokens, len(slices), lanes] float32 in slot-sorted token order, lanes = the max
-    rank rounded up to BLOCK_R; with config.is_expand_sum and a K split, [split_k, ...]: the splits' partial
-    sums, which the expand adds. Lanes at or past a token's rank are not written; the expand never reads
+    rank rounded up to BLOCK_R. Lanes at or past a token's rank are not written; the expand never reads
     them. split_k (default: planned from config) splits the in_dim reduction over that many programs (not
     on steps that take the GEMV kernel, which never splits it).
     """

@@ -48,7 +48,7 @@ def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, ste
         y_offsets = [offsets[s] for s in slices]
         shrink = plan_shrink(x.shape[1], proj, step, slices, group_config, x.device, x.dtype)
         expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_config, x.device,
-                             lora_b[0].dtype, shrink.planes)
+                             lora_b[0].dtype)
         groups.append(GroupLaunch(slices, y_offsets, group_config, shrink, expand))
     return groups
 

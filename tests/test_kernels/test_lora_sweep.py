@@ -57,9 +57,7 @@ LAUNCHES = {"auto": None, "split-no-pdl": {"is_pdl": False}, "slice": {"is_per_s
             "slice-no-pdl": {"is_per_slice": True, "is_pdl": False}, "all-slices": {"is_per_slice": False},
             "gemv": {"gemv_rows": 8}, "gemv-r1-no-pdl": {"gemv_rows": 8, "gemv_ranks": 1, "is_pdl": False},
             "stack": {"stack_tokens": 8}, "stack-n512-b1-no-pdl": {"stack_tokens": 8, "block_n": 512, "b_first": 1,
-                                                                  "is_pdl": False},
-            "expand-sum": {"is_expand_sum": True},
-            "slice-expand-sum-no-pdl": {"is_per_slice": True, "is_expand_sum": True, "is_pdl": False}}
+                                                                  "is_pdl": False}}
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
