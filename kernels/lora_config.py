@@ -122,17 +122,28 @@ GEMV_TILE_TOKENS = 2
 # 10.2, 10.2 us in runs 22..24 (on steps of 2 or 8 tokens per tile they lost 0.8..1.7 us).
 
 
+# The stacked expand (run 40/41, `stack_tokens`, 512 columns per program) on decode steps of at least 32 tiles of at
+# most 8 tokens: 256x32x8 16.2 -> 15.3 us, 256x32x16 18.2 -> 17.7, 256x32x36 29.9 -> 28.4, 64x32x8 11.5 -> 10.2,
+# 64x32x16 15.1 -> 14.8; not on 2-token tiles at rank > 16 (64x32x64 34.5 -> 39.2: t's stacked copies cost
+# registers beside B's four chunks) nor on fewer tiles (16x8x64 12.3 -> 17.6, 1x1x64 6.7 -> 9.1).
+STACK_TOKENS = 8
+STACK_BLOCK_N = 512
+
+
 def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelConfig:
     """The launch configuration for one step and projection, from host-side sizes only (no device sync).
 
     Decode steps of at most 2 tokens per tile run the GEMV shrink where it measured faster; other decode steps
-    run one shrink program per slice unless they are big and of several rank chunks; taller tiles take their
-    height's config.
+    run one shrink program per slice unless they are big and of several rank chunks; decode steps of many small
+    tiles stack the expand's column sub-blocks; taller tiles take their height's config.
     """
     config = DEFAULT_CONFIGS[step.block_m]
     if step.block_m != 16:
         return config
     num_chunks = num_lanes(proj, slices) // BLOCK_R
+    if (step.num_tiles >= WIDE_K_MIN_TILES and step.max_tile_count <= STACK_TOKENS
+            and (num_chunks == 1 or step.max_tile_count > GEMV_TILE_TOKENS)):
+        config = replace(config, stack_tokens=STACK_TOKENS, block_n=STACK_BLOCK_N)
     if step.max_tile_count <= GEMV_TILE_TOKENS and (num_chunks == 1 or step.num_tiles >= WIDE_K_MIN_TILES):
         return replace(config, gemv_rows=GEMV_TILE_TOKENS)
     if num_chunks == 1 and step.num_tiles >= WIDE_K_MIN_TILES:

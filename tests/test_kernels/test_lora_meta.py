@@ -115,18 +115,19 @@ def test_reference_matches_float64(dist):
 
 
 @pytest.mark.parametrize(("num_tokens", "num_adapters", "rank", "gemv_rows", "is_per_slice", "block_k", "target",
-                          "max_split"), [
-    (64, 8, 16, 0, True, 128, 1024, 8),  # rank <= 16: one shrink program per slice
-    (16, 1, 64, 0, True, 128, 1024, 8),  # 1 tile x 4 chunks: up to 8 tiles at any rank too (full: 128-wide blocks)
-    (256, 32, 8, 0, True, 256, 512, 8),  # 32 tiles of rank <= 16: 256-wide in_dim steps
-    (256, 8, 64, 0, False, 128, 512, 4),  # 16 tiles x 4 chunks: all slices per program, at most 4 splits
-    (64, 32, 8, 2, None, None, None, None),  # 2 tokens per tile, one rank chunk: the GEMV shrink
-    (64, 32, 64, 2, None, None, None, None),  # 2 tokens per tile, 32 tiles: the GEMV shrink at any rank
-    (16, 8, 64, 0, True, 128, 1024, 8),  # 2 tokens per tile but 8 tiles of 4 chunks: the tensor-core shrink
+                          "max_split", "stack"), [
+    (64, 8, 16, 0, True, 128, 1024, 8, 1),  # rank <= 16: one shrink program per slice
+    (16, 1, 64, 0, True, 128, 1024, 8, 1),  # 1 tile x 4 chunks: up to 8 tiles at any rank too (full: 128-wide blocks)
+    (256, 32, 8, 0, True, 256, 512, 8, 2),  # 32 tiles of rank <= 16: 256-wide in_dim steps; 8 tokens: 2 sub-blocks
+    (256, 32, 64, 0, False, 128, 512, 4, 2),  # 32 tiles x 4 chunks of 8 tokens: stacked too
+    (256, 8, 64, 0, False, 128, 512, 4, 1),  # 16 tiles x 4 chunks: all slices per program, at most 4 splits
+    (64, 32, 8, 2, None, None, None, None, 8),  # 2 tokens per tile, one rank chunk: the GEMV shrink, 8 sub-blocks
+    (64, 32, 64, 2, None, None, None, None, 1),  # 2 tokens per tile, 32 tiles: the GEMV shrink at any rank
+    (16, 8, 64, 0, True, 128, 1024, 8, 1),  # 2 tokens per tile but 8 tiles of 4 chunks: the tensor-core shrink
 ])
 def test_choose_config_by_step_size(num_tokens, num_adapters, rank, gemv_rows, is_per_slice, block_k, target,
-                                    max_split):
-    from kubelora.kernels.lora_config import choose_config
+                                    max_split, stack):
+    from kubelora.kernels.lora_config import choose_config, stack_factor
     from kubelora.kernels.lora_shrink import uses_gemv
 
     slots = [i % num_adapters for i in range(num_tokens)]
@@ -140,7 +141,8 @@ def test_choose_config_by_step_size(num_tokens, num_adapters, rank, gemv_rows, i
         assert config.is_per_slice == is_per_slice and config.target_programs == target
         assert (config.block_k, config.max_split) == (block_k, max_split)
     is_full = step.max_tile_count == 16 and rank > 16 and step.num_tiles <= 8
-    assert (config.block_n, config.expand_warps) == ((128, 4) if is_full else (256, 8))
+    assert stack_factor(step, config) == stack
+    assert (config.block_n, config.expand_warps) == ((128, 4) if is_full else (512, 8) if stack > 1 else (256, 8))
 
 
 def test_repeat_launch_skips_the_jit_only_while_the_specialization_holds(monkeypatch):
