@@ -55,6 +55,8 @@ PATH_VARIANTS = {
     "stack n512": ({}, _auto(stack_tokens=8, block_n=512)),
     "stack n512 w4": ({}, _auto(stack_tokens=8, block_n=512, expand_warps=4)),
     "stack n1024": ({}, _auto(stack_tokens=8, block_n=1024)),
+    # early: the shrink launched early too (programmatic dependent launch behind the kernel before it)
+    "early": ({}, _auto(is_early_shrink=True)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

@@ -44,6 +44,9 @@ class KernelConfig:
     b_first: int = 0  # expand: rank chunks of B (0..4) requested before t (with PDL: while the shrink runs)
     is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
     is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
+    # with is_pdl: launch the shrink early too, behind whatever kernel precedes it (it reads the step's metadata,
+    # then waits for that kernel before reading x)
+    is_early_shrink: bool = False
     is_per_slice: bool = False  # shrink: one program per slice (else all slices at once, x read once per split)
     # shrink: on steps whose tiles hold at most this many tokens (0: never), one program per (tile, slice, gemv_ranks
     # rank rows) over all of in_dim, with float32 products on CUDA cores: no tensor-core padding, no K split

@@ -22,7 +22,18 @@ from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import (BLOCK_R, GEMV_PROGRAMS, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision,
                                           num_lanes, pad_slices)
 from kubelora.kernels.lora_launch import RepeatLaunch, shared_launch
-from kubelora.kernels.lora_tile import gdc_launch_dependents, pick_slice, sum_splits, tile_meta, tile_rows, uses_pdl
+from kubelora.kernels.lora_tile import (gdc_launch_dependents, gdc_wait, pick_slice, sum_splits, tile_meta, tile_rows,
+                                       uses_pdl)
+
+
+@triton.jit
+def wait_predecessor():
+    # A shrink launched early (KernelConfig.is_early_shrink: programmatic dependent launch behind whatever kernel
+    # precedes it) has read only the step's metadata (host copies made before that kernel) so far. Wait for that
+    # kernel to finish before reading x or writing anything, then let the expand launch: its y loads before its
+    # own wait are then after every earlier kernel too.
+    gdc_wait()
+    gdc_launch_dependents()
 
 
 @triton.jit
@@ -48,7 +59,7 @@ def _shrink_tile(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride, in_dim,
     x_stride, tile, chunk, ks, k_per_split,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, PRECISION: tl.constexpr,
+    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, PRECISION: tl.constexpr, EARLY: tl.constexpr,
 ):
     """x[tile, K split ks] @ A_s[rank chunk]^T for every slice s: (acc0, acc1, acc2, start, count, rank0..2).
 
@@ -72,6 +83,8 @@ def _shrink_tile(
         rank2 = tl.load(rank_ptr + slot * meta_stride + col2)
         row2 = tl.load(row_ptr + slot * meta_stride + col2)
     max_rank = tl.maximum(tl.maximum(rank0, rank1), rank2)
+    if EARLY:
+        wait_predecessor()
     k_lo = ks * k_per_split
     # A chunk past every slice's rank (a low-rank adapter in a high-rank step) runs no loop at all.
     k_hi = tl.where(chunk * BLOCK_R < max_rank, tl.minimum(k_lo + k_per_split, in_dim), k_lo)
@@ -97,13 +110,13 @@ def _shrink_kernel(
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
     NUM_S: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, EARLY: tl.constexpr,
 ):
     # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
     # is read once per split; GROUPS NUM_S: one slice per program, three times the programs, each with a third
     # of the loads and products per in_dim step (docs/kernels.md, v7). program_id(0) is also the index of the
     # (tile, group, chunk) arrival counter, so one group's chunks are contiguous.
-    if USE_PDL:  # the expand may start now: it loads its y and B while this launch runs
+    if USE_PDL and not EARLY:  # the expand may start now: it loads its y and B while this launch runs
         gdc_launch_dependents()
     tile = tl.program_id(0) // (GROUPS * num_chunks)
     group = (tl.program_id(0) // num_chunks) % GROUPS
@@ -115,12 +128,12 @@ def _shrink_kernel(
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a_ptr, a_ptr, a_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col, col, col, meta_stride,
             in_dim, x_stride, tile, chunk, ks, k_per_split, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
-            PRECISION)
+            PRECISION, EARLY)
     else:
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
             x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
             in_dim, x_stride, tile, chunk, ks, k_per_split, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
-            PRECISION)
+            PRECISION, EARLY)
     # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written. This
     # program's slices are group, group + 1, ...: PER of them.
     PER = NUM_S // GROUPS
@@ -159,12 +172,12 @@ def _gemv_shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
     in_dim, x_stride, num_groups, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, RANKS: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
+    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     # Program (tile, slice, group of RANKS rank rows): t[tile's rows, slice, those lanes] over all of in_dim, as
     # [ROWS, RANKS, BLOCK_K] float32 products summed in registers (KernelConfig.gemv_rows: tiles of at most ROWS
     # tokens). Each program writes its own lanes of t: no K split, no partial sums, no arrival counters.
-    if USE_PDL:  # the expand may start now: it loads its y and B while this launch runs
+    if USE_PDL and not EARLY:  # the expand may start now: it loads its y and B while this launch runs
         gdc_launch_dependents()
     tile = tl.program_id(0) // (NUM_S * num_groups)
     j = (tl.program_id(0) // num_groups) % NUM_S
@@ -178,6 +191,8 @@ def _gemv_shrink_kernel(
     offs_r = group * RANKS + tl.arange(0, RANKS)
     m_mask = offs_m < count
     r_mask = offs_r < rank  # rows past the rank: masked, no bytes move (a group wholly past it loads nothing)
+    if EARLY:
+        wait_predecessor()
     x_rows = x_ptr + tok[:, None, None] * x_stride
     a_rows = a_ptr + (row + offs_r)[None, :, None] * in_dim
     acc = tl.zeros([ROWS, RANKS], dtype=tl.float32)
@@ -235,6 +250,12 @@ class ShrinkShape:
     rank_groups: int = 0  # the GEMV shrink's rank-row groups per (tile, slice); 0: the tensor-core shrink
 
 
+def pdl_constexprs(config: KernelConfig, device: torch.device) -> dict:
+    """USE_PDL (the expand is launched early) and EARLY (this launch too, behind the kernel before it)."""
+    early = uses_pdl(config.is_pdl and config.is_early_shrink, device)
+    return dict(USE_PDL=uses_pdl(config.is_pdl, device), EARLY=early, **({"launch_pdl": True} if early else {}))
+
+
 def uses_gemv(step: LoRAStep, config: KernelConfig) -> bool:
     """The step takes the GEMV shrink: config.gemv_rows is set and no tile holds more tokens."""
     return 0 < step.max_tile_count <= config.gemv_rows
@@ -256,7 +277,7 @@ def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], co
     rank_groups = triton.cdiv(max_rank, ranks)
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=block_k, ROWS=rows, RANKS=ranks,
-        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, USE_PDL=uses_pdl(config.is_pdl, device),
+        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, **pdl_constexprs(config, device),
         num_warps=config.gemv_warps, num_stages=1,
     )
     grid = (step.num_tiles * len(slices) * rank_groups,)
@@ -279,7 +300,7 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
     constexprs = dict(
         NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        USE_PDL=uses_pdl(config.is_pdl, device), PRECISION=dot_precision(dtype),
+        PRECISION=dot_precision(dtype), **pdl_constexprs(config, device),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     grid = (step.num_tiles * groups * num_chunks, split_k)

@@ -34,7 +34,8 @@ CASES = [
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
             "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}, "stack": {"stack_tokens": 8},
-            "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1}}
+            "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1}, "early": {"is_early_shrink": True},
+            "early-gemv": {"is_early_shrink": True, "gemv_rows": 8}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -177,6 +178,41 @@ def test_stacked_expand_every_factor(triton_backend, device, tokens_per_slot, bl
     assert stack_factor(p.step, config) == 16 // rows
     y = p.y0.clone()
     triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, config)
+    check_y(p, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_graph", [False, True])
+@pytest.mark.parametrize("changes", [{}, {"gemv_rows": 8}, {"stack_tokens": 8}], ids=["split", "gemv", "stack"])
+def test_early_shrink_waits_for_the_kernel_before(triton_backend, device, changes, in_graph):
+    """A shrink launched early (programmatic dependent launch) and its expand see x and y as the kernel right before
+    them wrote them (a 128 MB copy whose last elements are x and y, over NaN), eagerly and replayed in a graph."""
+    p = build_problem(64, [[16, 16, 16]] * 32, [4096, 1024, 1024], 4096, "uniform", torch.bfloat16, seed=14,
+                      device=device)
+    config = step_config(p.step, is_early_shrink=True, **changes)
+    assert config.is_pdl
+    x_n, y_n = p.x.numel(), p.y0.numel()
+    source = torch.randn(1 << 26, device=device, dtype=torch.bfloat16)
+    source[-x_n - y_n : -y_n], source[-y_n:] = p.x.flatten(), p.y0.flatten()
+    buffer = torch.empty_like(source)
+    x, y = buffer[-x_n - y_n : -y_n].view_as(p.x), buffer[-y_n:].view_as(p.y0)
+
+    def call():
+        buffer.copy_(source)  # x and y are its last elements: written at the end of a 128 MB copy
+        triton_backend.add_lora_triton(y, x, p.lora_a, p.lora_b, p.proj, p.step, config)
+
+    call()  # eager (and the arrival counters allocated before any capture)
+    check_y(p, y.clone())
+    buffer.fill_(math.nan)
+    if in_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        buffer.fill_(math.nan)
+        graph.replay()
+    else:
+        call()
+    torch.cuda.synchronize()
     check_y(p, y)
 
 

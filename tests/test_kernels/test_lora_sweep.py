@@ -57,7 +57,9 @@ LAUNCHES = {"auto": None, "split-no-pdl": {"is_pdl": False}, "slice": {"is_per_s
             "slice-no-pdl": {"is_per_slice": True, "is_pdl": False}, "all-slices": {"is_per_slice": False},
             "gemv": {"gemv_rows": 8}, "gemv-r1-no-pdl": {"gemv_rows": 8, "gemv_ranks": 1, "is_pdl": False},
             "stack": {"stack_tokens": 8}, "stack-n512-b1-no-pdl": {"stack_tokens": 8, "block_n": 512, "b_first": 1,
-                                                                  "is_pdl": False}}
+                                                                  "is_pdl": False},
+            "early": {"is_early_shrink": True}, "early-gemv-stack": {"is_early_shrink": True, "gemv_rows": 8,
+                                                                    "stack_tokens": 8}}
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
