@@ -55,8 +55,9 @@ PATH_VARIANTS = {
     "stack n512": ({}, _auto(stack_tokens=8, block_n=512)),
     "stack n512 w4": ({}, _auto(stack_tokens=8, block_n=512, expand_warps=4)),
     "stack n1024": ({}, _auto(stack_tokens=8, block_n=1024)),
-    # early: the shrink launched early too (programmatic dependent launch behind the kernel before it)
-    "early": ({}, _auto(is_early_shrink=True)),
+    # no early: the shrink not launched early (before run 42's default)
+    "no early": ({}, _auto(is_early_shrink=False)),
+    "gemv8 r2 w8": ({}, _auto(gemv_rows=8, gemv_ranks=2, gemv_warps=8)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
