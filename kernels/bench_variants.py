@@ -58,9 +58,6 @@ PATH_VARIANTS = {
     # no early: the shrink not launched early (before run 42's default)
     "no early": ({}, _auto(is_early_shrink=False)),
     "gemv8 r2 w8": ({}, _auto(gemv_rows=8, gemv_ranks=2, gemv_warps=8)),
-    # prefetch: the expand's first half of tiles ask the second half's y and B into L2 while waiting for t
-    "prefetch": ({}, _auto(is_prefetch_half=True)),
-    "prefetch gemv2 w8": ({}, _auto(is_prefetch_half=True, gemv_rows=2, gemv_warps=8)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

@@ -54,9 +54,6 @@ class KernelConfig:
     gemv_ranks: int = 0  # rank rows per GEMV program (1, 2 or 4; 0: the most that keeps GEMV_PROGRAMS programs)
     gemv_k: int = 4096  # in_dim columns per GEMV loop step at most (a power of two)
     gemv_warps: int = 4
-    # expand, launched early with B requested before t: the programs of the first half of the tiles ask the y and B
-    # rows of the second half's into L2 while they wait for the shrink (CUDA only)
-    is_prefetch_half: bool = False
     # expand: on steps whose tiles hold at most this many tokens (0: never), the product's rows stack column
     # sub-blocks of the tile's tokens (`stack_factor`) instead of padding the tokens to the tile height
     stack_tokens: int = 0

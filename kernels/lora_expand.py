@@ -34,31 +34,6 @@ def _t_chunk(t_ptr, t_rows, offs_r, m_mask, rank):
 
 
 @triton.jit
-def _prefetch_lines(ptrs, mask):
-    # Ask each 128-byte line at ptrs (where mask) into L2: a hint, no data comes back (CUDA only: inline PTX).
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; mov.u32 $0, 0; @p prefetch.global.L2 [$1]; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_tile(y_ptr, b_ptr, tiles_ptr, sorted_ptr, rank_ptr, row_ptr, tile, slot_col, meta_stride, col0, width,
-                   y_off, y_stride, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   RANKS: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr):
-    # The y rows and B rows (up to RANKS) that the program of this column block and `tile` will read, into L2.
-    slot, _, count, tok = tile_tokens(tiles_ptr, sorted_ptr, tile, BLOCK_M, tl.arange(0, ROWS), SLOT_TILES, FOLDED)
-    rank = tl.load(rank_ptr + slot * meta_stride + slot_col)
-    row = tl.load(row_ptr + slot * meta_stride + slot_col)
-    LINE: tl.constexpr = 1024 // y_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-    cols = col0 + tl.arange(0, BLOCK_N // LINE) * LINE
-    col_mask = (cols < width)[None, :]
-    rows_y = tl.arange(0, ROWS)
-    _prefetch_lines(y_ptr + tok[:, None] * y_stride + y_off + cols[None, :],
-                    (rows_y < tl.where(rank > 0, count, 0))[:, None] & col_mask)
-    rows_b = tl.arange(0, RANKS)
-    _prefetch_lines(b_ptr + (row + rows_b)[:, None] * width + cols[None, :], (rows_b < rank)[:, None] & col_mask)
-
-
-@triton.jit
 def _add_dot(acc, t, scale, b, PRECISION: tl.constexpr):
     return tl.dot((t * scale).to(b.dtype), b, acc, input_precision=PRECISION)
 
@@ -116,10 +91,10 @@ def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank
 def _expand_kernel(
     y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, lanes, prefetch_tiles,
+    y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, STACK: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, STACK: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     # STACK > 1 (tiles of at most BLOCK_M / STACK tokens): the BLOCK_M rows of the product are STACK column
@@ -170,13 +145,6 @@ def _expand_kernel(
         # launch), metadata, y and these B rows load while the shrink still runs, and after the wait only t
         # is on the critical path. Rows past the adapter's rank are masked (no bytes).
         b_c0, b_c1, b_c2, b_c3 = _b_chunks(b_rows, width, lanes0, rank, n_mask, BLOCK_R, B_FIRST)
-        if PREFETCH:
-            # Programs of the first prefetch_tiles tiles, which run beside the shrink, ask what the same column
-            # block of tile + prefetch_tiles will read into L2 while they wait for t.
-            if tile < prefetch_tiles:
-                _prefetch_tile(y_ptr, b_ptr, tiles_ptr, sorted_ptr, rank_ptr, row_ptr, tile + prefetch_tiles, col,
-                               meta_stride, nb * BLOCK_N, width, y_off, y_stride, BLOCK_M, ROWS, BLOCK_N,
-                               B_FIRST * BLOCK_R, SLOT_TILES, FOLDED)
         if USE_PDL:  # launched early: t is complete once the whole shrink grid is
             gdc_wait()
         # All t chunks are requested at once (lanes past the rank move no bytes); each chunk's product is
@@ -219,7 +187,6 @@ class ExpandShape:
     """Host-side parameters of one expand launch, from sizes only: computed once per step, reused per layer."""
 
     scalars: tuple[int, ...]  # cols, meta_stride, widths, y offsets, first column block of slices 1 and 2
-    prefetch_tiles: int  # the first this many tiles' programs prefetch the next this many tiles' (0: none)
     launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
 
 
@@ -232,17 +199,14 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     use_pdl = uses_pdl(config.is_pdl, device)
     scalars = (*pad_slices(slices), proj.rank.stride(0), *pad_slices(widths), *pad_slices(y_offsets), first_nb[1],
                first_nb[2])
-    prefetch_tiles = step.num_tiles // 2 if config.is_prefetch_half else 0
     num_chunks = num_lanes(proj, slices) // BLOCK_R
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
         USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config),
-        PREFETCH=use_pdl and config.is_prefetch_half and config.b_first > 0,
         num_warps=config.expand_warps, num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
-    launch = shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, scalars)
-    return ExpandShape(scalars, prefetch_tiles, launch)
+    return ExpandShape(scalars, shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, scalars))
 
 
 def launch_expand(
@@ -262,7 +226,7 @@ def launch_expand(
                             lora_b[0].dtype)
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
     shape.launch(y, *pad_slices(lora_b), t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, proj.scale,
-                 *shape.scalars, y.stride(0), t.shape[2], shape.prefetch_tiles)
+                 *shape.scalars, y.stride(0), t.shape[2])
 
 
 def lora_expand_torch(

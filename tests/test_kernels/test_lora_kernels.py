@@ -35,8 +35,7 @@ CASES = [
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
             "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}, "stack": {"stack_tokens": 8},
             "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1}, "early": {"is_early_shrink": True},
-            "early-gemv": {"is_early_shrink": True, "gemv_rows": 8},
-            "prefetch-stack": {"is_prefetch_half": True, "stack_tokens": 8}}
+            "early-gemv": {"is_early_shrink": True, "gemv_rows": 8}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
