@@ -57,6 +57,13 @@ SHAPES = [
     ("shrink per-slice early", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT=8, USE_PDL=True,
                                                     GROUPS=3, EARLY=True), 4, 3),
     ("gemv rows 2 ranks 4 early", _gemv_shrink_kernel, dict(GEMV, ROWS=2, RANKS=4, EARLY=True), 8, 1),
+    # 32 or 64 rank lanes per shrink program (KernelConfig.shrink_lanes)
+    ("shrink r64 split4 early", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, SPLIT=4, USE_PDL=True,
+                                                     EARLY=True), 4, 3),
+    ("shrink per-slice r64 split8 early", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, SPLIT=8,
+                                                               USE_PDL=True, GROUPS=3, EARLY=True), 4, 3),
+    ("shrink per-slice r32 split8 early", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, SPLIT=8,
+                                                               USE_PDL=True, GROUPS=3, EARLY=True), 4, 3),
 ]
 
 

@@ -58,6 +58,13 @@ PATH_VARIANTS = {
     # no early: the shrink not launched early (before run 42's default)
     "no early": ({}, _auto(is_early_shrink=False)),
     "gemv8 r2 w8": ({}, _auto(gemv_rows=8, gemv_ranks=2, gemv_warps=8)),
+    # rN: the tensor-core shrink with N rank lanes per program (x read once for them); slice: one slice per program
+    "r32": ({}, _auto(shrink_lanes=32)),
+    "r64": ({}, _auto(shrink_lanes=64)),
+    "slice r64": ({}, _auto(shrink_lanes=64, is_per_slice=True)),
+    "slice r64 split16": ({}, _auto(shrink_lanes=64, is_per_slice=True, max_split=16, target_programs=1024)),
+    "slice r32 t1024": ({}, _auto(shrink_lanes=32, is_per_slice=True, target_programs=1024)),
+    "slice r64 w8": ({}, _auto(shrink_lanes=64, is_per_slice=True, shrink_warps=8)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

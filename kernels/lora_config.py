@@ -38,6 +38,7 @@ class KernelConfig:
     target_programs: int = 1024  # shrink: split in_dim until about this many programs run
     max_split: int = 16  # shrink: at most this many partial sums (times the tile height: registers)
     shrink_stages: int = 3  # software pipelining depth of the shrink's in_dim loop
+    shrink_lanes: int = 16  # the tensor-core shrink's rank lanes per program (16, 32 or 64: x read once for them)
     block_n: int = 256  # expand: output columns per program
     expand_warps: int = 8
     expand_stages: int = 2  # the expand's rank loop is 1..8 steps: a shallow pipeline
@@ -59,7 +60,7 @@ class KernelConfig:
     stack_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("block_k", "block_n", "gemv_k"):
+        for name in ("block_k", "block_n", "gemv_k", "shrink_lanes"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value}: must be a power of two >= 16")

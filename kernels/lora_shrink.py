@@ -294,11 +294,12 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
     if uses_gemv(step, config):
         return plan_gemv(in_dim, proj, step, slices, config, device)
     lanes = num_lanes(proj, slices)
-    num_chunks = lanes // BLOCK_R
+    chunk = min(config.shrink_lanes, triton.next_power_of_2(lanes))  # rank lanes per program
+    num_chunks = triton.cdiv(lanes, chunk)
     groups = len(slices) if config.is_per_slice else 1
     split_k, k_per_split = plan_split(in_dim, step.num_tiles * groups * num_chunks, config, split_k)
     constexprs = dict(
-        NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=BLOCK_R,
+        NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=chunk,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
         PRECISION=dot_precision(dtype), **pdl_constexprs(config, device),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,

@@ -35,7 +35,8 @@ CASES = [
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
             "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}, "stack": {"stack_tokens": 8},
             "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1}, "early": {"is_early_shrink": True},
-            "early-gemv": {"is_early_shrink": True, "gemv_rows": 8}}
+            "early-gemv": {"is_early_shrink": True, "gemv_rows": 8}, "r64": {"shrink_lanes": 64},
+            "slice-r32": {"shrink_lanes": 32, "is_per_slice": True}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -76,14 +77,15 @@ def check_lanes_below_rank(p, t, ref, device) -> torch.Tensor:
     return valid
 
 
+@pytest.mark.parametrize("shrink_lanes", [16, 64])
 @pytest.mark.parametrize("split_k", [1, 3, 32])
-def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch, split_k):
+def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch, split_k, shrink_lanes):
     from kubelora.kernels import lora_shrink
 
     poisoned = lambda *shape, device: torch.full(shape, math.nan, device=device)  # noqa: E731
     monkeypatch.setattr(lora_shrink, "new_workspace", poisoned)
     p = build_problem(30, ODD_RANKS, [24, 8, 8], 300, "zipf", torch.float32, seed=5, device=device, no_adapter=0.2)
-    config = KernelConfig(block_k=16)
+    config = KernelConfig(block_k=16, shrink_lanes=shrink_lanes)
     slices = [0, 1, 2]
     x, lora_a = p.x.float(), [a.float() for a in p.lora_a]
     for config in (config, replace(config, is_per_slice=True)):  # each launch finds the counters reset
@@ -178,6 +180,16 @@ def test_stacked_expand_every_factor(triton_backend, device, tokens_per_slot, bl
     assert stack_factor(p.step, config) == 16 // rows
     y = p.y0.clone()
     triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, config)
+    check_y(p, y)
+
+
+@pytest.mark.parametrize("changes", [{"shrink_lanes": 64}, {"shrink_lanes": 32, "is_per_slice": True}], ids=str)
+def test_wide_shrink_chunks_past_the_lanes(triton_backend, device, changes):
+    """Shrink programs of 32 or 64 rank lanes where t has 80 lanes: the last chunk's lanes past them are masked."""
+    p = build_problem(40, [[70, 3, 65], [1, 64, 16], [33, 0, 8]], [24, 8, 16], 40, "uniform", torch.float32, seed=15,
+                      device=device, no_adapter=0.1)
+    y = p.y0.clone()
+    triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, step_config(p.step, **changes))
     check_y(p, y)
 
 

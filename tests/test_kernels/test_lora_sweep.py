@@ -59,7 +59,8 @@ LAUNCHES = {"auto": None, "split-no-pdl": {"is_pdl": False}, "slice": {"is_per_s
             "stack": {"stack_tokens": 8}, "stack-n512-b1-no-pdl": {"stack_tokens": 8, "block_n": 512, "b_first": 1,
                                                                   "is_pdl": False},
             "early": {"is_early_shrink": True}, "early-gemv-stack": {"is_early_shrink": True, "gemv_rows": 8,
-                                                                    "stack_tokens": 8}}
+                                                                    "stack_tokens": 8},
+            "slice-r64": {"shrink_lanes": 64, "is_per_slice": True}, "r32-no-pdl": {"shrink_lanes": 32, "is_pdl": False}}
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
