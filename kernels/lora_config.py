@@ -116,7 +116,7 @@ def num_lanes(proj: LoRAProj, slices: list[int]) -> int:
 # Decode steps (16-row tiles) by size, from the side-by-side variants of runs 19 and 20 (docs/kernels.md, v7): one
 # shrink program per slice wins on every step of rank <= 16 and on steps of up to 8 tiles at any rank (by 1..3
 # us), with up to 1024 programs, or with 256-wide in_dim steps from 32 tiles on; bigger steps of several rank
-# chunks keep all slices in one program and split in_dim at most 4 ways (run 12). It also beat the signal path
+# chunks split in_dim at most 4 ways (run 12), one program per slice of 32 rank lanes since run 45 (v11). It also beat the signal path
 # (the expand waiting on per-tile counters, v6) and the fused one-launch path (v5), since removed.
 PER_SLICE_MAX_TILES = 8
 WIDE_K_MIN_TILES = 32
@@ -141,8 +141,8 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
     """The launch configuration for one step and projection, from host-side sizes only (no device sync).
 
     Decode steps of at most 2 tokens per tile run the GEMV shrink where it measured faster; other decode steps
-    run one shrink program per slice unless they are big and of several rank chunks; decode steps of many small
-    tiles stack the expand's column sub-blocks; taller tiles take their height's config.
+    run one shrink program per slice (32 rank lanes wide on big steps of several rank chunks); decode steps of
+    many small tiles stack the expand's column sub-blocks; taller tiles take their height's config.
     """
     config = DEFAULT_CONFIGS[step.block_m]
     if step.block_m != 16:
@@ -160,7 +160,10 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
         if step.max_tile_count == step.block_m and num_chunks > 1:
             return replace(config, block_n=128, expand_warps=4)  # full tiles at rank > 16 (runs 22..24)
         return config
-    return replace(config, max_split=4)
+    # Several rank chunks on more tiles: one program per slice and 32 rank lanes (run 45: 256x32 mixed 31.0 -> 28.6,
+    # 256x32x36 28.3 -> 27.3, 256x32x64 38.1 -> 37.1, 256x1x64 20.4 -> 19.5, 256x8x64 22.1 -> 21.5; all slices per
+    # program and 16 lanes before).
+    return replace(config, max_split=4, is_per_slice=True, shrink_lanes=32, target_programs=1024)
 
 
 def step_config(step: LoRAStep, **changes) -> KernelConfig:

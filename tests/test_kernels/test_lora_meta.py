@@ -119,8 +119,8 @@ def test_reference_matches_float64(dist):
     (64, 8, 16, 0, True, 128, 1024, 8, 1),  # rank <= 16: one shrink program per slice
     (16, 1, 64, 0, True, 128, 1024, 8, 1),  # 1 tile x 4 chunks: up to 8 tiles at any rank too (full: 128-wide blocks)
     (256, 32, 8, 0, True, 256, 512, 8, 2),  # 32 tiles of rank <= 16: 256-wide in_dim steps; 8 tokens: 2 sub-blocks
-    (256, 32, 64, 0, False, 128, 512, 4, 2),  # 32 tiles x 4 chunks of 8 tokens: stacked too
-    (256, 8, 64, 0, False, 128, 512, 4, 1),  # 16 tiles x 4 chunks: all slices per program, at most 4 splits
+    (256, 32, 64, 0, True, 128, 1024, 4, 2),  # 32 tiles x 4 chunks of 8 tokens: 32-lane shrink, stacked expand
+    (256, 8, 64, 0, True, 128, 1024, 4, 1),  # 16 tiles x 4 chunks: one program per slice of 32 lanes, <= 4 splits
     (64, 32, 8, 2, None, None, None, None, 8),  # 2 tokens per tile, one rank chunk: the GEMV shrink, 8 sub-blocks
     (64, 32, 64, 2, None, None, None, None, 1),  # 2 tokens per tile, 32 tiles: the GEMV shrink at any rank
     (16, 8, 64, 0, True, 128, 1024, 8, 1),  # 2 tokens per tile but 8 tiles of 4 chunks: the tensor-core shrink
@@ -140,6 +140,7 @@ def test_choose_config_by_step_size(num_tokens, num_adapters, rank, gemv_rows, i
     if not gemv_rows:
         assert config.is_per_slice == is_per_slice and config.target_programs == target
         assert (config.block_k, config.max_split) == (block_k, max_split)
+        assert config.shrink_lanes == (32 if rank > 16 and step.num_tiles > 8 else 16)
     is_full = step.max_tile_count == 16 and rank > 16 and step.num_tiles <= 8
     assert stack_factor(step, config) == stack
     assert (config.block_n, config.expand_warps) == ((128, 4) if is_full else (512, 8) if stack > 1 else (256, 8))
