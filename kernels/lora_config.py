@@ -116,8 +116,9 @@ def num_lanes(proj: LoRAProj, slices: list[int]) -> int:
 # Decode steps (16-row tiles) by size, from the side-by-side variants of runs 19 and 20 (docs/kernels.md, v7): one
 # shrink program per slice wins on every step of rank <= 16 and on steps of up to 8 tiles at any rank (by 1..3
 # us), with up to 1024 programs, or with 256-wide in_dim steps from 32 tiles on; bigger steps of several rank
-# chunks split in_dim at most 4 ways (run 12), one program per slice of 32 rank lanes since run 45 (v11). It also beat the signal path
-# (the expand waiting on per-tile counters, v6) and the fused one-launch path (v5), since removed.
+# chunks split in_dim at most 4 ways (run 12), one program per slice of 32 rank lanes since run 45 (v11). It also
+# beat the signal path (the expand waiting on per-tile counters, v6) and the fused one-launch path (v5), since
+# removed.
 PER_SLICE_MAX_TILES = 8
 WIDE_K_MIN_TILES = 32
 # The GEMV shrink (v9, run 23) on decode steps of at most 2 tokens per tile, of one rank chunk or from 32 tiles on:

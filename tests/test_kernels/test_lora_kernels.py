@@ -32,10 +32,11 @@ CASES = [
 
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
+# (On CPU the programmatic dependent launches, PDL and the early shrink, are off whatever the config says.)
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
             "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}, "stack": {"stack_tokens": 8},
-            "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1}, "early": {"is_early_shrink": True},
-            "early-gemv": {"is_early_shrink": True, "gemv_rows": 8}, "r64": {"shrink_lanes": 64},
+            "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1},
+            "not-early": {"is_early_shrink": False}, "r64": {"shrink_lanes": 64},
             "slice-r32": {"shrink_lanes": 32, "is_per_slice": True}}
 
 

@@ -53,14 +53,16 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
 
 
 # The step's own launch (add_lora, PDL on decode steps), or the tile height's default config with these changes.
-LAUNCHES = {"auto": None, "split-no-pdl": {"is_pdl": False}, "slice": {"is_per_slice": True},
-            "slice-no-pdl": {"is_per_slice": True, "is_pdl": False}, "all-slices": {"is_per_slice": False},
-            "gemv": {"gemv_rows": 8}, "gemv-r1-no-pdl": {"gemv_rows": 8, "gemv_ranks": 1, "is_pdl": False},
-            "stack": {"stack_tokens": 8}, "stack-n512-b1-no-pdl": {"stack_tokens": 8, "block_n": 512, "b_first": 1,
-                                                                  "is_pdl": False},
-            "early": {"is_early_shrink": True}, "early-gemv-stack": {"is_early_shrink": True, "gemv_rows": 8,
-                                                                    "stack_tokens": 8},
-            "slice-r64": {"shrink_lanes": 64, "is_per_slice": True}, "r32-no-pdl": {"shrink_lanes": 32, "is_pdl": False}}
+LAUNCHES = {
+    "auto": None, "split-no-pdl": {"is_pdl": False}, "split-not-early": {"is_early_shrink": False},
+    "slice": {"is_per_slice": True}, "slice-no-pdl": {"is_per_slice": True, "is_pdl": False},
+    "all-slices": {"is_per_slice": False}, "gemv": {"gemv_rows": 8},
+    "gemv-r1-no-pdl": {"gemv_rows": 8, "gemv_ranks": 1, "is_pdl": False},
+    "stack": {"stack_tokens": 8},
+    "stack-n512-b1-no-pdl": {"stack_tokens": 8, "block_n": 512, "b_first": 1, "is_pdl": False},
+    "gemv-stack": {"gemv_rows": 8, "stack_tokens": 8},
+    "slice-r64": {"shrink_lanes": 64, "is_per_slice": True}, "r32-no-pdl": {"shrink_lanes": 32, "is_pdl": False},
+}
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
