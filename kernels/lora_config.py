@@ -80,8 +80,8 @@ class KernelConfig:
 # keeps a 16 x 256 y tile near 61 registers per thread; the prefill tile (64 x 256, 4 warps) spills a
 # little but measured fastest (57.9 us against 64.1 for 64 x 128 with 8 warps). PDL: 1..2 us off every
 # decode shape (run 8); the prefill shape keeps plain launches (not measured with PDL). The decode shrink is launched
-# early too, behind the kernel before it (run 42: 0.1..1.8 us off every decode shape, none slower beyond 0.1 us:
-# 64x1x64 10.2 -> 9.7, 256x8x16 15.2 -> 13.4, 16x8x16 6.8 -> 6.3).
+# early too, behind the kernel before it (run 42: 0.1..1.8 us off 29 of 31 decode shapes, 1x1x8 tied, 64x32x64 0.1 us
+# slower: 64x1x64 10.2 -> 9.7, 256x8x16 15.2 -> 13.4, 16x8x16 6.8 -> 6.3).
 DEFAULT_CONFIGS = {
     16: KernelConfig(target_programs=512, max_split=8, expand_warps=8, expand_stages=1, is_pdl=True, b_first=4,
                      is_early_shrink=True),
