@@ -65,12 +65,6 @@ PATH_VARIANTS = {
     "slice r64 split16": ({}, _auto(shrink_lanes=64, is_per_slice=True, max_split=16, target_programs=1024)),
     "slice r32 t1024": ({}, _auto(shrink_lanes=32, is_per_slice=True, target_programs=1024)),
     "slice r64 w8": ({}, _auto(shrink_lanes=64, is_per_slice=True, shrink_warps=8)),
-    # atomic: the K splits add into a zeroed t with float32 atomics (no arrival counters, no re-load of partials)
-    "atomic": ({}, _auto(is_atomic_sum=True)),
-    "atomic split8": ({}, _auto(is_atomic_sum=True, max_split=8, target_programs=1024)),
-    "atomic split16": ({}, _auto(is_atomic_sum=True, max_split=16, target_programs=2048)),
-    "atomic no gemv": ({}, _auto(is_atomic_sum=True, gemv_rows=0)),
-    "atomic no gemv split8": ({}, _auto(is_atomic_sum=True, gemv_rows=0, max_split=8, target_programs=1024)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

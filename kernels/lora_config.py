@@ -58,9 +58,6 @@ class KernelConfig:
     # expand: on steps whose tiles hold at most this many tokens (0: never), the product's rows stack column
     # sub-blocks of the tile's tokens (`stack_factor`) instead of padding the tokens to the tile height
     stack_tokens: int = 0
-    # shrink: the K splits add their partial sums into t with float32 atomics (t zeroed before the launch) instead
-    # of the last split to arrive adding them in split order (not deterministic in t's last bits)
-    is_atomic_sum: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n", "gemv_k", "shrink_lanes"):

@@ -55,16 +55,6 @@ def _store_slices(ptrs, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S: tl.
 
 
 @triton.jit
-def _atomic_slices(ptrs, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S: tl.constexpr):
-    # `_store_slices` as float32 atomic adds (relaxed: nothing in this launch reads t).
-    tl.atomic_add(ptrs, acc0, mask=mask0, sem="relaxed")
-    if NUM_S > 1:
-        tl.atomic_add(ptrs + lanes, acc1, mask=mask1, sem="relaxed")
-    if NUM_S > 2:
-        tl.atomic_add(ptrs + 2 * lanes, acc2, mask=mask2, sem="relaxed")
-
-
-@triton.jit
 def _shrink_tile(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride, in_dim,
     x_stride, tile, chunk, ks, k_per_split,
@@ -120,7 +110,7 @@ def _shrink_kernel(
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
     NUM_S: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, EARLY: tl.constexpr, ATOMIC: tl.constexpr,
+    PRECISION: tl.constexpr, EARLY: tl.constexpr,
 ):
     # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
     # is read once per split; GROUPS NUM_S: one slice per program, three times the programs, each with a third
@@ -155,11 +145,7 @@ def _shrink_kernel(
     mask0 = m_mask[:, None] & (offs_r < rank0)[None, :]
     mask1 = m_mask[:, None] & (offs_r < rank1)[None, :]
     mask2 = m_mask[:, None] & (offs_r < rank2)[None, :]
-    if SPLIT > 1 and ATOMIC:
-        # KernelConfig.is_atomic_sum: t was zeroed before the launch; every split adds its partial into it (float32
-        # atomics, in no fixed order: the sum may differ in its last bits from one launch to the next).
-        _atomic_slices(t_ptr + rows, lanes, acc0, acc1, acc2, mask0, mask1, mask2, PER)
-    elif SPLIT > 1:
+    if SPLIT > 1:
         # Write this split's partial; the last split of the (tile, group, chunk) to arrive adds them all up.
         # The barrier makes every thread's partial visible before the (release) atomic; the arrival counter
         # is reset by that last program, ready for the next launch.
@@ -176,10 +162,9 @@ def _shrink_kernel(
             tl.store(arrivals_ptr + tl.program_id(0), 0)
         # Only the last arrival writes t (a tile of no rows for the others).
         m_mask = offs_m < tl.where(is_last, count, 0)
-    if not (SPLIT > 1 and ATOMIC):
-        t_mask = m_mask[:, None]
-        _store_slices(t_ptr + rows, lanes, acc0, acc1, acc2, t_mask & (offs_r < rank0)[None, :],
-                      t_mask & (offs_r < rank1)[None, :], t_mask & (offs_r < rank2)[None, :], PER)
+    t_mask = m_mask[:, None]
+    _store_slices(t_ptr + rows, lanes, acc0, acc1, acc2, t_mask & (offs_r < rank0)[None, :],
+                  t_mask & (offs_r < rank1)[None, :], t_mask & (offs_r < rank2)[None, :], PER)
 
 
 @triton.jit
@@ -263,7 +248,6 @@ class ShrinkShape:
     groups: int  # slice groups of the programs: 1 (all slices per program) or one per slice
     launch: RepeatLaunch = field(compare=False)  # the grid, the constexprs and the compiled kernel once launched
     rank_groups: int = 0  # the GEMV shrink's rank-row groups per (tile, slice); 0: the tensor-core shrink
-    is_atomic: bool = False  # the K splits add into a zeroed t (KernelConfig.is_atomic_sum)
 
 
 def pdl_constexprs(config: KernelConfig, device: torch.device) -> dict:
@@ -317,14 +301,13 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
     constexprs = dict(
         NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=chunk,
         SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        PRECISION=dot_precision(dtype), ATOMIC=config.is_atomic_sum, **pdl_constexprs(config, device),
+        PRECISION=dot_precision(dtype), **pdl_constexprs(config, device),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     grid = (step.num_tiles * groups * num_chunks, split_k)
     cols, num_sorted = tuple(pad_slices(slices)), step.sorted_tokens.numel()
     launch = shared_launch(_shrink_kernel, grid, constexprs, (*cols, in_dim, num_sorted, lanes, split_k, k_per_split))
-    return ShrinkShape(cols, in_dim, num_sorted, num_chunks, lanes, split_k, k_per_split, groups, launch,
-                       is_atomic=config.is_atomic_sum and split_k > 1)
+    return ShrinkShape(cols, in_dim, num_sorted, num_chunks, lanes, split_k, k_per_split, groups, launch)
 
 
 def launch_shrink(
@@ -351,10 +334,8 @@ def launch_shrink(
         shape.launch(x, *pools, t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, *shape.cols,
                      proj.rank.stride(0), shape.in_dim, x.stride(0), shape.rank_groups, shape.lanes)
         return t
-    if shape.is_atomic:
-        t.zero_()
-    parts = new_workspace(shape.split_k if shape.split_k > 1 and not shape.is_atomic else 0, shape.num_sorted,
-                          num_slices, shape.lanes, device=x.device)
+    parts = new_workspace(shape.split_k if shape.split_k > 1 else 0, shape.num_sorted, num_slices, shape.lanes,
+                          device=x.device)
     counters = arrival_counters(x.device, step.num_tiles * shape.groups * shape.num_chunks)
     shape.launch(
         x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,

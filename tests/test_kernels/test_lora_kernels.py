@@ -37,8 +37,7 @@ LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": 
             "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}, "stack": {"stack_tokens": 8},
             "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1},
             "not-early": {"is_early_shrink": False}, "r64": {"shrink_lanes": 64},
-            "slice-r32": {"shrink_lanes": 32, "is_per_slice": True}, "atomic": {"is_atomic_sum": True},
-            "slice-atomic": {"is_atomic_sum": True, "is_per_slice": True, "shrink_lanes": 32}}
+            "slice-r32": {"shrink_lanes": 32, "is_per_slice": True}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -79,17 +78,15 @@ def check_lanes_below_rank(p, t, ref, device) -> torch.Tensor:
     return valid
 
 
-@pytest.mark.parametrize("is_atomic_sum", [False, True], ids=["arrivals", "atomic"])
 @pytest.mark.parametrize("shrink_lanes", [16, 64])
 @pytest.mark.parametrize("split_k", [1, 3, 32])
-def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch, split_k, shrink_lanes,
-                                             is_atomic_sum):
+def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch, split_k, shrink_lanes):
     from kubelora.kernels import lora_shrink
 
     poisoned = lambda *shape, device: torch.full(shape, math.nan, device=device)  # noqa: E731
     monkeypatch.setattr(lora_shrink, "new_workspace", poisoned)
     p = build_problem(30, ODD_RANKS, [24, 8, 8], 300, "zipf", torch.float32, seed=5, device=device, no_adapter=0.2)
-    config = KernelConfig(block_k=16, shrink_lanes=shrink_lanes, is_atomic_sum=is_atomic_sum)
+    config = KernelConfig(block_k=16, shrink_lanes=shrink_lanes)
     slices = [0, 1, 2]
     x, lora_a = p.x.float(), [a.float() for a in p.lora_a]
     for config in (config, replace(config, is_per_slice=True)):  # each launch finds the counters reset
