@@ -23,7 +23,8 @@ POINTERS = {"sorted_ptr": "*i64", "tiles_ptr": "*i64", "rank_ptr": "*i64", "row_
 # Arguments the launcher sees as multiples of 16 at the benchmark's sizes (Triton specializes on that).
 DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
              "k_per_split", "num_groups"}
-COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1, STACK=1, EARLY=False)
+COMMON = dict(NUM_S=3, SLOT_TILES=True, FOLDED=True, PRECISION="tf32", SPLIT=1, GROUPS=1, STACK=1, EARLY=False,
+              RED_Y=False)
 EXPAND = dict(BLOCK_M=16, BLOCK_R=16, USE_PDL=True)  # the decode expand
 GEMV = dict(BLOCK_M=16, BLOCK_K=4096, USE_PDL=True)  # the GEMV shrink's shapes below, at in_dim 4096 in one step
 SHAPES = [
@@ -64,6 +65,13 @@ SHAPES = [
                                                                USE_PDL=True, GROUPS=3, EARLY=True), 4, 3),
     ("shrink per-slice r32 split8 early", _shrink_kernel, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, SPLIT=8,
                                                                USE_PDL=True, GROUPS=3, EARLY=True), 4, 3),
+    # the delta added into y by atomic adds (KernelConfig.is_red_y)
+    ("expand stack2 n512 b1 red", _expand_kernel, dict(EXPAND, BLOCK_N=512, B_FIRST=1, STACK=2, RED_Y=True), 8, 1),
+    ("expand stack2 n512 b1 red w4", _expand_kernel, dict(EXPAND, BLOCK_N=512, B_FIRST=1, STACK=2, RED_Y=True), 4,
+     1),
+    ("expand stack8 n512 b1 red", _expand_kernel, dict(EXPAND, BLOCK_N=512, B_FIRST=1, STACK=8, RED_Y=True), 8, 1),
+    ("expand m16 n256 pdl b4 red", _expand_kernel, dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, B_FIRST=4, USE_PDL=True,
+                                                        RED_Y=True), 8, 2),
 ]
 
 

@@ -58,6 +58,9 @@ class KernelConfig:
     # expand: on steps whose tiles hold at most this many tokens (0: never), the product's rows stack column
     # sub-blocks of the tile's tokens (`stack_factor`) instead of padding the tokens to the tile height
     stack_tokens: int = 0
+    # expand: add the delta into y with atomic adds (done in L2, one per element: deterministic) instead of loading y
+    # and storing the sum
+    is_red_y: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n", "gemv_k", "shrink_lanes"):
@@ -81,10 +84,12 @@ class KernelConfig:
 # little but measured fastest (57.9 us against 64.1 for 64 x 128 with 8 warps). PDL: 1..2 us off every
 # decode shape (run 8); the prefill shape keeps plain launches (not measured with PDL). The decode shrink is launched
 # early too, behind the kernel before it (run 42: 0.1..1.8 us off 29 of 31 decode shapes, 1x1x8 tied, 64x32x64 0.1 us
-# slower: 64x1x64 10.2 -> 9.7, 256x8x16 15.2 -> 13.4, 16x8x16 6.8 -> 6.3).
+# slower: 64x1x64 10.2 -> 9.7, 256x8x16 15.2 -> 13.4, 16x8x16 6.8 -> 6.3). The decode expand adds into y by atomic
+# adds (run 51: up to 1.0 us faster on 21 of 31 decode shapes, 0.1..0.2 us slower on 9 small ones: 64x32x36 23.1 ->
+# 22.1, 256x32x16 17.7 -> 16.8, 256x8x64 21.7 -> 20.9, 1x1x8 4.0 -> 4.2).
 DEFAULT_CONFIGS = {
     16: KernelConfig(target_programs=512, max_split=8, expand_warps=8, expand_stages=1, is_pdl=True, b_first=4,
-                     is_early_shrink=True),
+                     is_early_shrink=True, is_red_y=True),
     32: KernelConfig(max_split=8, block_n=128, expand_warps=8, is_pdl=True, b_first=1),
     64: KernelConfig(max_split=4, block_n=256, expand_warps=4),
 }
@@ -153,6 +158,10 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
             and (num_chunks == 1 or step.max_tile_count > GEMV_TILE_TOKENS)):
         config = replace(config, stack_tokens=STACK_TOKENS, block_n=STACK_BLOCK_N)
     if step.max_tile_count <= GEMV_TILE_TOKENS and (num_chunks == 1 or step.num_tiles >= WIDE_K_MIN_TILES):
+        if num_chunks > 1:
+            # Unstacked 2-token tiles at rank > 16 with the atomic adds into y: 4 expand warps (run 51: 64x32x64 33.4
+            # -> 32.7, 64x32 mixed 24.8 -> 24.2, 64x32x36 22.1 -> 21.7 us).
+            config = replace(config, expand_warps=4)
         return replace(config, gemv_rows=GEMV_TILE_TOKENS)
     if num_chunks == 1 and step.num_tiles >= WIDE_K_MIN_TILES:
         return replace(config, is_per_slice=True, block_k=256)

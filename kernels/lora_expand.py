@@ -94,7 +94,7 @@ def _expand_kernel(
     y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, STACK: tl.constexpr,
+    PRECISION: tl.constexpr, STACK: tl.constexpr, RED_Y: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     # STACK > 1 (tiles of at most BLOCK_M / STACK tokens): the BLOCK_M rows of the product are STACK column
@@ -134,7 +134,8 @@ def _expand_kernel(
     y_rows = q < tl.where(rank > 0, count, 0)
     y_mask = y_rows[:, None] & (y_cols < width)
     y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + y_cols
-    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    if not RED_Y:
+        y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, SUB_N], dtype=tl.float32)
     t_rows = ((start + q) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
     n_mask = b_cols < width
@@ -160,7 +161,12 @@ def _expand_kernel(
         b = _b_chunk(b_rows, width, r0 + lanes0, rank, n_mask)
         t = _t_chunk(t_ptr, t_rows, r0 + lanes0, m_mask, rank)
         acc = _add_dot(acc, t, scale, b, PRECISION)
-    tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
+    if RED_Y:
+        # KernelConfig.is_red_y: the delta is added in L2 (one atomic add per element of y, each element by one
+        # program: deterministic), so no program waits on y's loads or holds y in registers.
+        tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
 
 
 def lora_expand(
@@ -203,7 +209,7 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
-        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config),
+        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config), RED_Y=config.is_red_y,
         num_warps=config.expand_warps, num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
     return ExpandShape(scalars, shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, scalars))

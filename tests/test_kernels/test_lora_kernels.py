@@ -37,7 +37,8 @@ LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": 
             "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}, "stack": {"stack_tokens": 8},
             "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1},
             "not-early": {"is_early_shrink": False}, "r64": {"shrink_lanes": 64},
-            "slice-r32": {"shrink_lanes": 32, "is_per_slice": True}}
+            "slice-r32": {"shrink_lanes": 32, "is_per_slice": True}, "red": {"is_red_y": True},
+            "stack-red": {"stack_tokens": 8, "is_red_y": True}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:

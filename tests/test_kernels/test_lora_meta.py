@@ -142,8 +142,10 @@ def test_choose_config_by_step_size(num_tokens, num_adapters, rank, gemv_rows, i
         assert (config.block_k, config.max_split) == (block_k, max_split)
         assert config.shrink_lanes == (32 if rank > 16 and step.num_tiles > 8 else 16)
     is_full = step.max_tile_count == 16 and rank > 16 and step.num_tiles <= 8
-    assert stack_factor(step, config) == stack
-    assert (config.block_n, config.expand_warps) == ((128, 4) if is_full else (512, 8) if stack > 1 else (256, 8))
+    is_narrow = gemv_rows > 0 and rank > 16  # unstacked 2-token tiles at rank > 16: 4 expand warps
+    assert stack_factor(step, config) == stack and config.is_red_y
+    assert (config.block_n, config.expand_warps) == ((128, 4) if is_full else (512, 8) if stack > 1 else
+                                                     (256, 4) if is_narrow else (256, 8))
 
 
 def test_repeat_launch_skips_the_jit_only_while_the_specialization_holds(monkeypatch):

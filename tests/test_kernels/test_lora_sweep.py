@@ -62,6 +62,8 @@ LAUNCHES = {
     "stack-n512-b1-no-pdl": {"stack_tokens": 8, "block_n": 512, "b_first": 1, "is_pdl": False},
     "gemv-stack": {"gemv_rows": 8, "stack_tokens": 8},
     "slice-r64": {"shrink_lanes": 64, "is_per_slice": True}, "r32-no-pdl": {"shrink_lanes": 32, "is_pdl": False},
+    "red": {"is_red_y": True}, "stack-red-no-pdl": {"stack_tokens": 8, "is_red_y": True, "is_pdl": False},
+    "gemv-stack-red": {"gemv_rows": 8, "stack_tokens": 8, "is_red_y": True},
 }
 
 
