@@ -141,22 +141,33 @@ GEMV_TILE_TOKENS = 2
 # registers beside B's four chunks) nor on fewer tiles (16x8x64 12.3 -> 17.6, 1x1x64 6.7 -> 9.1).
 STACK_TOKENS = 8
 STACK_BLOCK_N = 512
+# A wider GEMV shrink (8 warps, 2 rank rows per program) on steps of fewer than 32 one-token tiles (runs 51..52:
+# 1x1x64 6.6 -> 4.9 us, where the tensor-core shrink ran before; 1x1x16 4.2 -> 3.9, 1x1x8 tied) and on steps of
+# 3..8-token tiles at rank <= 8 (runs 43, 50, 52: 256x32x8 15.3 -> 14.6, 15.2 -> 14.5, 14.9 -> 14.4; 64x8x8 tied; at
+# rank 16 it lost: 256x32x16 17.1 -> 22.3).
+WIDE_GEMV = dict(gemv_rows=8, gemv_ranks=2, gemv_warps=8)
+WIDE_GEMV_MAX_RANK = 8
 
 
 def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelConfig:
     """The launch configuration for one step and projection, from host-side sizes only (no device sync).
 
-    Decode steps of at most 2 tokens per tile run the GEMV shrink where it measured faster; other decode steps
-    run one shrink program per slice (32 rank lanes wide on big steps of several rank chunks); decode steps of
-    many small tiles stack the expand's column sub-blocks; taller tiles take their height's config.
+    Decode steps of at most 2 tokens per tile, and of at most 8 at rank <= 8, run the GEMV shrink where it measured
+    faster; other decode steps run one shrink program per slice (32 rank lanes wide on big steps of several rank
+    chunks); decode steps of many small tiles stack the expand's column sub-blocks; taller tiles take their height's
+    config.
     """
     config = DEFAULT_CONFIGS[step.block_m]
     if step.block_m != 16:
         return config
     num_chunks = num_lanes(proj, slices) // BLOCK_R
+    max_rank = max(proj.max_rank[s] for s in slices)
     if (step.num_tiles >= WIDE_K_MIN_TILES and step.max_tile_count <= STACK_TOKENS
             and (num_chunks == 1 or step.max_tile_count > GEMV_TILE_TOKENS)):
         config = replace(config, stack_tokens=STACK_TOKENS, block_n=STACK_BLOCK_N)
+    if (step.max_tile_count == 1 and step.num_tiles < WIDE_K_MIN_TILES
+            or GEMV_TILE_TOKENS < step.max_tile_count <= STACK_TOKENS and max_rank <= WIDE_GEMV_MAX_RANK):
+        return replace(config, **WIDE_GEMV)
     if step.max_tile_count <= GEMV_TILE_TOKENS and (num_chunks == 1 or step.num_tiles >= WIDE_K_MIN_TILES):
         if num_chunks > 1:
             # Unstacked 2-token tiles at rank > 16 with the atomic adds into y: 4 expand warps (run 51: 64x32x64 33.4

@@ -118,7 +118,10 @@ def test_reference_matches_float64(dist):
                           "max_split", "stack"), [
     (64, 8, 16, 0, True, 128, 1024, 8, 1),  # rank <= 16: one shrink program per slice
     (16, 1, 64, 0, True, 128, 1024, 8, 1),  # 1 tile x 4 chunks: up to 8 tiles at any rank too (full: 128-wide blocks)
-    (256, 32, 8, 0, True, 256, 512, 8, 2),  # 32 tiles of rank <= 16: 256-wide in_dim steps; 8 tokens: 2 sub-blocks
+    (256, 32, 16, 0, True, 256, 512, 8, 2),  # 32 tiles of rank <= 16: 256-wide in_dim steps; 8 tokens: 2 sub-blocks
+    (256, 32, 8, 8, None, None, None, None, 2),  # 8 tokens per tile at rank <= 8: the wide GEMV shrink
+    (64, 8, 8, 8, None, None, None, None, 1),  # the same on 8 tiles (no stacking)
+    (1, 1, 64, 8, None, None, None, None, 1),  # one token per tile on few tiles, any rank: the wide GEMV shrink
     (256, 32, 64, 0, True, 128, 1024, 4, 2),  # 32 tiles x 4 chunks of 8 tokens: 32-lane shrink, stacked expand
     (256, 8, 64, 0, True, 128, 1024, 4, 1),  # 16 tiles x 4 chunks: one program per slice of 32 lanes, <= 4 splits
     (64, 32, 8, 2, None, None, None, None, 8),  # 2 tokens per tile, one rank chunk: the GEMV shrink, 8 sub-blocks
@@ -142,7 +145,9 @@ def test_choose_config_by_step_size(num_tokens, num_adapters, rank, gemv_rows, i
         assert (config.block_k, config.max_split) == (block_k, max_split)
         assert config.shrink_lanes == (32 if rank > 16 and step.num_tiles > 8 else 16)
     is_full = step.max_tile_count == 16 and rank > 16 and step.num_tiles <= 8
-    is_narrow = gemv_rows > 0 and rank > 16  # unstacked 2-token tiles at rank > 16: 4 expand warps
+    if gemv_rows == 8:
+        assert (config.gemv_ranks, config.gemv_warps) == (2, 8)
+    is_narrow = gemv_rows == 2 and rank > 16  # unstacked 2-token tiles at rank > 16: 4 expand warps
     assert stack_factor(step, config) == stack and config.is_red_y
     assert (config.block_n, config.expand_warps) == ((128, 4) if is_full else (512, 8) if stack > 1 else
                                                      (256, 4) if is_narrow else (256, 8))
