@@ -73,6 +73,9 @@ PATH_VARIANTS = {
     "red b1": ({}, _auto(is_red_y=True, b_first=1)),
     "no red": ({}, _auto(is_red_y=False)),
     "w8": ({}, _auto(expand_warps=8)),
+    "height red": ({}, _height(is_red_y=True)),  # the tile height's default with the atomic adds into y (prefill)
+    "n128 w4": ({}, _auto(block_n=128, expand_warps=4)),
+    "split16 t2048": ({}, _auto(max_split=16, target_programs=2048)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
