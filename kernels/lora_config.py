@@ -85,8 +85,8 @@ class KernelConfig:
 # decode shape (run 8); the prefill shape keeps plain launches (not measured with PDL). The decode shrink is launched
 # early too, behind the kernel before it (run 42: 0.1..1.8 us off 29 of 31 decode shapes, 1x1x8 tied, 64x32x64 0.1 us
 # slower: 64x1x64 10.2 -> 9.7, 256x8x16 15.2 -> 13.4, 16x8x16 6.8 -> 6.3). The decode expand adds into y by atomic
-# adds (run 51: up to 1.0 us faster on 21 of 31 decode shapes, 0.1..0.2 us slower on 9 small ones: 64x32x36 23.1 ->
-# 22.1, 256x32x16 17.7 -> 16.8, 256x8x64 21.7 -> 20.9, 1x1x8 4.0 -> 4.2).
+# adds (run 51: up to 1.0 us faster on 19 of 31 decode shapes, 0.1..0.2 us slower on 8 small ones: 64x32x36 23.1 ->
+# 22.1, 256x32x16 17.7 -> 16.8, 256x8x64 21.7 -> 20.9, 1x1x8 4.0 -> 4.2; run 53: slower on prefill, 55.8 -> 59.0).
 DEFAULT_CONFIGS = {
     16: KernelConfig(target_programs=512, max_split=8, expand_warps=8, expand_stages=1, is_pdl=True, b_first=4,
                      is_early_shrink=True, is_red_y=True),
@@ -141,7 +141,7 @@ GEMV_TILE_TOKENS = 2
 # registers beside B's four chunks) nor on fewer tiles (16x8x64 12.3 -> 17.6, 1x1x64 6.7 -> 9.1).
 STACK_TOKENS = 8
 STACK_BLOCK_N = 512
-# A wider GEMV shrink (8 warps, 2 rank rows per program) on steps of fewer than 32 one-token tiles (runs 51..52:
+# A wider GEMV shrink (8 warps, 2 rank rows per program) on steps of fewer than 32 one-token tiles (run 52:
 # 1x1x64 6.6 -> 4.9 us, where the tensor-core shrink ran before; 1x1x16 4.2 -> 3.9, 1x1x8 tied) and on steps of
 # 3..8-token tiles at rank <= 8 (runs 43, 50, 52: 256x32x8 15.3 -> 14.6, 15.2 -> 14.5, 14.9 -> 14.4; 64x8x8 tied; at
 # rank 16 it lost: 256x32x16 17.1 -> 22.3).
