@@ -65,17 +65,11 @@ PATH_VARIANTS = {
     "slice r64 split16": ({}, _auto(shrink_lanes=64, is_per_slice=True, max_split=16, target_programs=1024)),
     "slice r32 t1024": ({}, _auto(shrink_lanes=32, is_per_slice=True, target_programs=1024)),
     "slice r64 w8": ({}, _auto(shrink_lanes=64, is_per_slice=True, shrink_warps=8)),
-    # red: the expand adds its delta into y with atomic adds instead of loading y and storing the sum
-    "red": ({}, _auto(is_red_y=True)),
-    "red w4": ({}, _auto(is_red_y=True, expand_warps=4)),
-    "red n256": ({}, _auto(is_red_y=True, block_n=256)),
-    "red n1024": ({}, _auto(is_red_y=True, block_n=1024)),
-    "red b1": ({}, _auto(is_red_y=True, b_first=1)),
+    # no red: the decode expand loads y and stores the sum (before run 52's default: atomic adds into y); wN: N
+    # expand warps
     "no red": ({}, _auto(is_red_y=False)),
+    "w4": ({}, _auto(expand_warps=4)),
     "w8": ({}, _auto(expand_warps=8)),
-    "height red": ({}, _height(is_red_y=True)),  # the tile height's default with the atomic adds into y (prefill)
-    "n128 w4": ({}, _auto(block_n=128, expand_warps=4)),
-    "split16 t2048": ({}, _auto(max_split=16, target_programs=2048)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

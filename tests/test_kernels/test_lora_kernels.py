@@ -33,12 +33,13 @@ CASES = [
 
 # Launches: the step's own choice (add_lora), or the tile height's default config with these changes.
 # (On CPU the programmatic dependent launches, PDL and the early shrink, are off whatever the config says.)
+# Decode (16-row) tiles add into y by atomic adds by default: `red` covers taller tiles, `loaded-y` the other path.
 LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": {"gemv_rows": 8},
             "gemv-r1-k16": {"gemv_rows": 8, "gemv_ranks": 1, "gemv_k": 16}, "stack": {"stack_tokens": 8},
             "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1},
             "not-early": {"is_early_shrink": False}, "r64": {"shrink_lanes": 64},
             "slice-r32": {"shrink_lanes": 32, "is_per_slice": True}, "red": {"is_red_y": True},
-            "stack-red": {"stack_tokens": 8, "is_red_y": True}}
+            "loaded-y": {"is_red_y": False}, "stack-loaded-y": {"stack_tokens": 8, "is_red_y": False}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:

@@ -53,6 +53,7 @@ def sweep_cases(num_cases: int = 48) -> list[tuple]:
 
 
 # The step's own launch (add_lora, PDL on decode steps), or the tile height's default config with these changes.
+# Decode (16-row) tiles add into y by atomic adds by default: `red` covers taller tiles, `loaded-y` the other path.
 LAUNCHES = {
     "auto": None, "split-no-pdl": {"is_pdl": False}, "split-not-early": {"is_early_shrink": False},
     "slice": {"is_per_slice": True}, "slice-no-pdl": {"is_per_slice": True, "is_pdl": False},
@@ -62,8 +63,8 @@ LAUNCHES = {
     "stack-n512-b1-no-pdl": {"stack_tokens": 8, "block_n": 512, "b_first": 1, "is_pdl": False},
     "gemv-stack": {"gemv_rows": 8, "stack_tokens": 8},
     "slice-r64": {"shrink_lanes": 64, "is_per_slice": True}, "r32-no-pdl": {"shrink_lanes": 32, "is_pdl": False},
-    "red": {"is_red_y": True}, "stack-red-no-pdl": {"stack_tokens": 8, "is_red_y": True, "is_pdl": False},
-    "gemv-stack-red": {"gemv_rows": 8, "stack_tokens": 8, "is_red_y": True},
+    "red": {"is_red_y": True}, "loaded-y": {"is_red_y": False},
+    "stack-loaded-y-no-pdl": {"stack_tokens": 8, "is_red_y": False, "is_pdl": False},
 }
 
 
