@@ -66,10 +66,12 @@ PATH_VARIANTS = {
     "slice r32 t1024": ({}, _auto(shrink_lanes=32, is_per_slice=True, target_programs=1024)),
     "slice r64 w8": ({}, _auto(shrink_lanes=64, is_per_slice=True, shrink_warps=8)),
     # no red: the decode expand loads y and stores the sum (before run 52's default: atomic adds into y); wN: N
-    # expand warps
+    # expand warps; nN: N columns per expand program
     "no red": ({}, _auto(is_red_y=False)),
     "w4": ({}, _auto(expand_warps=4)),
     "w8": ({}, _auto(expand_warps=8)),
+    "n512": ({}, _auto(block_n=512)),
+    "n512 w4": ({}, _auto(block_n=512, expand_warps=4)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
