@@ -72,9 +72,7 @@ PATH_VARIANTS = {
     "w8": ({}, _auto(expand_warps=8)),
     "n512": ({}, _auto(block_n=512)),
     "n512 w4": ({}, _auto(block_n=512, expand_warps=4)),
-    "n1024 w4": ({}, _auto(block_n=1024, expand_warps=4)),
-    "n1024 w8": ({}, _auto(block_n=1024, expand_warps=8)),
-    "n512 w2": ({}, _auto(block_n=512, expand_warps=2)),
+    "n256 w8": ({}, _auto(block_n=256, expand_warps=8)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

@@ -147,6 +147,10 @@ STACK_BLOCK_N = 512
 # rank 16 it lost: 256x32x16 17.1 -> 22.3).
 WIDE_GEMV = dict(gemv_rows=8, gemv_ranks=2, gemv_warps=8)
 WIDE_GEMV_MAX_RANK = 8
+# Steps of at least 16 full 16-token tiles take 512-column expand blocks of 4 warps (run 54: 256x8x64 20.8 -> 19.4 us,
+# 256x1x64 18.7 -> 17.5, 256x8x16 13.3 -> 12.6, 256x8x8 13.0 -> 12.4): 148 registers, 3 programs per multiprocessor
+# (offline, sm_90), so 16 tiles x 24 blocks run in one wave, where 256-column blocks of 8 warps took 1.45.
+WIDE_N_MIN_TILES = 16
 
 
 def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelConfig:
@@ -154,8 +158,8 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
 
     Decode steps of at most 2 tokens per tile, and of at most 8 at rank <= 8, run the GEMV shrink where it measured
     faster; other decode steps run one shrink program per slice (32 rank lanes wide on big steps of several rank
-    chunks); decode steps of many small tiles stack the expand's column sub-blocks; taller tiles take their height's
-    config.
+    chunks); decode steps of many small tiles stack the expand's column sub-blocks, those of many full tiles take wide
+    expand blocks; taller tiles take their height's config.
     """
     config = DEFAULT_CONFIGS[step.block_m]
     if step.block_m != 16:
@@ -165,6 +169,8 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
     if (step.num_tiles >= WIDE_K_MIN_TILES and step.max_tile_count <= STACK_TOKENS
             and (num_chunks == 1 or step.max_tile_count > GEMV_TILE_TOKENS)):
         config = replace(config, stack_tokens=STACK_TOKENS, block_n=STACK_BLOCK_N)
+    if step.max_tile_count == step.block_m and step.num_tiles >= WIDE_N_MIN_TILES:
+        config = replace(config, block_n=512, expand_warps=4)
     if (step.max_tile_count == 1 and step.num_tiles < WIDE_K_MIN_TILES
             or GEMV_TILE_TOKENS < step.max_tile_count <= STACK_TOKENS and max_rank <= WIDE_GEMV_MAX_RANK):
         return replace(config, **WIDE_GEMV)

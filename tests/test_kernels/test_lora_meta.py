@@ -124,6 +124,7 @@ def test_reference_matches_float64(dist):
     (1, 1, 64, 8, None, None, None, None, 1),  # one token per tile on few tiles, any rank: the wide GEMV shrink
     (256, 32, 64, 0, True, 128, 1024, 4, 2),  # 32 tiles x 4 chunks of 8 tokens: 32-lane shrink, stacked expand
     (256, 8, 64, 0, True, 128, 1024, 4, 1),  # 16 tiles x 4 chunks: one program per slice of 32 lanes, <= 4 splits
+    (256, 8, 16, 0, True, 128, 1024, 8, 1),  # 16 full tiles: 512-column expand blocks of 4 warps
     (64, 32, 8, 2, None, None, None, None, 8),  # 2 tokens per tile, one rank chunk: the GEMV shrink, 8 sub-blocks
     (64, 32, 64, 2, None, None, None, None, 1),  # 2 tokens per tile, 32 tiles: the GEMV shrink at any rank
     (16, 8, 64, 0, True, 128, 1024, 8, 1),  # 2 tokens per tile but 8 tiles of 4 chunks: the tensor-core shrink
@@ -148,9 +149,10 @@ def test_choose_config_by_step_size(num_tokens, num_adapters, rank, gemv_rows, i
     if gemv_rows == 8:
         assert (config.gemv_ranks, config.gemv_warps) == (2, 8)
     is_narrow = gemv_rows == 2 and rank > 16  # unstacked 2-token tiles at rank > 16: 4 expand warps
+    is_wide = step.max_tile_count == 16 and step.num_tiles >= 16
     assert stack_factor(step, config) == stack and config.is_red_y
     assert (config.block_n, config.expand_warps) == ((128, 4) if is_full else (512, 8) if stack > 1 else
-                                                     (256, 4) if is_narrow else (256, 8))
+                                                     (512, 4) if is_wide else (256, 4) if is_narrow else (256, 8))
 
 
 def test_repeat_launch_skips_the_jit_only_while_the_specialization_holds(monkeypatch):
