@@ -189,8 +189,10 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
         return config
     # Several rank chunks on more tiles: one program per slice and 32 rank lanes (run 45: 256x32 mixed 31.0 -> 28.6,
     # 256x32x36 28.3 -> 27.3, 256x32x64 38.1 -> 37.1, 256x1x64 20.4 -> 19.5, 256x8x64 22.1 -> 21.5; all slices per
-    # program and 16 lanes before).
-    return replace(config, max_split=4, is_per_slice=True, shrink_lanes=32, target_programs=1024)
+    # program and 16 lanes before); on full tiles with 256-wide in_dim steps (run 56: 256x8x64 19.5 -> 18.9, 256x1x64
+    # 17.6 -> 16.6 us; on 8-token tiles they lost: 256x32x64 36.5 -> 38.0).
+    block_k = 256 if step.max_tile_count == step.block_m else config.block_k
+    return replace(config, max_split=4, is_per_slice=True, shrink_lanes=32, target_programs=1024, block_k=block_k)
 
 
 def step_config(step: LoRAStep, **changes) -> KernelConfig:

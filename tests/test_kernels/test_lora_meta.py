@@ -123,7 +123,8 @@ def test_reference_matches_float64(dist):
     (64, 8, 8, 8, None, None, None, None, 1),  # the same on 8 tiles (no stacking)
     (1, 1, 64, 8, None, None, None, None, 1),  # one token per tile on few tiles, any rank: the wide GEMV shrink
     (256, 32, 64, 0, True, 128, 1024, 4, 2),  # 32 tiles x 4 chunks of 8 tokens: 32-lane shrink, stacked expand
-    (256, 8, 64, 0, True, 128, 1024, 4, 1),  # 16 tiles x 4 chunks: one program per slice of 32 lanes, <= 4 splits
+    (256, 8, 64, 0, True, 256, 1024, 4, 1),  # 16 full tiles x 4 chunks: one program per slice of 32 lanes, <= 4
+    # splits, 256-wide in_dim steps
     (256, 8, 16, 0, True, 128, 1024, 8, 1),  # 16 full tiles: 512-column expand blocks of 4 warps
     (64, 32, 8, 2, None, None, None, None, 8),  # 2 tokens per tile, one rank chunk: the GEMV shrink, 8 sub-blocks
     (64, 32, 64, 2, None, None, None, None, 1),  # 2 tokens per tile, 32 tiles: the GEMV shrink at any rank
