@@ -151,6 +151,7 @@ WIDE_GEMV_MAX_RANK = 8
 # 256x1x64 18.7 -> 17.5, 256x8x16 13.3 -> 12.6, 256x8x8 13.0 -> 12.4): 148 registers, 3 programs per multiprocessor
 # (offline, sm_90), so 16 tiles x 24 blocks run in one wave, where 256-column blocks of 8 warps took 1.45.
 WIDE_N_MIN_TILES = 16
+WIDE_N = dict(block_n=512, expand_warps=4)
 
 
 def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelConfig:
@@ -170,7 +171,7 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
             and (num_chunks == 1 or step.max_tile_count > GEMV_TILE_TOKENS)):
         config = replace(config, stack_tokens=STACK_TOKENS, block_n=STACK_BLOCK_N)
     if step.max_tile_count == step.block_m and step.num_tiles >= WIDE_N_MIN_TILES:
-        config = replace(config, block_n=512, expand_warps=4)
+        config = replace(config, **WIDE_N)
     if (step.max_tile_count == 1 and step.num_tiles < WIDE_K_MIN_TILES
             or GEMV_TILE_TOKENS < step.max_tile_count <= STACK_TOKENS and max_rank <= WIDE_GEMV_MAX_RANK):
         return replace(config, **WIDE_GEMV)
