@@ -70,14 +70,10 @@ PATH_VARIANTS = {
     "no red": ({}, _auto(is_red_y=False)),
     "w4": ({}, _auto(expand_warps=4)),
     "w8": ({}, _auto(expand_warps=8)),
-    "n512": ({}, _auto(block_n=512)),
     "n512 w4": ({}, _auto(block_n=512, expand_warps=4)),
     "n256 w8": ({}, _auto(block_n=256, expand_warps=8)),
-    # the tensor-core shrink's knobs on the step's own launch: sN: at most N K splits, shrink wN: N warps, kN: N-wide
-    # in_dim steps
-    "s8": ({}, _auto(max_split=8)),
-    "s8 shrink w8": ({}, _auto(max_split=8, shrink_warps=8)),
-    "shrink w8": ({}, _auto(shrink_warps=8)),
+    # k256: 256-wide in_dim steps in the tensor-core shrink (run 56; at most 8 K splits or 8 shrink warps lost on
+    # every shape timed)
     "k256": ({}, _auto(block_k=256)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
