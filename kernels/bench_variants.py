@@ -65,7 +65,7 @@ PATH_VARIANTS = {
     "slice r64 split16": ({}, _auto(shrink_lanes=64, is_per_slice=True, max_split=16, target_programs=1024)),
     "slice r32 t1024": ({}, _auto(shrink_lanes=32, is_per_slice=True, target_programs=1024)),
     "slice r64 w8": ({}, _auto(shrink_lanes=64, is_per_slice=True, shrink_warps=8)),
-    # no red: the decode expand loads y and stores the sum (before run 52's default: atomic adds into y); wN: N
+    # no red: the decode expand loads y and stores the sum (before the default of runs 51..52: atomic adds into y); wN: N
     # expand warps; nN: N columns per expand program
     "no red": ({}, _auto(is_red_y=False)),
     "w4": ({}, _auto(expand_warps=4)),

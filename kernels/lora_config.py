@@ -167,10 +167,11 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
         return config
     num_chunks = num_lanes(proj, slices) // BLOCK_R
     max_rank = max(proj.max_rank[s] for s in slices)
+    is_full = step.max_tile_count == step.block_m  # the largest tile fills all its rows
     if (step.num_tiles >= WIDE_K_MIN_TILES and step.max_tile_count <= STACK_TOKENS
             and (num_chunks == 1 or step.max_tile_count > GEMV_TILE_TOKENS)):
         config = replace(config, stack_tokens=STACK_TOKENS, block_n=STACK_BLOCK_N)
-    if step.max_tile_count == step.block_m and step.num_tiles >= WIDE_N_MIN_TILES:
+    if is_full and step.num_tiles >= WIDE_N_MIN_TILES:
         config = replace(config, **WIDE_N)
     if (step.max_tile_count == 1 and step.num_tiles < WIDE_K_MIN_TILES
             or GEMV_TILE_TOKENS < step.max_tile_count <= STACK_TOKENS and max_rank <= WIDE_GEMV_MAX_RANK):
@@ -185,14 +186,14 @@ def choose_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> KernelCo
         return replace(config, is_per_slice=True, block_k=256)
     if num_chunks == 1 or step.num_tiles <= PER_SLICE_MAX_TILES:
         config = replace(config, is_per_slice=True, target_programs=1024)
-        if step.max_tile_count == step.block_m and num_chunks > 1:
+        if is_full and num_chunks > 1:
             return replace(config, block_n=128, expand_warps=4)  # full tiles at rank > 16 (runs 22..24)
         return config
     # Several rank chunks on more tiles: one program per slice and 32 rank lanes (run 45: 256x32 mixed 31.0 -> 28.6,
     # 256x32x36 28.3 -> 27.3, 256x32x64 38.1 -> 37.1, 256x1x64 20.4 -> 19.5, 256x8x64 22.1 -> 21.5; all slices per
     # program and 16 lanes before); on full tiles with 256-wide in_dim steps (run 56: 256x8x64 19.5 -> 18.9, 256x1x64
     # 17.6 -> 16.6 us; on 8-token tiles they lost: 256x32x64 36.5 -> 38.0).
-    block_k = 256 if step.max_tile_count == step.block_m else config.block_k
+    block_k = 256 if is_full else config.block_k
     return replace(config, max_split=4, is_per_slice=True, shrink_lanes=32, target_programs=1024, block_k=block_k)
 
 
