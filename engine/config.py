@@ -21,6 +21,7 @@ class EngineConfig:
       max_num_seqs full-length sequences, else (CUDA) gpu_memory_utilization of what weights and pool leave.
     - lora_backend: "torch" or "triton"; default kubelora.kernels.lora.default_backend(device) when the kernels
       provide it, else "torch".
+    - enforce_eager: run every step eagerly (no CUDA graphs; vLLM's name). CUDA graphs are only used on CUDA.
     - is_base_model_strict: reject (True) or warn about (False) an adapter whose base_model_name_or_path
       differs from the served model; shapes are always checked.
     """
@@ -42,6 +43,7 @@ class EngineConfig:
     max_lora_pool_bytes: int | None = None
     lora_backend: str | None = None
     is_base_model_strict: bool = False
+    enforce_eager: bool = False
     num_loader_threads: int = 2
     served_model_name: str | None = None
     seed: int = 0  # seeds the global generator used by unseeded sampling requests
