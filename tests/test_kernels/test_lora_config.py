@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kubelora.kernels.lora import prepare_lora_proj, prepare_lora_step
-from kubelora.kernels.lora_config import KernelConfig, choose_config
+from kubelora.kernels.lora import TILE_HEIGHTS, prepare_lora_proj, prepare_lora_step
+from kubelora.kernels.lora_config import DEFAULT_CONFIGS, EXPAND_RULES, SHRINK_RULES, KernelConfig, choose_config
 
 FROZEN_HEIGHTS = {
     16: dict(target_programs=512, max_split=8, expand_warps=8, expand_stages=1, is_pdl=True, b_first=4,
@@ -65,3 +65,9 @@ def test_choose_config_is_unchanged_on_every_step(block_m, ranks):
             slices = [s for s, r in enumerate(ranks) if r]
             expected = frozen_choice(block_m, num_tiles, tokens, max(ranks))
             assert choose_config(step, proj, slices) == KernelConfig(**expected), (num_tiles, tokens)
+
+
+def test_table_covers_every_tile_height_and_says_why():
+    assert sorted(DEFAULT_CONFIGS) == list(TILE_HEIGHTS)
+    for rule in EXPAND_RULES + SHRINK_RULES:
+        assert rule.why and "\n" not in rule.why and rule.changes
