@@ -79,13 +79,19 @@ class LLMEngine:
 
     def _build_runner(self, hf_config, weights, pool: DeviceLoRAPool) -> ModelRunner:
         inv_freq, attention_scaling = rope_inv_freq(hf_config)
-        kv_cache = setup.allocate_kv_cache(self.config, self.model_config, self.dtype, self.num_kv_blocks,
+        # One block past the scheduler's: the pad block padded rows of a static decode batch write into.
+        kv_cache = setup.allocate_kv_cache(self.config, self.model_config, self.dtype, self.num_kv_blocks + 1,
                                            self.device)
         model = DecoderModel(self.model_config, weights, RotaryEmbedding(inv_freq, attention_scaling, self.device),
                              kv_cache, pool.layer_buffers())
+        lora_backend = setup.resolve_lora_backend(self.config)
         runner_config = RunnerConfig(device=self.device, block_size=self.config.kv_block_size,
-                                     lora_backend=setup.resolve_lora_backend(self.config))
-        return ModelRunner(model, runner_config)
+                                     lora_backend=lora_backend, is_paged_decode=self.device.type == "cuda")
+        decoder = None
+        if setup.uses_static_decode(self.config):
+            decoder = setup.build_static_decoder(self.config, model, self.max_model_len, self.num_kv_blocks,
+                                                 lora_backend)
+        return ModelRunner(model, runner_config, decoder)
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.config.max_num_seqs,

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from kubelora.engine.adapters.pool import SlotView
-from kubelora.engine.model.attention import prepare_attention
+from kubelora.engine.decode_inputs import DecodeStep
+from kubelora.engine.graph_runner import StaticDecoder
+from kubelora.engine.model.attention import prepare_attention, prepare_decode_attention
 from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
 from kubelora.engine.sampler import sample
@@ -20,6 +22,8 @@ class RunnerConfig:
     device: torch.device
     block_size: int
     lora_backend: str
+    # Eager decode steps read the paged cache in place (kernels/attention.py) instead of gathering it
+    is_paged_decode: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,29 +40,56 @@ class LogitsPlan:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, config: RunnerConfig) -> None:
+    def __init__(self, model: DecoderModel, config: RunnerConfig, decoder: StaticDecoder | None = None) -> None:
         self.model = model
         self.config = config
+        self.decoder = decoder  # decode steps from static buffers (CUDA graphs); None: every step eager
 
     def execute(self, batch: Batch) -> StepResult:
+        if self.decoder is not None and self._is_static_decode(batch):
+            return self._execute_static(batch)
         token_ids, ctx = self.prepare_inputs(batch)
         plan = prepare_logits_plan(batch, self.config.device)
         hidden = self.model.forward(token_ids, ctx)
         logits = self.model.compute_logits(hidden[plan.rows])
         return StepResult(sampled=self._sample(batch, logits, plan), logits=_chunk_logits(batch, logits, plan))
 
+    def _is_static_decode(self, batch: Batch) -> bool:
+        """One sampled token per sequence, no logits kept, and a bucket that holds the batch."""
+        return (self.decoder.bucket_for(len(batch.chunks)) is not None
+                and all(len(c.token_ids) == 1 and c.is_sampled and not c.seq.params.return_logits
+                        for c in batch.chunks))
+
+    def _execute_static(self, batch: Batch) -> StepResult:
+        chunks = batch.chunks
+        tables = {}
+        if batch.slots:
+            tables = {kind: _kind_tables(batch.slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
+        step = DecodeStep(token_ids=[c.token_ids[0] for c in chunks], positions=[c.start_pos for c in chunks],
+                          block_tables=[c.block_table for c in chunks], token_slots=[c.slot for c in chunks],
+                          slot_tables=tables)
+        logits = self.decoder.run(step)
+        seqs = [c.seq for c in chunks]
+        sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return StepResult(sampled=sampled, logits=[None] * len(chunks))
+
     def prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
         device = self.config.device
         token_ids = [t for c in batch.chunks for t in c.token_ids]
         positions = torch.cat([torch.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in batch.chunks])
-        attention = prepare_attention(
-            query_lens=[len(c.token_ids) for c in batch.chunks],
-            context_lens=[c.start_pos + len(c.token_ids) for c in batch.chunks],
-            block_tables=[list(c.block_table) for c in batch.chunks],
-            block_size=self.config.block_size,
-            windows=self.model.windows,
-            device=device,
-        )
+        if self.config.is_paged_decode and all(len(c.token_ids) == 1 for c in batch.chunks):
+            attention = prepare_decode_attention([c.start_pos for c in batch.chunks],
+                                                 [list(c.block_table) for c in batch.chunks],
+                                                 self.config.block_size, device)
+        else:
+            attention = prepare_attention(
+                query_lens=[len(c.token_ids) for c in batch.chunks],
+                context_lens=[c.start_pos + len(c.token_ids) for c in batch.chunks],
+                block_tables=[list(c.block_table) for c in batch.chunks],
+                block_size=self.config.block_size,
+                windows=self.model.windows,
+                device=device,
+            )
         cos, sin = self.model.rope.cos_sin(positions.to(device), self.model.dtype)
         ctx = ForwardContext(attention=attention, cos=cos, sin=sin, lora=self.prepare_lora(batch))
         return torch.tensor(token_ids, dtype=torch.int64, device=device), ctx

@@ -9,8 +9,11 @@ import torch
 
 from kubelora.engine.adapters.pool import DeviceLoRAPool
 from kubelora.engine.config import EngineConfig
+from kubelora.engine.decode_inputs import DecodeInputs
+from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import KVCache
-from kubelora.engine.model.config import ModelConfig
+from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
+from kubelora.engine.model.llama import DecoderModel
 
 log = logging.getLogger(__name__)
 CPU_KV_CAP_BYTES = 4 << 30
@@ -80,3 +83,27 @@ def allocate_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dty
                       device: torch.device) -> KVCache:
     return KVCache.allocate(model.num_layers, blocks, config.kv_block_size, model.num_kv_heads, model.head_dim,
                             dtype, device)
+
+
+def uses_static_decode(config: EngineConfig) -> bool:
+    """Decode steps from static buffers as CUDA graphs: on CUDA unless enforce_eager."""
+    return config.device.startswith("cuda") and not config.enforce_eager
+
+
+def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
+                         lora_backend: str, use_graphs: bool | None = None) -> StaticDecoder:
+    """The static decode path; captures the base-model graph of every bucket now (start-up, not a request)."""
+    device = torch.device(config.device)
+    kind_slices = {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}
+    inputs = DecodeInputs(max_seqs=config.max_num_seqs, max_blocks=math.ceil(max_model_len / config.kv_block_size),
+                          block_size=config.kv_block_size, pad_block=pad_block, kind_slices=kind_slices,
+                          device=device)
+    use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+    decoder = StaticDecoder(model, inputs, lora_backend, use_graphs=use_graphs)
+    if use_graphs:
+        free_before = torch.cuda.mem_get_info(device)[0]
+        decoder.capture_base()
+        used = free_before - torch.cuda.mem_get_info(device)[0]
+        log.info("captured %d base decode graphs (buckets %s) in %.1f s, %.2f GiB of device memory",
+                 decoder.num_captures, decoder.buckets, decoder.capture_seconds, used / (1 << 30))
+    return decoder

@@ -2,14 +2,17 @@
 
 Cache layout per layer: key/value `[num_blocks, block_size, num_kv_heads, head_dim]`; a token at position p of a
 sequence lives in flat slot `block_table[p // block_size] * block_size + p % block_size`. This portable path
-gathers each sequence's context into a padded batch and runs one SDPA for the whole step; a CUDA paged-attention
-kernel can replace `paged_attention` behind the same `AttentionMetadata`.
+gathers each sequence's context into a padded batch and runs one SDPA for the whole step (`AttentionMetadata`).
+Decode steps (one new token per sequence) carry `DecodeMetadata` instead: block tables and context lengths on
+the device, read in place by `kernels/attention.py` (Triton on CUDA, its PyTorch reference elsewhere), with
+every size fixed by the tensors' shapes so a CUDA graph replays it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +26,15 @@ class AttentionMetadata:
     token_rows: torch.Tensor  # [num_tokens] int64: row of each batch token in the flat [num_seqs * max_query]
     context_slots: torch.Tensor  # [num_seqs, max_context] int64: flat cache slot of each context position
     masks: dict[int | None, torch.Tensor]  # sliding window (None: full) -> [num_seqs, 1, max_query, max_context]
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """One new token per sequence; sequence i's context is positions [0, context_lens[i]) of its block table."""
+
+    slot_mapping: torch.Tensor  # [num_seqs] int64: flat cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64: KV block of each block_size positions
+    context_lens: torch.Tensor  # [num_seqs] int64: positions attended, the new token's included
 
 
 @dataclass
@@ -89,9 +101,24 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
 
 
+def prepare_decode_attention(positions: list[int], block_tables: list[list[int]], block_size: int,
+                             device: torch.device) -> DecodeMetadata:
+    """Eager decode steps: each sequence's one new token at positions[i] (one host->device copy)."""
+    num_seqs, max_blocks = len(positions), max(len(t) for t in block_tables)
+    packed = np.zeros((num_seqs, 2 + max_blocks), dtype=np.int64)
+    for row, (pos, table) in enumerate(zip(positions, block_tables)):
+        packed[row, 0] = table[pos // block_size] * block_size + pos % block_size
+        packed[row, 1] = pos + 1
+        packed[row, 2 : 2 + len(table)] = table
+    packed = torch.from_numpy(packed).to(device)
+    return DecodeMetadata(slot_mapping=packed[:, 0], block_tables=packed[:, 2:], context_lens=packed[:, 1])
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, window: int | None, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata | DecodeMetadata, window: int | None, scale: float) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
+    if isinstance(meta, DecodeMetadata):
+        return _decode_attention(query, key_cache, value_cache, meta, window, scale)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     keys = key_cache.view(-1, num_kv_heads, head_dim)[meta.context_slots].transpose(1, 2)  # [S, kvh, C, d]
@@ -101,3 +128,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                          enable_gqa=num_heads != num_kv_heads)  # [S, h, Q, d]
     out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [S * Q, h * d]
     return out[meta.token_rows]
+
+
+def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: DecodeMetadata,
+                      window: int | None, scale: float) -> torch.Tensor:
+    from kubelora.kernels import attention  # imported late: TRITON_INTERPRET is read then
+
+    kernel = attention.paged_decode_attention if query.is_cuda else attention.paged_decode_attention_torch
+    out = kernel(query, key_cache, value_cache, meta.block_tables, meta.context_lens, scale, window=window)
+    return out.reshape(query.shape[0], -1)

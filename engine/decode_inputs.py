@@ -1,0 +1,215 @@
+"""Static decode inputs: every per-step tensor of a decode step in one device buffer, filled by one copy.
+
+A decode step (one new token per sequence) of up to `max_seqs` sequences reads its inputs from fixed device
+addresses, so a CUDA graph captured over them replays with new values. One int64 host buffer (pinned on CUDA)
+holds every input; `fill` writes a step into it and copies it to the device buffer in one transfer. Regions:
+
+    token_ids, positions, slot_mapping, context_lens: [max_seqs]
+    lora token_slots, sorted_tokens: [max_seqs]; tiles: [max_tiles, TILE_HEAD + 16]
+    per projection kind: row_start, rank [max_slots + 1, num_slices], scale float32 (two to an int64)
+    block_tables: [max_seqs, max_blocks]  (last: a bucket of B rows copies only what it reads)
+
+A bucket of B sequences reads the first B rows of each region. Rows past the batch are padding: token 0 at
+position 0, written to the pad slot (a KV block no sequence owns), context 1, no adapter. Tiles past the
+step's are empty (no tokens) and point at the last slot, which has rank 0 everywhere, so the LoRA kernels'
+programs for them move no bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
+
+TILE_M = 16  # LoRA tile height of decode steps (the kernels' decode launch shape)
+
+
+def max_tiles_for(num_seqs: int, max_slots: int) -> int:
+    """Tiles a decode step of num_seqs tokens over at most max_slots adapters can need (16 tokens a tile)."""
+    return min(num_seqs, max_slots + num_seqs // TILE_M)
+
+
+@dataclass(frozen=True)
+class LoRAKey:
+    """What a LoRA decode graph is specialised on (besides the bucket): kinds present, rank lanes, tile rows."""
+
+    kinds: tuple[str, ...]  # projection kinds some adapter of the step adapts
+    lanes: int  # max rank of the step rounded up to 16
+    rows: int  # most tokens of one adapter in the step, rounded up to a power of two (<= 16)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step, as the runner hands it over: per sequence, in batch order."""
+
+    token_ids: list[int]
+    positions: list[int]
+    block_tables: list[tuple[int, ...]]
+    token_slots: list[int]  # -1: base model
+    slot_tables: dict[str, tuple[list, list, list]]  # kind -> (row_start, rank, scale) per slot and slice
+
+
+class DecodeInputs:
+    def __init__(self, max_seqs: int, max_blocks: int, block_size: int, pad_block: int,
+                 kind_slices: dict[str, int], device: torch.device) -> None:
+        self.max_seqs = max_seqs
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.pad_slot = pad_block * block_size
+        self.max_slots = max_seqs  # a step has at most one adapter per sequence
+        self.max_tiles = max_tiles_for(max_seqs, self.max_slots)
+        self.kind_slices = dict(kind_slices)
+        self._offsets: dict[str, int] = {}
+        size = 0
+        for name, length in self._layout():
+            self._offsets[name] = size
+            size += length
+        self.size = size
+        self.device = device
+        self.device_buf = torch.zeros(size, dtype=torch.int64, device=device)
+        self.host_buf = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host = self.host_buf.numpy()
+
+    def _layout(self) -> list[tuple[str, int]]:
+        n, table_rows = self.max_seqs, self.max_slots + 1
+        regions = [("token_ids", n), ("positions", n), ("slot_mapping", n), ("context_lens", n),
+                   ("token_slots", n), ("sorted_tokens", n), ("tiles", self.max_tiles * (TILE_HEAD + TILE_M))]
+        for kind, slices in self.kind_slices.items():
+            cells = table_rows * slices
+            regions += [(f"{kind}.row_start", cells), (f"{kind}.rank", cells), (f"{kind}.scale", (cells + 1) // 2)]
+        return regions + [("block_tables", n * self.max_blocks)]
+
+    def _region(self, buf: torch.Tensor, name: str, length: int) -> torch.Tensor:
+        first = self._offsets[name]
+        return buf[first : first + length]
+
+    # ---- device views a graph captures (bucket = the padded batch size) ----
+
+    def token_ids(self, bucket: int) -> torch.Tensor:
+        return self._region(self.device_buf, "token_ids", bucket)
+
+    def positions(self, bucket: int) -> torch.Tensor:
+        return self._region(self.device_buf, "positions", bucket)
+
+    def slot_mapping(self, bucket: int) -> torch.Tensor:
+        return self._region(self.device_buf, "slot_mapping", bucket)
+
+    def context_lens(self, bucket: int) -> torch.Tensor:
+        return self._region(self.device_buf, "context_lens", bucket)
+
+    def block_tables(self, bucket: int) -> torch.Tensor:
+        return self._region(self.device_buf, "block_tables", bucket * self.max_blocks).view(bucket, self.max_blocks)
+
+    def lora_step(self, bucket: int, key: LoRAKey) -> LoRAStep:
+        """The graph's LoRAStep: fixed tile count for the bucket, every size from shapes (see module doc)."""
+        num_tiles = max_tiles_for(bucket, self.max_slots)
+        tiles = self._region(self.device_buf, "tiles", num_tiles * (TILE_HEAD + TILE_M))
+        return LoRAStep(token_slots=self._region(self.device_buf, "token_slots", bucket),
+                        num_slots=self.max_slots + 1, has_lora=True,
+                        sorted_tokens=self._region(self.device_buf, "sorted_tokens", bucket),
+                        tiles=tiles.view(num_tiles, TILE_HEAD + TILE_M), block_m=TILE_M, is_slot_tiles=False,
+                        num_lora_tokens=bucket, max_tile_count=key.rows)
+
+    def lora_projs(self, key: LoRAKey) -> dict[str, LoRAProj]:
+        shape_rows = self.max_slots + 1
+        projs = {}
+        for kind, slices in self.kind_slices.items():
+            cells = shape_rows * slices
+            scale = self._region(self.device_buf, f"{kind}.scale", (cells + 1) // 2).view(torch.float32)[:cells]
+            projs[kind] = LoRAProj(
+                row_start=self._region(self.device_buf, f"{kind}.row_start", cells).view(shape_rows, slices),
+                rank=self._region(self.device_buf, f"{kind}.rank", cells).view(shape_rows, slices),
+                scale=scale.view(shape_rows, slices),
+                max_rank=(key.lanes if kind in key.kinds else 0,) * slices)
+        return projs
+
+    # ---- host side, once per step ----
+
+    def fill(self, step: DecodeStep, bucket: int, key: LoRAKey | None) -> None:
+        """Write one step into the host buffer (padding rows up to bucket) and copy it to the device."""
+        num = len(step.token_ids)
+        assert 0 < num <= bucket <= self.max_seqs
+        pad = bucket - num
+        self._put("token_ids", step.token_ids + [0] * pad)
+        self._put("positions", step.positions + [0] * pad)
+        self._put("context_lens", [p + 1 for p in step.positions] + [1] * pad)
+        bs = self.block_size
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(step.block_tables, step.positions)]
+        self._put("slot_mapping", slots + [self.pad_slot] * pad)
+        first = self._offsets["block_tables"]
+        tables = self._host[first : first + bucket * self.max_blocks].reshape(bucket, self.max_blocks)
+        tables[:] = self.pad_slot // bs
+        for row, table in enumerate(step.block_tables):
+            tables[row, : len(table)] = table
+        if key is not None:
+            self._fill_lora(step, bucket)
+        end = first + bucket * self.max_blocks
+        self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
+
+    def fill_padding(self) -> None:
+        """Every row padding (what graphs are captured over at start-up: their warm-up writes only the pad block)."""
+        n = self.max_seqs
+        for name, value in (("token_ids", 0), ("positions", 0), ("context_lens", 1), ("slot_mapping", self.pad_slot),
+                            ("token_slots", -1), ("block_tables", self.pad_slot // self.block_size)):
+            length = n * self.max_blocks if name == "block_tables" else n
+            self._put(name, [value] * length)
+        self.device_buf.copy_(self.host_buf)
+
+    def _put(self, name: str, values: list) -> None:
+        first = self._offsets[name]
+        self._host[first : first + len(values)] = values
+
+    def _fill_lora(self, step: DecodeStep, bucket: int) -> None:
+        num = len(step.token_slots)
+        pad_slot = self.max_slots  # rank 0 in every slice: tiles of it move no bytes
+        self._put("token_slots", step.token_slots + [-1] * (bucket - num))
+        by_slot: dict[int, list[int]] = {}
+        for token, slot in enumerate(step.token_slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(token)
+        order, rows = [], []
+        for slot in sorted(by_slot):
+            tokens = by_slot[slot]
+            for first in range(0, len(tokens), TILE_M):
+                part = tokens[first : first + TILE_M]
+                rows += [slot, len(order) + first, len(part), *part, *[0] * (TILE_M - len(part))]
+            order += tokens
+        num_tiles = max_tiles_for(bucket, self.max_slots)
+        width = TILE_HEAD + TILE_M
+        assert len(rows) <= num_tiles * width
+        rows += ([pad_slot, 0, 0] + [0] * TILE_M) * (num_tiles - len(rows) // width)
+        self._put("sorted_tokens", order + [0] * (bucket - len(order)))
+        self._put("tiles", rows)
+        table_rows = self.max_slots + 1
+        for kind, slices in self.kind_slices.items():
+            row_start, rank, scale = step.slot_tables[kind]
+            num_slots = len(rank)
+            blank = table_rows - num_slots
+            self._put(f"{kind}.row_start", [v for r in row_start for v in r] + [0] * (blank * slices))
+            self._put(f"{kind}.rank", [v for r in rank for v in r] + [0] * (blank * slices))
+            scales = np.zeros(2 * ((table_rows * slices + 1) // 2), dtype=np.float32)
+            scales[: num_slots * slices] = [v for r in scale for v in r]
+            self._put(f"{kind}.scale", scales.view(np.int64))
+
+
+def lora_key(step: DecodeStep) -> LoRAKey | None:
+    """The LoRA graph a step needs, or None when no token of it has an adapter."""
+    counts: dict[int, int] = {}
+    for slot in step.token_slots:
+        if slot >= 0:
+            counts[slot] = counts.get(slot, 0) + 1
+    if not counts:
+        return None
+    kinds, max_rank = [], 0
+    for kind, (_, rank, _) in step.slot_tables.items():
+        kind_rank = max((r for row in rank for r in row), default=0)
+        if kind_rank > 0:
+            kinds.append(kind)
+            max_rank = max(max_rank, kind_rank)
+    if not kinds:
+        return None
+    rows = 1 << (min(max(counts.values()), TILE_M) - 1).bit_length()
+    return LoRAKey(kinds=tuple(kinds), lanes=-(-max_rank // 16) * 16, rows=rows)

@@ -1,0 +1,127 @@
+"""Decode steps replayed as CUDA graphs, one per batch-size bucket (and per LoRA shape for steps with adapters).
+
+A decode step's host cost (Python per layer, two LoRA launches per projection, small ops) is paid once at
+capture instead of every step. The captured forward reads its inputs from `DecodeInputs` (static addresses
+filled by one copy) and writes logits `[bucket, vocab]` float32 into a static output; sampling runs after
+the replay, outside the graph. Base-only steps replay graphs without any LoRA launch, captured at start-up
+for every bucket; a step with adapters replays the graph of its (bucket, LoRAKey), captured the first time
+that shape is seen (each a few hundred milliseconds at 7B) and kept. All graphs share one memory pool.
+
+Off CUDA (tests) the same static path runs eagerly: `StaticDecoder(..., use_graphs=False)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep, LoRAKey, lora_key
+from kubelora.engine.model.attention import DecodeMetadata
+from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
+
+log = logging.getLogger(__name__)
+MAX_LORA_GRAPHS = 64  # captured (bucket, LoRAKey) graphs kept; the least recently used beyond are dropped
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then multiples of 16 up to max_num_seqs (which is always one)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None
+    logits: torch.Tensor  # [bucket, vocab] float32, written by every replay
+
+
+class StaticDecoder:
+    def __init__(self, model: DecoderModel, inputs: DecodeInputs, lora_backend: str, use_graphs: bool) -> None:
+        self.model = model
+        self.inputs = inputs
+        self.lora_backend = lora_backend
+        self.use_graphs = use_graphs
+        self.buckets = decode_buckets(inputs.max_seqs)
+        self._graphs: dict[tuple[int, LoRAKey | None], _Graph] = {}
+        self._pool = None
+        self.num_captures = 0
+        self.capture_seconds = 0.0
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def capture_base(self) -> None:
+        """Capture the base-model graph of every bucket, largest first (the pool then serves the smaller ones)."""
+        self.inputs.fill_padding()
+        for bucket in sorted(self.buckets, reverse=True):
+            self._graph(bucket, None)
+
+    def run(self, step: DecodeStep) -> torch.Tensor:
+        """The step's logits [num_seqs, vocab] float32 (a view of the graph's static output)."""
+        num = len(step.token_ids)
+        bucket = self.bucket_for(num)
+        key = lora_key(step)
+        self.inputs.fill(step, bucket, key)
+        entry = self._graph(bucket, key)
+        if entry.graph is None:
+            entry.logits.copy_(self._forward(bucket, key))
+        else:
+            entry.graph.replay()
+        return entry.logits[:num]
+
+    # ---- capture ----
+
+    def _forward(self, bucket: int, key: LoRAKey | None) -> torch.Tensor:
+        inputs = self.inputs
+        positions = inputs.positions(bucket)
+        attention = DecodeMetadata(slot_mapping=inputs.slot_mapping(bucket), block_tables=inputs.block_tables(bucket),
+                                   context_lens=inputs.context_lens(bucket))
+        cos, sin = self.model.rope.cos_sin(positions, self.model.dtype)
+        lora = None
+        if key is not None:
+            lora = LoRAContext(step=inputs.lora_step(bucket, key), proj=inputs.lora_projs(key),
+                               backend=self.lora_backend)
+        ctx = ForwardContext(attention=attention, cos=cos, sin=sin, lora=lora)
+        hidden = self.model.forward(inputs.token_ids(bucket), ctx)
+        return self.model.compute_logits(hidden)
+
+    def _graph(self, bucket: int, key: LoRAKey | None) -> _Graph:
+        entry = self._graphs.get((bucket, key))
+        if entry is not None:
+            if key is not None:  # most recently used last
+                self._graphs[(bucket, key)] = self._graphs.pop((bucket, key))
+            return entry
+        if not self.use_graphs:
+            entry = _Graph(None, torch.empty(bucket, self.model.config.vocab_size, dtype=torch.float32,
+                                             device=self.inputs.device))
+        else:
+            entry = self._capture(bucket, key)
+        self._graphs[(bucket, key)] = entry
+        lora_graphs = [k for k in self._graphs if k[1] is not None]
+        if len(lora_graphs) > MAX_LORA_GRAPHS:
+            del self._graphs[lora_graphs[0]]
+        return entry
+
+    @torch.inference_mode()
+    def _capture(self, bucket: int, key: LoRAKey | None) -> _Graph:
+        started = time.perf_counter()
+        stream = torch.cuda.Stream(self.inputs.device)
+        stream.wait_stream(torch.cuda.current_stream(self.inputs.device))
+        with torch.cuda.stream(stream):  # warm-up off the capture: kernel compiles, library handles
+            self._forward(bucket, key)
+        torch.cuda.current_stream(self.inputs.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(bucket, key)
+        torch.cuda.synchronize(self.inputs.device)
+        elapsed = time.perf_counter() - started
+        self.num_captures += 1
+        self.capture_seconds += elapsed
+        log.info("captured decode graph bucket=%d lora=%s in %.3f s", bucket, key, elapsed)
+        return _Graph(graph, logits)

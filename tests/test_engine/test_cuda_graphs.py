@@ -1,0 +1,73 @@
+"""CUDA-graph decode (marker gpu: deselected without a GPU): the same greedy tokens with graphs on and off, and
+the graphs' tokens equal transformers+PEFT's. Run on a GPU machine: `python -P -m pytest tests/test_engine -m gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubelora.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+# Base rows between adapters, and one adapter on more rows than a LoRA tile (16) holds.
+BATCH = [None, "r4-qv", "r8-all", None, "r16-all-rs", "r32-attn", "r8-all"] + ["r4-qv"] * 17 + [None] * 3
+
+
+def _generate(material, prompts, dtype: str, enforce_eager: bool, adapters=BATCH):
+    llm = LLM(material.model_dir, max_loras=4, max_lora_rank=32, max_num_seqs=32, device="cuda", dtype=dtype,
+              enforce_eager=enforce_eager)
+    for name, path in material.adapters.items():
+        llm.load_adapter(name, path)
+    try:
+        decoder = llm.engine._runner.decoder
+        assert (decoder is None) == enforce_eager
+        results = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                               adapters=adapters)
+        return [r.token_ids for r in results], decoder
+    finally:
+        llm.close()
+
+
+def _prompts(prompt_ids, count: int):
+    return [prompt_ids(i, 3 + 5 * (i % 7)) for i in range(count)]
+
+
+@pytest.mark.parametrize("material", ["llama", "qwen2"], indirect=True)
+def test_graphs_give_the_eager_tokens_float32(material, prompt_ids):
+    prompts = _prompts(prompt_ids, len(BATCH))
+    eager, _ = _generate(material, prompts, "float32", enforce_eager=True)
+    graphs, decoder = _generate(material, prompts, "float32", enforce_eager=False)
+    assert decoder.num_captures > len(decoder.buckets)  # base graphs at start-up, LoRA graphs on first use
+    assert graphs == eager
+
+
+def test_graphs_match_transformers_peft(llama, prompt_ids):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts(prompt_ids, len(BATCH))
+    tokens, _ = _generate(llama, prompts, "float32", enforce_eager=False)
+    base = AutoModelForCausalLM.from_pretrained(llama.model_dir, dtype=torch.float32).cuda()
+    names = list(llama.adapters)
+    reference = PeftModel.from_pretrained(base, llama.adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        reference.load_adapter(llama.adapters[name], adapter_name=name)
+    reference.eval()
+    for name, prompt, got in zip(BATCH, prompts, tokens):
+        ids = torch.tensor([prompt + got[:-1]], device="cuda")
+        with torch.no_grad():
+            if name is None:
+                with reference.disable_adapter():
+                    logits = reference(ids).logits[0]
+            else:
+                reference.set_adapter(name)
+                logits = reference(ids).logits[0]
+        assert logits[len(prompt) - 1 :].argmax(-1).tolist() == got, name
+
+
+def test_graphs_bfloat16_base_batch(llama, prompt_ids):
+    prompts = _prompts(prompt_ids, 20)
+    eager, _ = _generate(llama, prompts, "bfloat16", enforce_eager=True, adapters=None)
+    graphs, _ = _generate(llama, prompts, "bfloat16", enforce_eager=False, adapters=None)
+    same = sum(a == b for e, g in zip(eager, graphs) for a, b in zip(e, g))
+    assert same >= 0.95 * sum(len(e) for e in eager)

@@ -1,0 +1,79 @@
+"""The static decode path (the inputs CUDA graphs replay over), run eagerly on CPU against the eager engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubelora.engine import LLM, SamplingParams
+from kubelora.engine import setup
+from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep, lora_key, max_tiles_for
+from kubelora.engine.graph_runner import decode_buckets
+from kubelora.kernels.lora import TILE_HEAD
+
+# Adapters mixed with base rows, one adapter on more rows than a LoRA tile holds.
+BATCH = [None, "r4-qv", "r8-all", None, "r16-all-rs", "r32-attn", "r8-all"] + ["r4-qv"] * 17
+
+
+def test_buckets_cover_every_size_up_to_max():
+    buckets = decode_buckets(40)
+    assert buckets == [1, 2, 4, 8, 16, 32, 40]
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(16) == [1, 2, 4, 8, 16]
+
+
+def _step(num: int, slots: list[int], ranks: list[int]) -> DecodeStep:
+    tables = {"qkv": ([[10 * s, 0, 10 * s] for s in range(len(ranks))], [[r, 0, r] for r in ranks],
+                      [[0.5, 0.0, 0.5] for _ in ranks])}
+    return DecodeStep(token_ids=list(range(100, 100 + num)), positions=[3 + i % 2 for i in range(num)],
+                      block_tables=[(i, 7) for i in range(num)], token_slots=slots, slot_tables=tables)
+
+
+def test_fill_pads_rows_and_tiles():
+    inputs = DecodeInputs(max_seqs=24, max_blocks=4, block_size=4, pad_block=9, kind_slices={"qkv": 3},
+                          device=torch.device("cpu"))
+    slots = [0] * 18 + [-1, 1]  # slot 0 needs two tiles
+    step = _step(20, slots, ranks=[4, 20])
+    key = lora_key(step)
+    assert key.kinds == ("qkv",) and key.lanes == 32 and key.rows == 16
+    inputs.fill(step, 24, key)
+    assert inputs.token_ids(24)[20:].tolist() == [0] * 4
+    assert inputs.slot_mapping(24)[:2].tolist() == [0 * 4 + 3, 7 * 4 + 0]  # position 3: first block; 4: second
+    assert inputs.slot_mapping(24)[20:].tolist() == [36] * 4  # the pad block's first slot
+    assert inputs.context_lens(24)[20:].tolist() == [1] * 4
+    assert inputs.block_tables(24)[21].tolist() == [9] * 4
+    lora = inputs.lora_step(24, key)
+    assert lora.tiles.shape == (max_tiles_for(24, 24), TILE_HEAD + 16)
+    tiles = lora.tiles.tolist()
+    assert tiles[0][:3] == [0, 0, 16] and tiles[1][:3] == [0, 16, 2] and tiles[2][:3] == [1, 18, 1]
+    assert tiles[2][TILE_HEAD] == 19
+    assert all(t[0] == 24 and t[2] == 0 for t in tiles[3:])  # empty tiles on the rank-0 pad slot
+    proj = inputs.lora_projs(key)["qkv"]
+    assert proj.rank[:2].tolist() == [[4, 0, 4], [20, 0, 20]] and not proj.rank[2:].any()
+    assert proj.scale[1].tolist() == [0.5, 0.0, 0.5]
+    assert proj.max_rank == (32, 32, 32)
+
+
+def test_no_adapter_means_the_base_graph():
+    assert lora_key(_step(3, [-1, -1, -1], ranks=[8])) is None
+    assert lora_key(_step(2, [0, 0], ranks=[0])) is None  # the adapter adapts no projection kind of the table
+
+
+def _generate(llama, monkeypatch, is_static: bool):
+    monkeypatch.setattr(setup, "uses_static_decode", lambda config: is_static)
+    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=32)
+    for name, path in llama.adapters.items():
+        llm.load_adapter(name, path)
+    try:
+        assert (llm.engine._runner.decoder is not None) == is_static
+        prompts = [[1] + [(13 + 7 * i + 5 * j) % 480 + 10 for j in range(3 + i % 5)] for i in range(len(BATCH))]
+        return llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), adapters=BATCH)
+    finally:
+        llm.close()
+
+
+def test_static_decode_matches_eager_engine(llama, monkeypatch):
+    eager = _generate(llama, monkeypatch, is_static=False)
+    static = _generate(llama, monkeypatch, is_static=True)
+    for name, a, b in zip(BATCH, eager, static):
+        assert a.token_ids == b.token_ids, name
