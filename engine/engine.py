@@ -86,7 +86,7 @@ class LLMEngine:
                              kv_cache, pool.layer_buffers())
         lora_backend = setup.resolve_lora_backend(self.config)
         runner_config = RunnerConfig(device=self.device, block_size=self.config.kv_block_size,
-                                     lora_backend=lora_backend, is_paged_decode=self.device.type == "cuda")
+                                     lora_backend=lora_backend, is_paged_attention=self.device.type == "cuda")
         decoder = None
         if setup.uses_static_decode(self.config):
             decoder = setup.build_static_decoder(self.config, model, self.max_model_len, self.num_kv_blocks,

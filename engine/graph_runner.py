@@ -80,12 +80,11 @@ class StaticDecoder:
         positions = inputs.positions(bucket)
         attention = DecodeMetadata(slot_mapping=inputs.slot_mapping(bucket), block_tables=inputs.block_tables(bucket),
                                    context_lens=inputs.context_lens(bucket))
-        cos, sin = self.model.rope.cos_sin(positions, self.model.dtype)
         lora = None
         if key is not None:
             lora = LoRAContext(step=inputs.lora_step(bucket, key), proj=inputs.lora_projs(key),
                                backend=self.lora_backend)
-        ctx = ForwardContext(attention=attention, cos=cos, sin=sin, lora=lora)
+        ctx = ForwardContext(attention=attention, positions=positions, lora=lora)
         hidden = self.model.forward(inputs.token_ids(bucket), ctx)
         return self.model.compute_logits(hidden)
 

@@ -9,7 +9,7 @@ import torch
 from kubelora.engine.adapters.pool import SlotView
 from kubelora.engine.decode_inputs import DecodeStep
 from kubelora.engine.graph_runner import StaticDecoder
-from kubelora.engine.model.attention import prepare_attention, prepare_decode_attention
+from kubelora.engine.model.attention import prepare_attention, prepare_decode_attention, prepare_prefill_attention
 from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
 from kubelora.engine.sampler import sample
@@ -22,8 +22,8 @@ class RunnerConfig:
     device: torch.device
     block_size: int
     lora_backend: str
-    # Eager decode steps read the paged cache in place (kernels/attention.py) instead of gathering it
-    is_paged_decode: bool = False
+    # Attention reads the paged cache in place (kernels/attention.py) instead of gathering it into a padded batch
+    is_paged_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,15 @@ class ModelRunner:
         device = self.config.device
         token_ids = [t for c in batch.chunks for t in c.token_ids]
         positions = torch.cat([torch.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in batch.chunks])
-        if self.config.is_paged_decode and all(len(c.token_ids) == 1 for c in batch.chunks):
+        if self.config.is_paged_attention and all(len(c.token_ids) == 1 for c in batch.chunks):
             attention = prepare_decode_attention([c.start_pos for c in batch.chunks],
                                                  [list(c.block_table) for c in batch.chunks],
                                                  self.config.block_size, device)
+        elif self.config.is_paged_attention:
+            attention = prepare_prefill_attention([len(c.token_ids) for c in batch.chunks],
+                                                  [c.start_pos + len(c.token_ids) for c in batch.chunks],
+                                                  [list(c.block_table) for c in batch.chunks],
+                                                  self.config.block_size, device)
         else:
             attention = prepare_attention(
                 query_lens=[len(c.token_ids) for c in batch.chunks],
@@ -90,8 +95,7 @@ class ModelRunner:
                 windows=self.model.windows,
                 device=device,
             )
-        cos, sin = self.model.rope.cos_sin(positions.to(device), self.model.dtype)
-        ctx = ForwardContext(attention=attention, cos=cos, sin=sin, lora=self.prepare_lora(batch))
+        ctx = ForwardContext(attention=attention, positions=positions.to(device), lora=self.prepare_lora(batch))
         return torch.tensor(token_ids, dtype=torch.int64, device=device), ctx
 
     def prepare_lora(self, batch: Batch) -> LoRAContext | None:

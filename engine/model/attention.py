@@ -37,6 +37,18 @@ class DecodeMetadata:
     context_lens: torch.Tensor  # [num_seqs] int64: positions attended, the new token's included
 
 
+@dataclass(frozen=True)
+class PrefillMetadata:
+    """Chunked prefill over the paged cache: sequence i adds seq_lens[i] tokens at the end of context_lens[i]."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64: first batch token of each sequence
+    seq_lens: torch.Tensor  # [num_seqs] int64: new tokens
+    context_lens: torch.Tensor  # [num_seqs] int64: positions attended, the new tokens included
+    max_query_len: int
+
+
 @dataclass
 class KVCache:
     key: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
@@ -114,11 +126,36 @@ def prepare_decode_attention(positions: list[int], block_tables: list[list[int]]
     return DecodeMetadata(slot_mapping=packed[:, 0], block_tables=packed[:, 2:], context_lens=packed[:, 1])
 
 
+def prepare_prefill_attention(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                              block_size: int, device: torch.device) -> PrefillMetadata:
+    """Any step (prefill chunks and decode rows mixed) for the paged kernels, in one host->device copy."""
+    num_seqs, max_blocks = len(query_lens), max(len(t) for t in block_tables)
+    num_tokens = sum(query_lens)
+    packed = np.zeros(num_tokens + 3 * num_seqs + 1 + num_seqs * max_blocks, dtype=np.int64)
+    tables = packed[num_tokens + 3 * num_seqs + 1 :].reshape(num_seqs, max_blocks)
+    token = 0
+    for row, (q_len, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+        pos = np.arange(ctx - q_len, ctx)
+        packed[token : token + q_len] = np.asarray(table)[pos // block_size] * block_size + pos % block_size
+        tables[row, : len(table)] = table
+        token += q_len
+    packed[num_tokens : num_tokens + num_seqs] = query_lens
+    packed[num_tokens + num_seqs : num_tokens + 2 * num_seqs] = context_lens
+    packed[num_tokens + 2 * num_seqs + 1 : num_tokens + 3 * num_seqs + 1] = np.cumsum(query_lens)
+    dev = torch.from_numpy(packed).to(device)
+    first = num_tokens + 2 * num_seqs
+    return PrefillMetadata(slot_mapping=dev[:num_tokens], block_tables=dev[first + num_seqs + 1 :].view(num_seqs, -1),
+                           query_start_loc=dev[first : first + num_seqs + 1], seq_lens=dev[num_tokens : num_tokens + num_seqs],
+                           context_lens=dev[num_tokens + num_seqs : first], max_query_len=max(query_lens))
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata | DecodeMetadata, window: int | None, scale: float) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
     if isinstance(meta, DecodeMetadata):
         return _decode_attention(query, key_cache, value_cache, meta, window, scale)
+    if isinstance(meta, PrefillMetadata):
+        return _prefill_attention(query, key_cache, value_cache, meta, window, scale)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     keys = key_cache.view(-1, num_kv_heads, head_dim)[meta.context_slots].transpose(1, 2)  # [S, kvh, C, d]
@@ -136,4 +173,14 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
 
     kernel = attention.paged_decode_attention if query.is_cuda else attention.paged_decode_attention_torch
     out = kernel(query, key_cache, value_cache, meta.block_tables, meta.context_lens, scale, window=window)
+    return out.reshape(query.shape[0], -1)
+
+
+def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: PrefillMetadata,
+                       window: int | None, scale: float) -> torch.Tensor:
+    from kubelora.kernels import attention
+
+    kernel = attention.paged_prefill_attention if query.is_cuda else attention.paged_prefill_attention_torch
+    out = kernel(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                 meta.context_lens, meta.max_query_len, scale, window=window)
     return out.reshape(query.shape[0], -1)

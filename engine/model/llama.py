@@ -2,7 +2,10 @@
 
 One forward runs every scheduled token of the step as one flat batch `[num_tokens, hidden]`. Each adaptable
 projection (fused qkv, o, fused gate_up, down) computes its base output and then calls the batched LoRA op
-once for the whole batch with the step's shared metadata.
+once for the whole batch with the step's shared metadata. The residual stream is carried beside the hidden
+state so that each residual add is fused with the RMSNorm after it; on CUDA the small ops (residual add +
+RMSNorm, SiLU x mul, rotary) are one Triton launch each (kernels/fused.py), elsewhere their PyTorch references,
+which compute what transformers computes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from kubelora.engine.model.attention import AttentionMetadata, KVCache, paged_at
 from kubelora.engine.model.config import ModelConfig
 from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
+from kubelora.kernels import fused
 from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
 
 
@@ -39,9 +43,16 @@ class ForwardContext:
     """Everything a layer needs for one step, built once by the runner's prepare_* functions."""
 
     attention: AttentionMetadata
-    cos: torch.Tensor  # [num_tokens, head_dim]
-    sin: torch.Tensor  # [num_tokens, head_dim]
+    positions: torch.Tensor  # [num_tokens] int64
     lora: LoRAContext | None  # None: no token of the step has an adapter
+
+
+@dataclass(frozen=True)
+class _Rope:
+    """The step's rotary angles on the reference path (None on the fused path, which computes them per launch)."""
+
+    cos: torch.Tensor | None  # [num_tokens, head_dim]
+    sin: torch.Tensor | None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +72,7 @@ class DecoderModel:
         self.lora_buffers = lora_buffers
         self.scale = config.head_dim**-0.5
         self.windows = set(config.sliding_windows)
+        self.is_fused = weights.embed.is_cuda  # Triton small ops (kernels/fused.py) on CUDA
 
     @property
     def dtype(self) -> torch.dtype:
@@ -69,31 +81,47 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """token_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden = F.embedding(token_ids, self.weights.embed)
+        rope = _Rope(None, None)
+        if not self.is_fused:
+            rope = _Rope(*self.rope.cos_sin(ctx.positions, self.dtype))
+        hidden, residual = F.embedding(token_ids, self.weights.embed), None
         for layer in range(self.config.num_layers):
-            hidden = self._layer(layer, hidden, ctx)
-        return rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
+            hidden, residual = self._layer(layer, hidden, residual, ctx, rope)
+        return self._add_norm(hidden, residual, self.weights.final_norm)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits [n, vocab] float32."""
         return F.linear(hidden, self.weights.lm_head).float()
 
-    def _layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        norms = self.weights.layers[layer]
-        x = rms_norm(hidden, norms.input_norm, self.config.rms_norm_eps)
-        hidden = hidden + self._proj(layer, "o", self._attention(layer, x, ctx), ctx)
-        x = rms_norm(hidden, norms.post_attn_norm, self.config.rms_norm_eps)
-        gate, up = self._proj(layer, "gate_up", x, ctx).chunk(2, dim=-1)
-        return hidden + self._proj(layer, "down", F.silu(gate) * up, ctx)
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual); residual None: the first layer's input is the residual."""
+        op = fused.add_rms_norm if self.is_fused else fused.add_rms_norm_torch
+        return op(x, residual, weight, self.config.rms_norm_eps)
 
-    def _attention(self, layer: int, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _layer(self, layer: int, delta: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
+               rope: _Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output delta and the residual stream it adds to (summed by the next norm)."""
+        norms = self.weights.layers[layer]
+        x, residual = self._add_norm(delta, residual, norms.input_norm)
+        attn = self._proj(layer, "o", self._attention(layer, x, ctx, rope), ctx)
+        x, residual = self._add_norm(attn, residual, norms.post_attn_norm)
+        gate_up = self._proj(layer, "gate_up", x, ctx)
+        act = fused.silu_mul(gate_up) if self.is_fused else fused.silu_mul_torch(gate_up)
+        return self._proj(layer, "down", act, ctx), residual
+
+    def _attention(self, layer: int, x: torch.Tensor, ctx: ForwardContext, rope: _Rope) -> torch.Tensor:
         """x: [num_tokens, hidden] -> attention output before o_proj [num_tokens, num_heads * head_dim]."""
         cfg = self.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = self._proj(layer, "qkv", x, ctx).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), ctx.cos, ctx.sin)
-        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.is_fused:
+            fused.rotary_(q, k, ctx.positions, self.rope.inv_freq, self.rope.attention_scaling)
+        else:
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         key_cache, value_cache = self.kv_cache.key[layer], self.kv_cache.value[layer]
         write_kv(key_cache, value_cache, k, v, ctx.attention.slot_mapping)

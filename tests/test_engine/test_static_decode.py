@@ -77,3 +77,28 @@ def test_static_decode_matches_eager_engine(llama, monkeypatch):
     static = _generate(llama, monkeypatch, is_static=True)
     for name, a, b in zip(BATCH, eager, static):
         assert a.token_ids == b.token_ids, name
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_metadata_matches_the_gather_path(window):
+    from kubelora.engine.model.attention import (paged_attention, prepare_attention, prepare_decode_attention,
+                                                 prepare_prefill_attention)
+
+    gen = torch.Generator().manual_seed(0)
+    block_size, heads, kv_heads, dim = 4, 4, 2, 8
+    key_cache = torch.randn(12, block_size, kv_heads, dim, generator=gen)
+    value_cache = torch.randn(12, block_size, kv_heads, dim, generator=gen)
+    tables = [[3, 7, 1], [0, 11], [5, 2, 9]]
+    query_lens, context_lens = [3, 1, 9], [10, 6, 9]  # a chunk after a prefix, a decode row, a whole prompt
+    query = torch.randn(sum(query_lens), heads, dim, generator=gen)
+    gathered = paged_attention(query, key_cache, value_cache,
+                               prepare_attention(query_lens, context_lens, tables, block_size, {window}, "cpu"),
+                               window, 0.3)
+    paged = paged_attention(query, key_cache, value_cache,
+                            prepare_prefill_attention(query_lens, context_lens, tables, block_size, "cpu"), window, 0.3)
+    torch.testing.assert_close(paged, gathered)
+    # one token per sequence (the last of the first sequence, the decode row): the decode metadata
+    decode_q = query[[2, 3]]
+    decode = paged_attention(decode_q, key_cache, value_cache,
+                             prepare_decode_attention([9, 5], tables[:2], block_size, "cpu"), window, 0.3)
+    torch.testing.assert_close(decode, gathered[[2, 3]])
