@@ -148,17 +148,17 @@ def compare_paths(shapes: list[Shape], dtype: torch.dtype, with_pdl: bool,
 
 def split_times(sets: list[BenchSet], config: KernelConfig) -> dict[str, float]:
     """The shrink and the expand timed alone (the expand on shrink outputs computed beforehand)."""
-    from kubelora.kernels.lora_expand import lora_expand
-    from kubelora.kernels.lora_shrink import lora_shrink
+    from kubelora.kernels.lora_expand import launch_expand
+    from kubelora.kernels.lora_shrink import launch_shrink
 
     widths = bench_lora.WIDTHS
     slices = list(range(len(widths)))
     offsets = [sum(widths[:s]) for s in slices]
-    shrink_out = {id(st): lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config) for st in sets}
+    shrink_out = {id(st): launch_shrink(st.x, st.lora_a, st.proj, st.step, slices, config) for st in sets}
     return {
-        "shrink only": time_graph(lambda st: lora_shrink(st.x, st.lora_a, st.proj, st.step, slices, config), sets),
+        "shrink only": time_graph(lambda st: launch_shrink(st.x, st.lora_a, st.proj, st.step, slices, config), sets),
         "expand only": time_graph(
-            lambda st: lora_expand(st.y, shrink_out[id(st)], st.lora_b, st.proj, st.step, slices, offsets, config),
+            lambda st: launch_expand(st.y, shrink_out[id(st)], st.lora_b, st.proj, st.step, slices, offsets, config),
             sets),
     }
 

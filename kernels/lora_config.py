@@ -45,7 +45,6 @@ class KernelConfig:
     expand_warps: int = 8
     expand_stages: int = 2  # the expand's rank loop is 1..8 steps: a shallow pipeline
     b_first: int = 0  # expand: rank chunks of B (0..4) requested before t (with PDL: while the shrink runs)
-    is_folded: bool = True  # tile table with slot tiles and token ids (False: the v4 load chain)
     is_pdl: bool = False  # launch the expand early (Hopper programmatic dependent launch; CUDA only)
     # with is_pdl: launch the shrink early too, behind whatever kernel precedes it (it reads the step's metadata,
     # then waits for that kernel before reading x)

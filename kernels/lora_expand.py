@@ -89,11 +89,11 @@ def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
+    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
     y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+    SLOT_TILES: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
     PRECISION: tl.constexpr, STACK: tl.constexpr, RED_Y: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
@@ -115,7 +115,7 @@ def _expand_kernel(
     else:
         q = offs_m % ROWS
         lanes0 = tl.arange(0, STACK * BLOCK_R) % BLOCK_R  # STACK copies of the chunk's lanes
-    slot, start, count, tok = tile_tokens(tiles_ptr, sorted_ptr, tile, BLOCK_M, q, SLOT_TILES, FOLDED)
+    slot, start, count, tok = tile_tokens(tiles_ptr, tile, BLOCK_M, q, SLOT_TILES)
     rank = tl.load(rank_ptr + slot * meta_stride + col)
     row = tl.load(row_ptr + slot * meta_stride + col)
     scale = tl.load(scale_ptr + slot * meta_stride + col)
@@ -169,25 +169,6 @@ def _expand_kernel(
         tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
 
 
-def lora_expand(
-    y: torch.Tensor,
-    t: torch.Tensor,
-    lora_b: list[torch.Tensor],
-    proj: LoRAProj,
-    step: LoRAStep,
-    slices: list[int],
-    y_offsets: list[int],
-    config: KernelConfig,
-) -> None:
-    """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * t[i, j, :r] @ B_{a,s}^T, tok = sorted[i], s = slices[j].
-
-    y: [num_tokens, total_width]; t: [num_lora_tokens, len(slices), lanes] from the shrink;
-    lora_b[j]: [num_rows, d_j], the pool of slice slices[j]; y_offsets[j]: its first column in y.
-    Rows of tokens without adapter and slices of rank 0 are not touched.
-    """
-    launch_expand(y, t, lora_b, proj, step, slices, y_offsets, config)
-
-
 @dataclass(frozen=True)
 class ExpandShape:
     """Host-side parameters of one expand launch, from sizes only: computed once per step, reused per layer."""
@@ -198,7 +179,7 @@ class ExpandShape:
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
                 config: KernelConfig, device: torch.device, dtype: torch.dtype) -> ExpandShape:
-    """The expand launch's host-side parameters (see `lora_expand`)."""
+    """The expand launch's host-side parameters (see `launch_expand`)."""
     assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
@@ -208,7 +189,7 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     num_chunks = num_lanes(proj, slices) // BLOCK_R
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
-        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, B_FIRST=min(config.b_first, num_chunks),
+        SLOT_TILES=step.is_slot_tiles, B_FIRST=min(config.b_first, num_chunks),
         USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config), RED_Y=config.is_red_y,
         num_warps=config.expand_warps, num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
@@ -226,12 +207,18 @@ def launch_expand(
     config: KernelConfig,
     shape: ExpandShape | None = None,
 ) -> None:
-    """The expand launch (see `lora_expand`); shape: this step's `plan_expand` result (config then unused)."""
+    """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * t[i, j, :r] @ B_{a,s}^T, tok = sorted[i], s = slices[j].
+
+    y: [num_tokens, total_width]; t: [num_lora_tokens, len(slices), lanes] from the shrink;
+    lora_b[j]: [num_rows, d_j], the pool of slice slices[j]; y_offsets[j]: its first column in y.
+    Rows of tokens without adapter and slices of rank 0 are not touched.
+    shape: this step's `plan_expand` result when the caller has it (config then unused).
+    """
     if shape is None:
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
                             lora_b[0].dtype)
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
-    shape.launch(y, *pad_slices(lora_b), t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, proj.scale,
+    shape.launch(y, *pad_slices(lora_b), t, step.tiles, proj.rank, proj.row_start, proj.scale,
                  *shape.scalars, y.stride(0), t.shape[2])
 
 
@@ -247,7 +234,7 @@ def lora_expand_torch(
 ) -> None:
     """Reference: y[tok, off_j:off_j+d_j] += scale[a,s] * t[i, j, :r] @ B_{a,s}^T, tok = sorted[i], s = slices[j].
 
-    Same arguments as `lora_expand` (config ignored); computes in float32, adds once into y.
+    Same arguments as `launch_expand` (config ignored, no shape); computes in float32, adds once into y.
     """
     tokens = step.sorted_tokens
     token_slot = step.token_slots[tokens]

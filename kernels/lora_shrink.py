@@ -56,17 +56,17 @@ def _store_slices(ptrs, lanes, acc0, acc1, acc2, mask0, mask1, mask2, NUM_S: tl.
 
 @triton.jit
 def _shrink_tile(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride, in_dim,
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride, in_dim,
     x_stride, tile, chunk, ks, k_per_split,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, PRECISION: tl.constexpr, EARLY: tl.constexpr,
+    SLOT_TILES: tl.constexpr, PRECISION: tl.constexpr, EARLY: tl.constexpr,
 ):
     """x[tile, K split ks] @ A_s[rank chunk]^T for every slice s: (acc0, acc1, acc2, start, count, rank0..2).
 
     acc_j: [BLOCK_M, BLOCK_R] float32, the rank lanes chunk * BLOCK_R + [0, BLOCK_R) of slice j, rows past the
     tile's count and lanes past the slice's rank zero; start, count: the tile's rows in sorted order.
     """
-    slot, start, count, tok = tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M, SLOT_TILES, FOLDED)
+    slot, start, count, tok = tile_meta(tiles_ptr, tile, BLOCK_M, SLOT_TILES)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     offs_r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -106,10 +106,10 @@ def _shrink_tile(
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr,
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, parts_ptr, arrivals_ptr, tiles_ptr, rank_ptr, row_ptr,
     col0, col1, col2, meta_stride, in_dim, x_stride, num_sorted, num_chunks, lanes, split_k, k_per_split,
     NUM_S: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SLOT_TILES: tl.constexpr, USE_PDL: tl.constexpr,
     PRECISION: tl.constexpr, EARLY: tl.constexpr,
 ):
     # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
@@ -126,13 +126,13 @@ def _shrink_kernel(
         a_ptr = pick_slice(group, a0_ptr, a1_ptr, a2_ptr, NUM_S)
         col = pick_slice(group, col0, col1, col2, NUM_S)
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
-            x_ptr, a_ptr, a_ptr, a_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col, col, col, meta_stride,
-            in_dim, x_stride, tile, chunk, ks, k_per_split, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
+            x_ptr, a_ptr, a_ptr, a_ptr, tiles_ptr, rank_ptr, row_ptr, col, col, col, meta_stride,
+            in_dim, x_stride, tile, chunk, ks, k_per_split, 1, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES,
             PRECISION, EARLY)
     else:
         acc0, acc1, acc2, start, count, rank0, rank1, rank2 = _shrink_tile(
-            x_ptr, a0_ptr, a1_ptr, a2_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
-            in_dim, x_stride, tile, chunk, ks, k_per_split, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES, FOLDED,
+            x_ptr, a0_ptr, a1_ptr, a2_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
+            in_dim, x_stride, tile, chunk, ks, k_per_split, NUM_S, BLOCK_M, BLOCK_K, BLOCK_R, SLOT_TILES,
             PRECISION, EARLY)
     # t and each partial plane: [num_sorted, NUM_S, lanes]; only lanes below each slice's rank are written. This
     # program's slices are group, group + 1, ...: PER of them.
@@ -169,10 +169,10 @@ def _shrink_kernel(
 
 @triton.jit
 def _gemv_shrink_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, sorted_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
     in_dim, x_stride, num_groups, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, RANKS: tl.constexpr,
-    SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
+    SLOT_TILES: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     # Program (tile, slice, group of RANKS rank rows): t[tile's rows, slice, those lanes] over all of in_dim, as
     # [ROWS, RANKS, BLOCK_K] float32 products summed in registers (KernelConfig.gemv_rows: tiles of at most ROWS
@@ -184,7 +184,7 @@ def _gemv_shrink_kernel(
     group = tl.program_id(0) % num_groups
     a_ptr = pick_slice(j, a0_ptr, a1_ptr, a2_ptr, NUM_S)
     col = pick_slice(j, col0, col1, col2, NUM_S)
-    slot, start, count, tok = tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M, ROWS, SLOT_TILES, FOLDED)
+    slot, start, count, tok = tile_rows(tiles_ptr, tile, BLOCK_M, ROWS, SLOT_TILES)
     rank = tl.load(rank_ptr + slot * meta_stride + col)
     row = tl.load(row_ptr + slot * meta_stride + col)
     offs_m = tl.arange(0, ROWS)
@@ -277,7 +277,7 @@ def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], co
     rank_groups = triton.cdiv(max_rank, ranks)
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=block_k, ROWS=rows, RANKS=ranks,
-        SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded, **pdl_constexprs(config, device),
+        SLOT_TILES=step.is_slot_tiles, **pdl_constexprs(config, device),
         num_warps=config.gemv_warps, num_stages=1,
     )
     grid = (step.num_tiles * len(slices) * rank_groups,)
@@ -289,7 +289,7 @@ def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], co
 
 def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
                 device: torch.device, dtype: torch.dtype, split_k: int | None = None) -> ShrinkShape:
-    """The shrink launch's host-side parameters (see `lora_shrink`)."""
+    """The shrink launch's host-side parameters (see `launch_shrink`)."""
     assert 1 <= len(slices) <= MAX_SLICES
     if uses_gemv(step, config):
         return plan_gemv(in_dim, proj, step, slices, config, device)
@@ -300,8 +300,8 @@ def plan_shrink(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], 
     split_k, k_per_split = plan_split(in_dim, step.num_tiles * groups * num_chunks, config, split_k)
     constexprs = dict(
         NUM_S=len(slices), GROUPS=groups, BLOCK_M=step.block_m, BLOCK_K=config.block_k, BLOCK_R=chunk,
-        SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, FOLDED=config.is_folded,
-        PRECISION=dot_precision(dtype), **pdl_constexprs(config, device),
+        SPLIT=triton.next_power_of_2(split_k), SLOT_TILES=step.is_slot_tiles, PRECISION=dot_precision(dtype),
+        **pdl_constexprs(config, device),
         num_warps=config.shrink_warps, num_stages=config.shrink_stages,
     )
     grid = (step.num_tiles * groups * num_chunks, split_k)
@@ -320,8 +320,13 @@ def launch_shrink(
     split_k: int | None = None,
     shape: ShrinkShape | None = None,
 ) -> torch.Tensor:
-    """The shrink launch (see `lora_shrink`).
+    """Triton: t[i, j, :r] = x[sorted[i]] @ A_{a,s}^T, a = slot of sorted[i], s = slices[j], r = rank[a, s].
 
+    x: [num_tokens, in_dim]; lora_a[j]: [num_rows, in_dim], the pool of slice slices[j] (at most 3 slices);
+    returns t: [num_lora_tokens, len(slices), lanes] float32 in slot-sorted token order, lanes = the max
+    rank rounded up to BLOCK_R. Lanes at or past a token's rank are not written; the expand never reads
+    them. split_k (default: planned from config) splits the in_dim reduction over that many programs (not
+    on steps that take the GEMV kernel, which never splits it).
     shape: this step's `plan_shrink` result when the caller has it (config and split_k then unused).
     """
     if shape is None:
@@ -331,38 +336,18 @@ def launch_shrink(
     t = new_workspace(shape.num_sorted, num_slices, shape.lanes, device=x.device)
     pools = pad_slices(lora_a)
     if shape.rank_groups:
-        shape.launch(x, *pools, t, step.sorted_tokens, step.tiles, proj.rank, proj.row_start, *shape.cols,
+        shape.launch(x, *pools, t, step.tiles, proj.rank, proj.row_start, *shape.cols,
                      proj.rank.stride(0), shape.in_dim, x.stride(0), shape.rank_groups, shape.lanes)
         return t
     parts = new_workspace(shape.split_k if shape.split_k > 1 else 0, shape.num_sorted, num_slices, shape.lanes,
                           device=x.device)
     counters = arrival_counters(x.device, step.num_tiles * shape.groups * shape.num_chunks)
     shape.launch(
-        x, *pools, t, parts, counters, step.sorted_tokens, step.tiles, proj.rank, proj.row_start,
+        x, *pools, t, parts, counters, step.tiles, proj.rank, proj.row_start,
         *shape.cols, proj.rank.stride(0), shape.in_dim, x.stride(0), shape.num_sorted, shape.num_chunks, shape.lanes,
         shape.split_k, shape.k_per_split,
     )
     return t
-
-
-def lora_shrink(
-    x: torch.Tensor,
-    lora_a: list[torch.Tensor],
-    proj: LoRAProj,
-    step: LoRAStep,
-    slices: list[int],
-    config: KernelConfig,
-    split_k: int | None = None,
-) -> torch.Tensor:
-    """Triton: t[i, j, :r] = x[sorted[i]] @ A_{a,s}^T, a = slot of sorted[i], s = slices[j], r = rank[a, s].
-
-    x: [num_tokens, in_dim]; lora_a[j]: [num_rows, in_dim], the pool of slice slices[j] (at most 3 slices);
-    returns t: [num_lora_tokens, len(slices), lanes] float32 in slot-sorted token order, lanes = the max
-    rank rounded up to BLOCK_R. Lanes at or past a token's rank are not written; the expand never reads
-    them. split_k (default: planned from config) splits the in_dim reduction over that many programs (not
-    on steps that take the GEMV kernel, which never splits it).
-    """
-    return launch_shrink(x, lora_a, proj, step, slices, config, split_k)
 
 
 def lora_shrink_torch(
@@ -376,7 +361,7 @@ def lora_shrink_torch(
 ) -> torch.Tensor:
     """Reference: t[i, j, :r] = x[sorted[i]] @ A_{a,s}^T, a = slot of sorted[i], s = slices[j], r = rank[a, s].
 
-    Same arguments as `lora_shrink` (config and split_k ignored); computes in float32, lanes past the
+    Same arguments as `launch_shrink` (config and split_k ignored, no shape); computes in float32, lanes past the
     rank are zero.
     """
     lanes = num_lanes(proj, slices)

@@ -1,9 +1,8 @@
 """Device side of the per-step tile table (`LoRAStep.tiles`), shared by the LoRA kernels.
 
 A program's first loads are its tile row and its slot's (rank, first row, scale). With slot tiles (tile i
-is slot i) and the tile's token ids folded into its row, both are one round trip, issued together, before
-any data is read; the v4 chain (tile row -> slot's rank / token ids -> data) is kept behind
-`is_folded=False` for measurement.
+is slot i) and the tile's token ids in its row, both are one round trip, issued together, before any data
+is read.
 """
 
 from __future__ import annotations
@@ -45,37 +44,31 @@ def uses_pdl(is_pdl: bool, device: torch.device) -> bool:
 
 
 @triton.jit
-def tile_meta(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, SLOT_TILES: tl.constexpr, FOLDED: tl.constexpr):
+def tile_meta(tiles_ptr, tile, BLOCK_M: tl.constexpr, SLOT_TILES: tl.constexpr):
     """(slot, start in sorted_tokens, number of tokens, [BLOCK_M] token ids) of one tile.
 
     Token ids past the tile's count are padding (0): masked by the caller.
     """
-    return tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M, BLOCK_M, SLOT_TILES, FOLDED)
+    return tile_rows(tiles_ptr, tile, BLOCK_M, BLOCK_M, SLOT_TILES)
 
 
 @triton.jit
-def tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SLOT_TILES: tl.constexpr,
-              FOLDED: tl.constexpr):
+def tile_rows(tiles_ptr, tile, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SLOT_TILES: tl.constexpr):
     """`tile_meta` with the first ROWS (<= BLOCK_M) token ids only: for steps whose tiles hold at most ROWS tokens."""
-    return tile_tokens(tiles_ptr, sorted_ptr, tile, BLOCK_M, tl.arange(0, ROWS), SLOT_TILES, FOLDED)
+    return tile_tokens(tiles_ptr, tile, BLOCK_M, tl.arange(0, ROWS), SLOT_TILES)
 
 
 @triton.jit
-def tile_tokens(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr, offs_m, SLOT_TILES: tl.constexpr,
-                FOLDED: tl.constexpr):
+def tile_tokens(tiles_ptr, tile, BLOCK_M: tl.constexpr, offs_m, SLOT_TILES: tl.constexpr):
     """`tile_meta` with the token ids at positions offs_m (< BLOCK_M, repeats allowed) of the tile."""
     row = tiles_ptr + tile * (_HEAD + BLOCK_M)
     start = tl.load(row + 1)
     count = tl.load(row + 2)
-    if FOLDED:
-        if SLOT_TILES:
-            slot = tl.cast(tile, tl.int64)
-        else:
-            slot = tl.load(row)
-        tok = tl.load(row + _HEAD + offs_m)
+    if SLOT_TILES:
+        slot = tl.cast(tile, tl.int64)
     else:
         slot = tl.load(row)
-        tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)
+    tok = tl.load(row + _HEAD + offs_m)
     return slot, start, count, tok
 
 

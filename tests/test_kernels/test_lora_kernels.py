@@ -62,15 +62,6 @@ def test_add_lora_matches_float64(triton_backend, device, dtype, case, path):
     check_y(p, run_path(triton_backend, p, path))
 
 
-@pytest.mark.parametrize("path", ["split", "slice"])
-@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=lambda c: f"{c[0]}tok-{c[4]}")
-def test_unfolded_tile_table_reads(triton_backend, device, case, path):
-    num_tokens, ranks, widths, in_dim, dist, no_adapter = case
-    p = build_problem(num_tokens, ranks, widths, in_dim, dist, torch.float32, seed=3, device=device,
-                      no_adapter=no_adapter)
-    check_y(p, run_path(triton_backend, p, path, is_folded=False))
-
-
 def check_lanes_below_rank(p, t, ref, device) -> torch.Tensor:
     """t equals the reference on every lane below its token's rank, none of them left poisoned; returns that mask."""
     lane_rank = p.proj.rank[p.step.token_slots[p.step.sorted_tokens]]  # [num_lora_tokens, num_slices]
@@ -92,7 +83,7 @@ def test_shrink_writes_every_lane_below_rank(triton_backend, device, monkeypatch
     slices = [0, 1, 2]
     x, lora_a = p.x.float(), [a.float() for a in p.lora_a]
     for config in (config, replace(config, is_per_slice=True)):  # each launch finds the counters reset
-        t = lora_shrink.lora_shrink(x, lora_a, p.proj, p.step, slices, config, split_k)
+        t = lora_shrink.launch_shrink(x, lora_a, p.proj, p.step, slices, config, split_k)
         ref = lora_shrink.lora_shrink_torch(x, lora_a, p.proj, p.step, slices)
         assert t.shape == ref.shape and t.shape[2] % BLOCK_R == 0
         check_lanes_below_rank(p, t, ref, device)
@@ -111,7 +102,7 @@ def test_gemv_shrink_writes_every_lane_below_rank(triton_backend, device, monkey
     slices = [0, 1, 2]
     assert lora_shrink.uses_gemv(p.step, config) and p.step.max_tile_count >= 2
     x, lora_a = p.x.float(), [a.float() for a in p.lora_a]
-    t = lora_shrink.lora_shrink(x, lora_a, p.proj, p.step, slices, config)
+    t = lora_shrink.launch_shrink(x, lora_a, p.proj, p.step, slices, config)
     ref = lora_shrink.lora_shrink_torch(x, lora_a, p.proj, p.step, slices)
     assert t.shape == ref.shape
     valid = check_lanes_below_rank(p, t, ref, device)
@@ -119,13 +110,13 @@ def test_gemv_shrink_writes_every_lane_below_rank(triton_backend, device, monkey
 
 
 def test_expand_matches_reference(triton_backend, device):
-    from kubelora.kernels.lora_expand import lora_expand, lora_expand_torch
+    from kubelora.kernels.lora_expand import launch_expand, lora_expand_torch
 
     p = build_problem(40, ODD_RANKS, [24, 8, 16], 8, "uniform", torch.float32, seed=6, device=device, no_adapter=0.2)
     t = torch.randn(p.step.sorted_tokens.numel(), 2, 32, device=device)
     y, y_ref = p.y0.clone(), p.y0.clone()
     args = ([p.lora_b[0], p.lora_b[2]], p.proj, p.step, [0, 2], [0, 32])
-    lora_expand(y, t, *args, KernelConfig(block_n=16))
+    launch_expand(y, t, *args, KernelConfig(block_n=16))
     lora_expand_torch(y_ref, t, *args)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-4)
 
