@@ -8,12 +8,12 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kubelora-out}
 mkdir -p "$OUT" /tmp/p/kubelora
-for d in kernels engine cli; do cp -r "$d" /tmp/p/kubelora/; done
+for d in kernels engine cli bench; do cp -r "$d" /tmp/p/kubelora/; done
 export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/device.txt"
 extra=()
-if [ "${PDL:-0}" = 1 ] && timeout 90 python3 -P -c 'from kubelora.kernels.bench_variants import probe_pdl; probe_pdl()' \
+if [ "${PDL:-0}" = 1 ] && timeout 90 python3 -P -c 'from kubelora.bench.variants import probe_pdl; probe_pdl()' \
     2>&1 | tail -n 3 | tee -a "$OUT/device.txt"; then
   extra+=(--pdl)
 fi
@@ -22,5 +22,5 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     -o addopts="" --import-mode=importlib -rfE ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/tests_full.txt" | tail -n 30 | tee "$OUT/tests.txt"
 fi
 [ "${COMPARE:-0}" = 1 ] && extra+=(--compare)
-timeout "${BENCH_TIMEOUT:-300}" python3 -P bench/kernels.py --write "$OUT/benchmarks.md" --date "${DATE:-$(date -u +%F)}" \
+timeout "${BENCH_TIMEOUT:-300}" python3 -P -m kubelora.bench.kernels --write "$OUT/benchmarks.md" --date "${DATE:-$(date -u +%F)}" \
   "${extra[@]}" "$@" 2>&1 | tee "$OUT/bench.txt"

@@ -1,6 +1,6 @@
 """Host time per LoRA call on the GPU: what a step's layers pay on the CPU for each `add_lora` (no CUDA graph).
 
-`python -P bench/host.py [--calls N] [--steps N] [--profile]`: at the serving benchmark's sizes (hidden 2048, q
+`python -P -m kubelora.bench.host [--calls N] [--steps N] [--profile]`: at the serving benchmark's sizes (hidden 2048, q
 2048, k and v 512, 16 layers, adapters on q/k/v/o: docs/serving.md), one step's metadata, then N calls of the
 Triton op on it as a step's layers make them, timed on the host (the GPU runs behind; a synchronize at the end).
 Beside it, for scale, one elementwise torch launch and the base projection's matmul. Then whole steps of the
@@ -18,7 +18,7 @@ import time
 import torch
 
 from kubelora.kernels import lora_launch
-from kubelora.kernels.bench_baselines import build_sets
+from kubelora.bench.baselines import build_sets
 from kubelora.kernels.lora import add_lora, prepare_lora_projs, prepare_lora_step
 
 HIDDEN = 2048

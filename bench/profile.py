@@ -1,9 +1,9 @@
 """One benchmark shape's LoRA launch, for Nsight Compute (bench/ncu.sh runs it under `ncu --nvtx`).
 
-`ncu --nvtx --nvtx-include "lora/" ... python3 -P bench/profile.py SHAPE LAUNCH`.
+`ncu --nvtx --nvtx-include "lora/" ... python3 -P -m kubelora.bench.profile SHAPE LAUNCH`.
 
 SHAPE is a `kubelora bench kernels` shape name (e.g. "64 x 32 x 16"); LAUNCH is a label of
-`kernels/bench_variants.py`'s PATH_VARIANTS (`auto`: the step's own launch). Three warm-up calls, then two calls
+`kubelora.bench.variants.PATH_VARIANTS` (`auto`: the step's own launch). Three warm-up calls, then two calls
 inside the NVTX range `lora` on other input sets.
 """
 
@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from kubelora.kernels.bench_lora import default_shapes, ours, shape_sets
-from kubelora.kernels.bench_variants import PATH_VARIANTS
+from kubelora.bench.kernels import default_shapes, ours, shape_sets
+from kubelora.bench.variants import PATH_VARIANTS
 
 
 def main(name: str, launch: str) -> None:

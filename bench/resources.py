@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the LoRA kernels compiled offline for sm_90 (no GPU needed).
 
-`python -P bench/resources.py`: compiles each launch shape with Triton's bundled ptxas and reads
+`python -P -m kubelora.bench.resources`: compiles each launch shape with Triton's bundled ptxas and reads
 `cuobjdump -res-usage` (the bundled cuobjdump). For checking a variant before spending device time.
 """
 

@@ -5,8 +5,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kubelora-out}
 mkdir -p "$OUT" /tmp/p/kubelora
-for d in kernels engine cli; do cp -r "$d" /tmp/p/kubelora/; done
+for d in kernels engine cli bench; do cp -r "$d" /tmp/p/kubelora/; done
 export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/device.txt"
-timeout "${BENCH_TIMEOUT:-420}" python3 -P -m kubelora.cli.bench_serve --write "$OUT/serving.md" "$@" 2>&1 \
+timeout "${BENCH_TIMEOUT:-420}" python3 -P -m kubelora.bench.serve --write "$OUT/serving.md" "$@" 2>&1 \
   | grep -v Warning | tee "$OUT/serve.txt"

@@ -51,13 +51,13 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _run_bench_serve(args: argparse.Namespace) -> int:
-    from kubelora.cli.bench_serve import main as bench_main  # imports torch: only when benchmarking
+    from kubelora.bench.serve import main as bench_main  # imports torch: only when benchmarking
 
     return bench_main(args.rest)
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:
-    from kubelora.kernels.bench_lora import main as bench_main  # imports torch: only when benchmarking
+    from kubelora.bench.kernels import main as bench_main  # imports torch: only when benchmarking
 
     return bench_main(args.rest)
 

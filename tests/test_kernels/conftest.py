@@ -2,7 +2,8 @@
 
 Triton picks the interpreter when a kernel is defined, i.e. when `kubelora.kernels.lora_shrink` and friends
 are imported; TRITON_INTERPRET=1 is set here before any test imports them, and `triton_backend` re-imports
-them if another test module of the same process got there first without it.
+them if another test module of the same process got there first without it. The shared problem builders
+(`lora_problems.py`) are imported from this folder, which --import-mode=importlib leaves off sys.path.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 def test_bench_serve_runs_every_scenario_on_cpu(tmp_path: Path, triton_backend, device):
     """The serving benchmark's code path at toy size (CPU in CI): base, adapters on both backends, the markdown."""
-    from kubelora.cli import bench_serve
+    from kubelora.bench import serve as bench_serve
 
     out = tmp_path / "serving.md"
     argv = ["--device", device, "--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads",

@@ -14,7 +14,7 @@ import torch
 
 from kubelora.kernels.lora import LoRAStep, add_lora, prepare_lora_step
 from kubelora.kernels.lora_config import BLOCK_R, DEFAULT_CONFIGS, KernelConfig, step_config
-from kubelora.kernels.lora_problems import build_problem, check_y
+from lora_problems import build_problem, check_y
 
 DTYPES = (torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
 ODD_RANKS = [[3, 3, 0], [12, 12, 12], [24, 5, 24], [1, 0, 17]]

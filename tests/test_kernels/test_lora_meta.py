@@ -15,7 +15,7 @@ from kubelora.kernels.lora import (
     prepare_lora_projs,
     prepare_lora_step,
 )
-from kubelora.kernels.lora_problems import DISTRIBUTIONS, build_problem, check_y
+from lora_problems import DISTRIBUTIONS, build_problem, check_y
 
 
 def test_step_groups_tokens_by_slot_in_tiles():

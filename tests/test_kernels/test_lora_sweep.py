@@ -17,7 +17,7 @@ import torch
 
 from kubelora.kernels.lora import add_lora
 from kubelora.kernels.lora_config import step_config
-from kubelora.kernels.lora_problems import DISTRIBUTIONS, build_problem, check_y
+from lora_problems import DISTRIBUTIONS, build_problem, check_y
 
 pytestmark = pytest.mark.gpu  # the full sweep: deselected without a GPU (tests/conftest.py)
 

@@ -252,7 +252,7 @@ def write_markdown(path: str, config: ServeBenchConfig, env: dict[str, str], res
     shape = {k: v for k, v in vars(config).items() if k not in ("device", "is_torch_backend_compared", "seed")}
     text = [
         "# Serving benchmark: many adapters against the base model, end to end in one engine", "",
-        "Written by `kubelora bench serve` (`cli/bench_serve.py`).", "",
+        "Written by `kubelora bench serve` (`bench/serve.py`).", "",
         *[f"- {k}: {v}" for k, v in env.items()],
         f"- model and workload: `{json.dumps(shape)}`", "",
         "One engine process, the offline engine loop (no HTTP), bf16 on the GPU. The same requests in every",

@@ -1,4 +1,4 @@
-"""Random multi-LoRA problems with float64 expectations: shared by the kernel tests, the GPU sweep and the bench."""
+"""Random multi-LoRA problems with float64 expectations: shared by the kernel tests and the GPU sweep."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def mixed_rank_lines(rows: list[Row]) -> list[str]:
 def write_markdown(path: str, env: dict[str, str], table: str, rows: list[Row], tune_lines: list[str]) -> None:
     text = [
         "# Kernel benchmark: multi-LoRA shrink+expand (QKV, hidden 4096 -> 3 x 4096, bf16)", "",
-        "Written by `kubelora bench kernels` (`python -P bench/kernels.py --write docs/benchmarks.md`). The",
+        "Written by `kubelora bench kernels --write docs/benchmarks.md` (`bench/kernels.py`). The",
         "end-to-end serving benchmark (many adapters against the base model) is docs/serving.md.", "",
         *[f"- {k}: {v}" for k, v in env.items()], "",
         "GPU time per call, each call captured in a CUDA graph over independent input sets rotated past the",

@@ -1,6 +1,6 @@
 """Launch variants timed side by side on the benchmark's shapes (`kubelora bench kernels --compare/--tune`).
 
-For choosing the defaults in `kernels/lora_config.py` and `kernels/lora.py`; docs/kernels.md logs the results.
+For choosing the launch table (`kernels/lora_configs.json`) and the tile heights (`kernels/lora.py`).
 """
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ from dataclasses import replace
 
 import torch
 
-from kubelora.kernels import bench_lora
-from kubelora.kernels.bench_baselines import BenchSet, torch_reference
-from kubelora.kernels.bench_lora import Shape, check_ours, ours, shape_sets, time_graph
+from kubelora.bench import kernels as bench_kernels
+from kubelora.bench.baselines import BenchSet, torch_reference
+from kubelora.bench.kernels import Shape, check_ours, ours, shape_sets, time_graph
 from kubelora.kernels.lora import LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import KernelConfig, choose_config, step_config
 
 
 def _auto(**changes):
     # The step's own choice (choose_config) with KernelConfig changes.
-    return lambda step, proj: replace(choose_config(step, proj, list(range(len(bench_lora.WIDTHS)))), **changes)
+    return lambda step, proj: replace(choose_config(step, proj, list(range(len(bench_kernels.WIDTHS)))), **changes)
 
 
 def _height(**changes):
@@ -27,13 +27,10 @@ def _height(**changes):
 
 
 # label -> (prepare_lora_step keyword changes, config for (step, proj); None: the step's own choice through
-# add_lora's cache). s1: expand_stages=1 (the decode default since run 12); slice: one shrink program per slice;
+# add_lora's cache). s1: expand_stages=1 (the decode default); slice: one shrink program per slice;
 # t1024: up to 1024 shrink programs; gemvN: the GEMV shrink on steps of at most N tokens per tile (rN: N rank
-# rows per program, wN: N warps); n128 w4: 128-wide expand blocks, 4 expand warps. Runs 8..29 timed v4's tile
-# policy, a fused one-launch path, a signal path, a persistent launch, L2 prefetch from the shrink, several expand
-# blocks or tiles per program, a narrow tensor-core-free shrink, a CUDA-core expand and one-knob variations; run 32
-# a packed expand over 16 consecutive tokens of several adapters (docs/kernels.md); those that lost every shape are
-# gone from the code and from this table.
+# rows per program, wN: N warps); n128 w4: 128-wide expand blocks, 4 expand warps. Variants that lost on every
+# shape are removed (git log has them).
 PATH_VARIANTS = {
     "split s1": ({}, _height(is_pdl=False)),
     "slice s1": ({}, _height(is_pdl=False, is_per_slice=True)),
@@ -55,7 +52,7 @@ PATH_VARIANTS = {
     "stack n512": ({}, _auto(stack_tokens=8, block_n=512)),
     "stack n512 w4": ({}, _auto(stack_tokens=8, block_n=512, expand_warps=4)),
     "stack n1024": ({}, _auto(stack_tokens=8, block_n=1024)),
-    # no early: the shrink not launched early (before run 42's default)
+    # no early: the shrink not launched early
     "no early": ({}, _auto(is_early_shrink=False)),
     "gemv8 r2 w8": ({}, _auto(gemv_rows=8, gemv_ranks=2, gemv_warps=8)),
     # rN: the tensor-core shrink with N rank lanes per program (x read once for them); slice: one slice per program
@@ -65,22 +62,21 @@ PATH_VARIANTS = {
     "slice r64 split16": ({}, _auto(shrink_lanes=64, is_per_slice=True, max_split=16, target_programs=1024)),
     "slice r32 t1024": ({}, _auto(shrink_lanes=32, is_per_slice=True, target_programs=1024)),
     "slice r64 w8": ({}, _auto(shrink_lanes=64, is_per_slice=True, shrink_warps=8)),
-    # no red: the decode expand loads y and stores the sum (before the default of runs 51..52: atomic adds into y); wN: N
-    # expand warps; nN: N columns per expand program
+    # no red: the decode expand loads y and stores the sum instead of atomic adds into y; wN: N expand warps; nN: N
+    # columns per expand program
     "no red": ({}, _auto(is_red_y=False)),
     "w4": ({}, _auto(expand_warps=4)),
     "w8": ({}, _auto(expand_warps=8)),
     "n512 w4": ({}, _auto(block_n=512, expand_warps=4)),
     "n256 w8": ({}, _auto(block_n=256, expand_warps=8)),
-    # k256: 256-wide in_dim steps in the tensor-core shrink (run 56; at most 8 K splits or 8 shrink warps lost on
-    # every shape timed)
+    # k256: 256-wide in_dim steps in the tensor-core shrink
     "k256": ({}, _auto(block_k=256)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 
 
 def _with_step(sets: list[BenchSet], shape: Shape, step_changes: dict) -> LoRAStep:
-    step = prepare_lora_step(list(shape.slots), len(shape.ranks), bench_lora.DEVICE, **step_changes)
+    step = prepare_lora_step(list(shape.slots), len(shape.ranks), bench_kernels.DEVICE, **step_changes)
     for st in sets:
         st.step = step
     return step
@@ -151,7 +147,7 @@ def split_times(sets: list[BenchSet], config: KernelConfig) -> dict[str, float]:
     from kubelora.kernels.lora_expand import launch_expand
     from kubelora.kernels.lora_shrink import launch_shrink
 
-    widths = bench_lora.WIDTHS
+    widths = bench_kernels.WIDTHS
     slices = list(range(len(widths)))
     offsets = [sum(widths[:s]) for s in slices]
     shrink_out = {id(st): launch_shrink(st.x, st.lora_a, st.proj, st.step, slices, config) for st in sets}
@@ -164,7 +160,6 @@ def split_times(sets: list[BenchSet], config: KernelConfig) -> dict[str, float]:
 
 
 # label -> (KernelConfig changes, tile heights the step may choose from; None: the default policy).
-# Run 6 timed the v3 configs' variations (block_k 64, stages, target 2048, ...: docs/kernels.md).
 TUNE_VARIANTS = {
     "tiles=16,32": ({}, (16, 32)),
     "k128": (dict(block_k=128), None), "k256": (dict(block_k=256), None),
@@ -185,7 +180,7 @@ def tune(shapes: list[Shape], dtype: torch.dtype) -> list[str]:
     for shape in shapes:
         _, sets = shape_sets(shape, dtype)
         step = sets[0].step
-        slices = list(range(len(bench_lora.WIDTHS)))
+        slices = list(range(len(bench_kernels.WIDTHS)))
         base = choose_config(step, sets[0].proj, slices)
         label = f"auto ({'slice ' if base.is_per_slice else ''}k{base.block_k} split{base.max_split})"
         times = {label: time_graph(ours(base), sets)}
