@@ -27,8 +27,8 @@ BACKENDS = ("torch", "triton")
 BACKEND_ENV = "KUBELORA_LORA_BACKEND"
 # Token tile heights of the Triton kernels (tl.dot needs >= 16 rows). A step takes the smallest height that
 # cuts its slot groups into at most MAX_TILES tiles (a long segment is cut into several tiles of its slot):
-# decode steps take 16 (one tile per adapter), one adapter with 64..512 tokens still 16 (more programs:
-# docs/kernels.md, v5), a prefill of 4 x 512 tokens 64.
+# decode steps take 16 (one tile per adapter), one adapter with 64..512 tokens still 16 (more programs,
+# docs/kernels.md), a prefill of 4 x 512 tokens 64.
 TILE_HEIGHTS = (16, 32, 64)
 MAX_TILES = 32
 # Columns of a tile table row before the tile's token ids: slot, start in sorted_tokens, number of tokens.

@@ -114,7 +114,7 @@ def _shrink_kernel(
 ):
     # Program (tile, slice group, rank chunk of BLOCK_R lanes; K split). GROUPS 1: the group is every slice, so x
     # is read once per split; GROUPS NUM_S: one slice per program, three times the programs, each with a third
-    # of the loads and products per in_dim step (docs/kernels.md, v7). program_id(0) is also the index of the
+    # of the loads and products per in_dim step (docs/kernels.md). program_id(0) is also the index of the
     # (tile, group, chunk) arrival counter, so one group's chunks are contiguous.
     if USE_PDL and not EARLY:  # the expand may start now: it loads its y and B while this launch runs
         gdc_launch_dependents()
