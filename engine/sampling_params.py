@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_logits: bool = False
-    # Free-form tag the server may set (e.g. the OpenAI request kind); the engine ignores it.
-    tag: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -41,7 +41,7 @@ class Sampling:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output, tag=tag)
+                              include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 @dataclass(frozen=True)
