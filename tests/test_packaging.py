@@ -70,3 +70,10 @@ def test_every_package_on_disk_is_listed():
     on_disk = _packages_on_disk()
     assert on_disk - listed == set(), f"packages missing from pyproject.toml: {sorted(on_disk - listed)}"
     assert listed - on_disk == set(), f"pyproject.toml lists packages that do not exist: {sorted(listed - on_disk)}"
+
+
+def test_data_files_the_code_reads_ship_as_package_data():
+    # An editable install reads them from the repo; a wheel has only what package-data lists.
+    package_data = _pyproject()["tool"]["setuptools"]["package-data"]
+    assert "lora_configs.json" in package_data["kubelora.kernels"]
+    assert (ROOT / "kernels" / "lora_configs.json").is_file()
