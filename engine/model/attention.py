@@ -117,13 +117,15 @@ def prepare_decode_attention(positions: list[int], block_tables: list[list[int]]
                              device: torch.device) -> DecodeMetadata:
     """Eager decode steps: each sequence's one new token at positions[i] (one host->device copy)."""
     num_seqs, max_blocks = len(positions), max(len(t) for t in block_tables)
-    packed = np.zeros((num_seqs, 2 + max_blocks), dtype=np.int64)
+    packed = np.zeros(num_seqs * (2 + max_blocks), dtype=np.int64)  # slots, context lengths, then the tables
+    tables = packed[2 * num_seqs :].reshape(num_seqs, max_blocks)
     for row, (pos, table) in enumerate(zip(positions, block_tables)):
-        packed[row, 0] = table[pos // block_size] * block_size + pos % block_size
-        packed[row, 1] = pos + 1
-        packed[row, 2 : 2 + len(table)] = table
-    packed = torch.from_numpy(packed).to(device)
-    return DecodeMetadata(slot_mapping=packed[:, 0], block_tables=packed[:, 2:], context_lens=packed[:, 1])
+        packed[row] = table[pos // block_size] * block_size + pos % block_size
+        packed[num_seqs + row] = pos + 1
+        tables[row, : len(table)] = table
+    dev = torch.from_numpy(packed).to(device)
+    return DecodeMetadata(slot_mapping=dev[:num_seqs], block_tables=dev[2 * num_seqs :].view(num_seqs, max_blocks),
+                          context_lens=dev[num_seqs : 2 * num_seqs])
 
 
 def prepare_prefill_attention(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -167,11 +169,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out[meta.token_rows]
 
 
+def uses_triton(query: torch.Tensor) -> bool:
+    """The Triton kernels on CUDA; their PyTorch references elsewhere (tests run the kernels under the interpreter)."""
+    return query.is_cuda
+
+
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: DecodeMetadata,
                       window: int | None, scale: float) -> torch.Tensor:
     from kubelora.kernels import attention  # imported late: TRITON_INTERPRET is read then
 
-    kernel = attention.paged_decode_attention if query.is_cuda else attention.paged_decode_attention_torch
+    kernel = attention.paged_decode_attention if uses_triton(query) else attention.paged_decode_attention_torch
     out = kernel(query, key_cache, value_cache, meta.block_tables, meta.context_lens, scale, window=window)
     return out.reshape(query.shape[0], -1)
 
@@ -180,7 +187,7 @@ def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
                        window: int | None, scale: float) -> torch.Tensor:
     from kubelora.kernels import attention
 
-    kernel = attention.paged_prefill_attention if query.is_cuda else attention.paged_prefill_attention_torch
+    kernel = attention.paged_prefill_attention if uses_triton(query) else attention.paged_prefill_attention_torch
     out = kernel(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                  meta.context_lens, meta.max_query_len, scale, window=window)
     return out.reshape(query.shape[0], -1)
