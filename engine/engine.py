@@ -8,6 +8,7 @@ the adapter manager's loader threads).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -32,6 +33,9 @@ from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kubelora.engine.sequence import Sequence, SequenceStatus
 from kubelora.engine import setup
+from kubelora.engine.warmup import warm_up, warm_up_sizes
+
+log = logging.getLogger(__name__)
 
 IDLE_STEP_SLEEP_S = 0.002  # an empty step (requests only wait for adapter loads) yields the CPU briefly
 
@@ -87,11 +91,15 @@ class LLMEngine:
         lora_backend = setup.resolve_lora_backend(self.config)
         runner_config = RunnerConfig(device=self.device, block_size=self.config.kv_block_size,
                                      lora_backend=lora_backend, is_paged_attention=self.device.type == "cuda")
-        decoder = None
+        runner = ModelRunner(model, runner_config)
+        if self.device.type == "cuda":  # compile before the first request, not during it
+            seconds = warm_up(runner, warm_up_sizes(self.config.max_num_batched_tokens), self.num_kv_blocks,
+                              self.config.max_lora_rank)
+            log.info("warmed up the eager forward in %.1f s", seconds)
         if setup.uses_static_decode(self.config):
-            decoder = setup.build_static_decoder(self.config, model, self.max_model_len, self.num_kv_blocks,
-                                                 lora_backend)
-        return ModelRunner(model, runner_config, decoder)
+            runner.decoder = setup.build_static_decoder(self.config, model, self.max_model_len, self.num_kv_blocks,
+                                                        lora_backend)
+        return runner
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.config.max_num_seqs,

@@ -102,3 +102,20 @@ def test_paged_metadata_matches_the_gather_path(window):
     decode = paged_attention(decode_q, key_cache, value_cache,
                              prepare_decode_attention([9, 5], tables[:2], block_size, "cpu"), window, 0.3)
     torch.testing.assert_close(decode, gathered[[2, 3]])
+
+
+def test_warm_up_writes_only_the_pad_block(llama):
+    from kubelora.engine.warmup import warm_up, warm_up_sizes
+
+    assert warm_up_sizes(2048) == [16, 64, 512, 2048] and warm_up_sizes(100) == [16, 64, 100]
+    llm = LLM(llama.model_dir, max_loras=2, max_lora_rank=8, max_num_seqs=4)
+    try:
+        engine = llm.engine
+        cache = engine._runner.model.kv_cache
+        pad = engine.num_kv_blocks
+        before = [k[:pad].clone() for k in cache.key]
+        assert warm_up(engine._runner, [16, 40], pad, 8) > 0
+        assert all(torch.equal(b, k[:pad]) for b, k in zip(before, cache.key))
+        assert any(k[pad].abs().sum() > 0 for k in cache.key)
+    finally:
+        llm.close()

@@ -1,0 +1,63 @@
+"""Start-up warm-up: the eager (prefill-shaped) forward run once per launch shape before any request arrives.
+
+Triton compiles a kernel the first time it sees a set of constexprs (tile heights, LoRA launch configs, head
+sizes); the first requests would otherwise wait for those compiles. Each warm-up step is one sequence of n
+tokens on the pad block (the KV block no sequence owns), with and without one LoRA slot whose scale is 0 over
+pool rows 0..max_lora_rank (the pool is zeros at start-up, and 0 x finite adds nothing either way).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from kubelora.engine.adapters.pool import SlotView
+from kubelora.engine.model.attention import prepare_prefill_attention
+from kubelora.engine.model.config import LORA_MODULES
+from kubelora.engine.model.llama import ForwardContext
+from kubelora.engine.runner import ModelRunner
+from kubelora.engine.scheduler import Batch
+
+log = logging.getLogger(__name__)
+
+
+def warm_up_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Step sizes whose launch shapes differ (LoRA tile heights 16/32/64, attention query blocks)."""
+    return sorted({n for n in (16, 64, 512, max_num_batched_tokens) if n <= max_num_batched_tokens})
+
+
+def warm_up(runner: ModelRunner, sizes: list[int], pad_block: int, max_lora_rank: int) -> float:
+    """Run every size eagerly with and without LoRA; returns the seconds it took."""
+    started = time.perf_counter()
+    model, device = runner.model, runner.config.device
+    block_size = runner.config.block_size
+    modules = tuple(LORA_MODULES)
+    view = SlotView(row_start={m: 0 for m in modules}, rank={m: max_lora_rank for m in modules},
+                    scale={m: 0.0 for m in modules})
+    with torch.inference_mode():
+        for num in sizes:
+            table = [pad_block] * math.ceil(num / block_size)
+            attention = prepare_prefill_attention([num], [num], [table], block_size, device)
+            token_ids = torch.zeros(num, dtype=torch.int64, device=device)
+            positions = torch.arange(num, device=device)
+            for lora in (None, runner.prepare_lora(_one_slot_batch(num, view))):
+                ctx = ForwardContext(attention=attention, positions=positions, lora=lora)
+                model.compute_logits(model.forward(token_ids, ctx)[-1:])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+class _Chunk:
+    """The fields of a ScheduledChunk that `ModelRunner.prepare_lora` reads."""
+
+    def __init__(self, num: int) -> None:
+        self.slot = 0
+        self.token_ids = range(num)
+
+
+def _one_slot_batch(num: int, view: SlotView) -> Batch:
+    return Batch(chunks=(_Chunk(num),), slots=(view,))
