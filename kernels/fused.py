@@ -1,0 +1,262 @@
+"""The decoder's small ops fused into one Triton launch each: residual add + RMSNorm, SiLU x mul, rotary in place.
+
+Each op's plain-torch reference sits beside it with the same signature and computes, op for op, what
+engine/model/llama.py (`rms_norm`, `hidden + delta`, `F.silu(gate) * up`) and engine/model/rope.py
+(`RotaryEmbedding.cos_sin`, `apply_rotary`) compute. The Triton ops keep every rounding step of the references
+(sums and products of two 16-bit values are computed in float32 and rounded once, as torch rounds them); they
+differ only where float32 math itself differs: the order of the RMS sum, Triton's exp (ex2.approx on CUDA), and
+any last bit between libdevice's rsqrt/cos/sin and torch's (the interpreter: numpy's). In bf16/fp16
+that flips a rounding on rare elements: 1 ulp of an intermediate, up to 2 ulp of normed after the weight product
+rounds again. `tests/test_kernels/test_fused.py` holds the tolerances per dtype.
+
+Launches are CUDA-graph safe: grids and block sizes come from shapes only, nothing syncs the host. Call each op
+once eagerly per shape before capturing it (the first call compiles).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def is_interpreted() -> bool:
+    """True when these kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(_add_rms_norm_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not is_interpreted():
+        raise RuntimeError("the fused Triton ops off CUDA need TRITON_INTERPRET=1 before kubelora.kernels loads")
+
+
+# ---- residual add + RMSNorm ----------------------------------------------------------------------------------
+
+
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       out: torch.Tensor | None = None,
+                       residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: r = x + residual (r = x without residual); normed = weight * (r * rsqrt(mean(r^2) + eps)).
+
+    x, residual, residual_out: [num_tokens, hidden]; weight: [hidden]; out: [num_tokens, hidden].
+    r is rounded to x.dtype; the norm runs in float32, is cast to x.dtype, then scaled by weight in the promoted
+    dtype. out / residual_out: optional buffers written in place (residual_out may be `residual`).
+    Returns (normed, r).
+    """
+    if residual is None:
+        assert residual_out is None, "without a residual, residual_out is x itself"
+        summed = x
+    else:
+        summed = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)
+    x32 = summed.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = weight * x32.to(x.dtype)
+    if out is not None:
+        normed = out.copy_(normed)
+    return normed, summed
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride,
+                         out_stride, residual_out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded as `hidden + delta` is
+        tl.store(residual_out_ptr + row * residual_out_stride + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    mean_sq = tl.sum(x32 * x32, axis=0) / hidden
+    normed = (x32 * tl.rsqrt(mean_sq + eps)).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
+
+
+def _norm_warps(block: int) -> int:
+    """About 16 bytes of bf16 per thread and load: 8 warps for a 4096-wide row, 1 up to 512."""
+    return min(max(block // 512, 1), 16)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None,
+                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: r = x + residual (r = x without residual); normed = weight * (r * rsqrt(mean(r^2) + eps)).
+
+    Same arguments, shapes and roundings as `add_rms_norm_torch`; one program per row. Rows may be strided
+    (views), columns must be contiguous. out may alias x, residual_out may alias residual (each row is read
+    before it is written, by the one program that owns it).
+    """
+    _check_device(x)
+    num_tokens, hidden = x.shape
+    assert x.dtype in FLOAT_DTYPES and weight.shape == (hidden,) and weight.stride(0) == 1
+    assert residual is not None or residual_out is None, "without a residual, residual_out is x itself"
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        residual_out = torch.empty_like(x) if residual_out is None else residual_out
+    summed = x if residual is None else residual_out
+    for t in (x, out, summed) + (() if residual is None else (residual,)):
+        assert t.shape == x.shape and t.stride(1) == 1, "rows of [num_tokens, hidden] with contiguous columns"
+    if num_tokens == 0:
+        return out, summed
+    block = triton.next_power_of_2(hidden)
+    res = x if residual is None else residual  # unread without HAS_RESIDUAL
+    _add_rms_norm_kernel[(num_tokens,)](
+        x, res, weight, out, summed, x.stride(0), res.stride(0), out.stride(0), summed.stride(0), hidden,
+        float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block))
+    return out, summed
+
+
+# ---- SiLU x mul ------------------------------------------------------------------------------------------------
+
+
+def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: out = silu(gate) * up with gate, up = gate_up.chunk(2, -1).
+
+    gate_up: [num_tokens, 2 * inter]; out: [num_tokens, inter] (optional, written in place). silu is computed in
+    float32 and rounded to the dtype, then the product is rounded again, as `F.silu(gate) * up` does.
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    result = torch.nn.functional.silu(gate) * up
+    return result if out is None else out.copy_(result)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, out_stride, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(gate_up_ptr + row * gate_up_stride + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * gate_up_stride + inter + cols, mask=mask, other=0.0)
+    gate32 = gate.to(tl.float32)
+    # IEEE division as torch's `x / (1 + exp(-x))` (Triton's `/` is div.full, 2 ulp); F.silu rounds before the mul.
+    silu = tl.math.div_rn(gate32, 1.0 + tl.exp(-gate32)).to(gate.dtype)
+    out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
+
+
+def _silu_block(num_tokens: int) -> int:
+    """Columns per program: narrow for decode (more programs over the SMs), 1024 once rows fill the GPU."""
+    return 256 if num_tokens < 64 else 1024
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton: out = silu(gate) * up with gate, up = gate_up.chunk(2, -1).
+
+    Same arguments and roundings as `silu_mul_torch`. Triton's float32 exp (ex2.approx on CUDA) is a few float32
+    ulp off torch's expf, so silu's rounding to bf16/fp16 flips on rare elements: at most 1 ulp there.
+    Grid: rows x column blocks.
+    """
+    _check_device(gate_up)
+    num_tokens, width = gate_up.shape
+    inter = width // 2
+    assert gate_up.dtype in FLOAT_DTYPES and width == 2 * inter and gate_up.stride(1) == 1
+    out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device) if out is None else out
+    assert out.shape == (num_tokens, inter) and out.stride(1) == 1
+    if num_tokens == 0:
+        return out
+    block = min(_silu_block(num_tokens), triton.next_power_of_2(inter))
+    grid = (num_tokens, triton.cdiv(inter, block))
+    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
+                           num_warps=max(block // 256, 1))
+    return out
+
+
+# ---- rotary embedding in place ---------------------------------------------------------------------------------
+
+
+def rotary_torch_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  attention_scaling: float) -> None:
+    """Reference, in place: x <- x * cos + rotate_half(x) * sin for x in (q, k), at angles positions x inv_freq.
+
+    q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim] (views allowed); positions:
+    [num_tokens] integer; inv_freq: [head_dim // 2] float32. cos and sin are computed in float32 over
+    cat(freqs, freqs), scaled by attention_scaling and cast to q's dtype; the rotation runs in that dtype.
+    """
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * attention_scaling).to(q.dtype)[:, None, :]
+    sin = (emb.sin() * attention_scaling).to(q.dtype)[:, None, :]
+    for x in (q, k):
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * cos + rotated * sin)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, token, first_head, num_heads, token_stride, head_stride, cos, sin, half,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    heads = first_head + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (heads[:, None] < num_heads) & (cols[None, :] < half)
+    ptrs = x_ptr + token * token_stride + heads[:, None].to(tl.int64) * head_stride + cols[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + half, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    # Each product is rounded to the dtype before the sum, as apply_rotary's three eager ops round them.
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(ptrs, out1.to(dtype), mask=mask)
+    tl.store(ptrs + half, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, positions_ptr, inv_freq_ptr, attention_scaling, q_token_stride, q_head_stride,
+                   k_token_stride, k_head_stride, num_heads, num_kv_heads, half, BLOCK_H: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_HALF)
+    inv_freq = tl.load(inv_freq_ptr + cols, mask=cols < half, other=0.0)
+    freqs = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
+    # cat(freqs, freqs): both halves of a head share one angle, so one [half] row of cos and sin serves both.
+    dtype = q_ptr.dtype.element_ty
+    cos = (tl.cos(freqs) * attention_scaling).to(dtype).to(tl.float32)[None, :]
+    sin = (tl.sin(freqs) * attention_scaling).to(dtype).to(tl.float32)[None, :]
+    num_q_blocks = tl.cdiv(num_heads, BLOCK_H)
+    if block < num_q_blocks:
+        _rotate_heads(q_ptr, token, block * BLOCK_H, num_heads, q_token_stride, q_head_stride, cos, sin, half,
+                      BLOCK_H, BLOCK_HALF)
+    else:
+        _rotate_heads(k_ptr, token, (block - num_q_blocks) * BLOCK_H, num_kv_heads, k_token_stride, k_head_stride,
+                      cos, sin, half, BLOCK_H, BLOCK_HALF)
+
+
+def _rotary_heads_per_program(num_tokens: int, num_heads: int) -> int:
+    """One head per program for decode-sized batches (more programs over the SMs), 4 once tokens fill the GPU."""
+    return min(1 if num_tokens < 64 else 4, triton.next_power_of_2(num_heads))
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+            attention_scaling: float) -> None:
+    """Triton, in place: x <- x * cos + rotate_half(x) * sin for x in (q, k), at angles positions x inv_freq.
+
+    Same arguments and roundings as `rotary_torch_`; q and k may be strided views (of a fused qkv output) with
+    contiguous head_dim. cos/sin: libdevice's float32 cosf/sinf on CUDA (numpy's under the interpreter), accurate
+    over the whole range of positions x inv_freq, so within 1 ulp of the rounded products everywhere.
+    One launch: a program per (token, block of q or k heads).
+    """
+    _check_device(q)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    assert q.dtype in FLOAT_DTYPES and k.dtype == q.dtype and head_dim == 2 * half
+    assert k.shape == (num_tokens, num_kv_heads, head_dim) and q.stride(2) == 1 and k.stride(2) == 1
+    assert positions.shape == (num_tokens,) and positions.stride(0) == 1 and not positions.is_floating_point()
+    assert inv_freq.shape == (half,) and inv_freq.dtype == torch.float32 and inv_freq.stride(0) == 1
+    if num_tokens == 0:
+        return
+    block_h = _rotary_heads_per_program(num_tokens, max(num_heads, num_kv_heads))
+    block_half = triton.next_power_of_2(half)
+    grid = (num_tokens, triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
+    _rotary_kernel[grid](q, k, positions, inv_freq, float(attention_scaling), q.stride(0), q.stride(1), k.stride(0),
+                         k.stride(1), num_heads, num_kv_heads, half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                         num_warps=max(min(block_h * block_half // 256, 4), 1))
