@@ -50,8 +50,8 @@ def _run_router(args: argparse.Namespace) -> int:
     return router_main(args.rest)
 
 
-def _run_bench_serve(args: argparse.Namespace) -> int:
-    from kubelora.bench.serve import main as bench_main  # imports torch: only when benchmarking
+def _run_bench_engine(args: argparse.Namespace) -> int:
+    from kubelora.bench.engine import main as bench_main  # imports torch: only when benchmarking
 
     return bench_main(args.rest)
 
@@ -135,8 +135,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     _add_passthrough(kinds, "kernels", "LoRA kernels vs PyTorch baselines and the bytes floor (CUDA)",
                      _run_bench_kernels)
-    _add_passthrough(kinds, "serve", "engine tokens/s with many adapters vs the base model, end to end (CUDA)",
-                     _run_bench_serve)
+    _add_passthrough(kinds, "engine", "the engine end to end: base, many adapters, prefill, transformers, HTTP "
+                     "(CUDA)", _run_bench_engine)
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Command words whose module owns its parser; argparse's REMAINDER would refuse options right after them.
 _PASSTHROUGH = {("operator",): _run_operator, ("router",): _run_router, ("bench", "kernels"): _run_bench_kernels,
-                ("bench", "serve"): _run_bench_serve}
+                ("bench", "engine"): _run_bench_engine}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

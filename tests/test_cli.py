@@ -88,7 +88,7 @@ def test_make_adapter_rejects_unknown_targets(tmp_path: Path, qwen_dir: Path):
 
 
 @pytest.mark.parametrize("command, flag", [("operator", "--resync-seconds"), ("router", "--placement-configmap"),
-                                           ("bench kernels", "--no-baselines"), ("bench serve", "--output-len")])
+                                           ("bench kernels", "--no-baselines"), ("bench engine", "--scenarios")])
 def test_passthrough_commands_take_their_own_options(command: str, flag: str):
     # Options right after the subcommand go to the owning module's parser (no `--` needed).
     assert flag in _run(*command.split(), "--help")

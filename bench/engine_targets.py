@@ -1,0 +1,170 @@
+"""Issue 15's targets against one engine benchmark run: each measured, met or missed by how much.
+
+A ratio's spread comes from the repeats (the worst and best pairing of the two rows' repeats); where the limit
+lies inside it, the verdict says the repeats straddle the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kubelora.bench.engine_device import Floor, decode_floor, prefill_flops
+from kubelora.bench.engine_assets import AdapterSpec
+
+GIB = 1 << 30
+ADAPTER_LIMITS = {32: 1.10, 64: 1.19}  # distinct adapters at batch 64 -> most ms/step against our base
+TODAY_BUDGET_THROUGHPUT = 0.35  # issue 15: tokens/s of the budget-for-8 case against the all-fit case, measured
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    measured: str
+    required: str
+    verdict: str
+
+
+def _verdict(value: float | None, limit: float, is_upper: bool, spread: tuple[float, float] | None = None) -> str:
+    if value is None:
+        return "not measured"
+    is_met = value <= limit if is_upper else value >= limit
+    margin = abs(value / limit - 1) * 100
+    text = f"met ({margin:.0f}% margin)" if is_met else f"missed by {margin:.0f}%"
+    if spread and spread[0] <= limit <= spread[1]:
+        text += f"; the repeats straddle the limit ({spread[0]:.2f}..{spread[1]:.2f})"
+    return text
+
+
+def _ratio(result, key_a: str, key_b: str, attribute: str = "decode_ms"):
+    """(median a / median b, spread) of two rows, or (None, None) when either is missing."""
+    a, b = result.rows.get(key_a), result.rows.get(key_b)
+    if a is None or b is None or not a.median(attribute) or not b.median(attribute):
+        return None, None
+    (a_lo, a_hi), (b_lo, b_hi) = a.spread(attribute), b.spread(attribute)
+    return a.median(attribute) / b.median(attribute), (a_lo / b_hi, a_hi / b_lo)
+
+
+def floors(result) -> dict[tuple[int, int], Floor]:
+    """(batch, distinct adapters) -> bytes floor, for every decode row measured."""
+    c, shape = result.config, result.shape
+    if shape is None or not result.copy_bytes_per_s:
+        return {}
+    adapter = AdapterSpec("r", c.rank).num_bytes(shape)
+    cases = {(int(k[6:]), 0) for k in result.rows if k.startswith("base-b")}
+    cases |= {(c.batch, int(k[6:])) for k in result.rows if k.startswith("lora-a")}
+    return {(b, n): decode_floor(shape, b, c.decode_context, n * adapter, n, result.copy_bytes_per_s)
+            for b, n in sorted(cases)}
+
+
+def prefill_rate(result, key: str) -> float | None:
+    """Model FLOP/s of a prefill row (median seconds)."""
+    row, c = result.rows.get(key), result.config
+    if row is None or result.shape is None:
+        return None
+    return prefill_flops(result.shape, c.prefill_prompts, c.prefill_len) / row.median("seconds")
+
+
+def targets(result) -> list[Target]:
+    return [*_floor_targets(result), *_hf_targets(result), *_adapter_targets(result), *_prefill_targets(result),
+            *_serving_targets(result), *_startup_targets(result)]
+
+
+def _floor_targets(result) -> list[Target]:
+    c, found, out = result.config, floors(result), []
+    row = result.rows.get("base-b1")
+    if (1, 0) in found and row and row.median("decode_ms"):
+        ms, floor = row.median("decode_ms"), found[(1, 0)].ms
+        lo, hi = row.spread("decode_ms")
+        out.append(Target("base, batch 1: ms/step against the bytes floor", f"{ms / floor:.2f}x ({ms:.2f} / "
+                          f"{floor:.2f} ms)", "<= 1.30x", _verdict(ms / floor, 1.3, True, (lo / floor, hi / floor))))
+    row = result.rows.get(f"base-b{c.batch}")
+    if (c.batch, 0) in found and row and row.median("decode_ms"):
+        ms, floor = row.median("decode_ms"), found[(c.batch, 0)].ms
+        lo, hi = row.spread("decode_ms")
+        out.append(Target(f"base, batch {c.batch}: share of the bytes floor bound", f"{floor / ms:.0%} ({floor:.2f} "
+                          f"/ {ms:.2f} ms)", ">= 70%", _verdict(floor / ms, 0.7, False, (floor / hi, floor / lo))))
+    return out
+
+
+def _hf_targets(result) -> list[Target]:
+    out = []
+    for batch in result.config.hf_batches:
+        value, spread = _ratio(result, f"hf-b{batch}", f"base-b{batch}")
+        if f"hf-b{batch}" in result.rows or result.config.has("hf"):
+            out.append(Target(f"batch {batch}: speed-up over compiled transformers (its ms/step / ours)",
+                              f"{value:.2f}x" if value else "-", ">= 1.50x", _verdict(value, 1.5, False, spread)))
+    return out
+
+
+def _adapter_targets(result) -> list[Target]:
+    c, out = result.config, []
+    base = f"base-b{c.batch}"
+    for count, limit in ADAPTER_LIMITS.items():
+        if f"lora-a{count}" in result.rows:
+            value, spread = _ratio(result, f"lora-a{count}", base)
+            out.append(Target(f"batch {c.batch}, {count} distinct adapters: ms/step against our base",
+                              f"{value:.2f}x" if value else "-", f"<= {limit:.2f}x", _verdict(value, limit, True, spread)))
+    checks = [("mixed", "mean-rank", f"mixed ranks against a uniform batch at their mean rank ({c.uniform_rank})",
+               1.2), ("unused", base, "adapters registered but unused: ms/step against our base", 1.02)]
+    for key, reference, name, limit in checks:
+        if key in result.rows:
+            value, spread = _ratio(result, key, reference)
+            out.append(Target(name, f"{value:.3f}x" if value else "-", f"<= {limit:.2f}x",
+                              _verdict(value, limit, True, spread)))
+    return out
+
+
+def _prefill_targets(result) -> list[Target]:
+    out = []
+    rate = prefill_rate(result, "prefill-base")
+    if rate and result.matmul_flops:
+        out.append(Target("prefill: model FLOP/s against the measured matmul rate", f"{rate / result.matmul_flops:.0%} "
+                          f"({rate / 1e12:.0f} / {result.matmul_flops / 1e12:.0f} TFLOP/s)", ">= 70%",
+                          _verdict(rate / result.matmul_flops, 0.7, False)))
+    if "prefill-lora" in result.rows:
+        value, spread = _ratio(result, "prefill-lora", "prefill-base", "seconds")
+        out.append(Target(f"prefill with {result.config.prefill_adapters} adapters: time against the base's",
+                          f"{value:.3f}x" if value else "-", "<= 1.05x", _verdict(value, 1.05, True, spread)))
+    return out
+
+
+def _serving_targets(result) -> list[Target]:
+    c, out = result.config, []
+    fit = f"lora-a{c.num_adapters}"
+    if "http" in result.rows:
+        value, spread = _ratio(result, "http", fit, "tokens_per_s")
+        out.append(Target("HTTP tokens/s against the offline engine on the same requests",
+                          f"{value:.0%}" if value else "-", ">= 90%", _verdict(value, 0.9, False, spread)))
+        extra = result.rows["http"].extra
+        ratio = extra["cold_ttft_s"] / extra["steady_ttft_s"]
+        out.append(Target("first request after /ready: TTFT against the steady state", f"{ratio:.2f}x "
+                          f"({1e3 * extra['cold_ttft_s']:.0f} / {1e3 * extra['steady_ttft_s']:.0f} ms)", "<= 1.20x",
+                          _verdict(ratio, 1.2, True)))
+    if "budget" in result.rows:
+        budget, reference = result.rows["budget"], result.rows.get(fit)
+        p99 = budget.ttft(99) / reference.ttft(99) if reference and reference.ttft(99) else None
+        out.append(Target(f"budget for {c.budget_adapters}: TTFT p99 against all {c.num_adapters} fitting",
+                          f"{p99:.2f}x" if p99 else "-", "<= 3.00x", _verdict(p99, 3.0, True)))
+        value, spread = _ratio(result, "budget", fit, "tokens_per_s")
+        out.append(Target(f"budget for {c.budget_adapters}: tokens/s against all fitting (issue 15 measured 0.35x)",
+                          f"{value:.2f}x" if value else "-", f">= {TODAY_BUDGET_THROUGHPUT:.2f}x",
+                          _verdict(value, TODAY_BUDGET_THROUGHPUT, False, spread)))
+    if "defaults" in result.rows and result.rows["defaults"].warmup:
+        seen = result.rows["defaults"].warmup
+        is_met = seen.max_batch >= c.batch and seen.max_adapters >= c.num_adapters
+        out.append(Target(f"defaults: {c.batch} requests over {c.num_adapters} adapters in one batch",
+                          f"most in one step: {seen.max_batch} sequences, {seen.max_adapters} adapters",
+                          f"{c.batch} and {c.num_adapters}", "met" if is_met else "missed"))
+    return out
+
+
+def _startup_targets(result) -> list[Target]:
+    info = result.engines.get("base")
+    if not info or "extra_device_bytes" not in info:
+        return []
+    extra, startup = info["extra_device_bytes"], info["startup_s"]
+    capture = ("met (start-up, weights included, is within it)" if startup <= 30 else
+               "not separated: start-up includes loading the weights")
+    return [Target("graph capture time (the base engine's whole start-up)", f"{startup:.1f} s", "<= 30 s", capture),
+            Target("device memory beyond weights, KV cache and adapter pool after start-up", f"{extra / GIB:.2f} GiB",
+                   "<= 3 GiB", _verdict(extra / GIB, 3.0, True))]

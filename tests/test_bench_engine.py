@@ -1,0 +1,89 @@
+"""The engine benchmark (`kubelora bench engine`) on CPU at the smoke preset: every scenario, HTTP included.
+
+The H200 run is its own command (bench/engine.sh); here the point is that every code path runs and the report
+has every row and every target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kubelora.cli.tiny import ATTENTION_TARGETS, make_adapter, make_tiny_model
+
+ROWS = ("base, batch 1", "base, batch 4", "batch 4, 2 adapters r16", "batch 4, 4 adapters r16",
+        "batch 4, 2 adapters, ranks 8/24", "batch 4, 2 adapters, rank 16 (their mean)",
+        "batch 4, 2 adapters r16 all-linear", "batch 4, 12 adapters registered (10 preloaded), none used",
+        "4 requests over 2 adapters, device budget for 1", "4 requests over 2 adapters, EngineConfig's adapter defaults",
+        "prefill 2 x 16, base", "prefill 2 x 16, 2 adapters r16", "compiled transformers, batch 1",
+        "compiled transformers, batch 4", "HTTP, 4 streams over 2 adapters")
+TARGETS = ("base, batch 1: ms/step against the bytes floor", "base, batch 4: share of the bytes floor bound",
+           "batch 1: speed-up over compiled transformers", "batch 4: speed-up over compiled transformers",
+           "mixed ranks against a uniform batch", "adapters registered but unused",
+           "prefill: model FLOP/s against the measured matmul rate", "prefill with 2 adapters",
+           "HTTP tokens/s against the offline engine", "first request after /ready",
+           "budget for 1: TTFT p99", "budget for 1: tokens/s", "defaults: 4 requests over 2 adapters in one batch")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("bench-engine") / "model")
+
+
+def test_bench_engine_runs_every_scenario_on_cpu(tiny_model: Path, tmp_path: Path):
+    from kubelora.bench import engine
+
+    report, raw = tmp_path / "report.md", tmp_path / "raw.json"
+    argv = ["--preset", "smoke", "--model-dir", str(tiny_model), "--workdir", str(tmp_path / "work"),
+            "--profile", "--write", str(report), "--json", str(raw)]
+    assert engine.main(argv) == 0
+    text, data = report.read_text(), json.loads(raw.read_text())
+    assert data["errors"] == {}
+    for label in ROWS:
+        assert f"| {label} |" in text, label
+    assert {"base-b1", "base-b4", "lora-a2", "lora-a4", "mixed", "mean-rank", "all-linear", "unused", "budget",
+            "defaults", "prefill-base", "prefill-lora", "hf-b1", "hf-b4", "http"} <= set(data["rows"])
+    for row in data["rows"].values():
+        assert len(row["runs"]) == 1 and all(r["num_tokens"] > 0 for r in row["runs"]), row["key"]
+    targets = text.split("## Targets")[1]
+    for name in TARGETS:
+        assert name in targets, name
+    assert data["rows"]["http"]["runs"][0]["num_tokens"] == 4 * 4
+    assert data["rows"]["base-b4"]["profile"]["num_steps"] >= 1
+    assert "## Profile" in text and "## Bytes floor" in text and "## Prefill" in text
+
+
+def test_bench_adapters_have_peft_keys_and_shapes(tiny_model: Path, tmp_path: Path):
+    from safetensors import safe_open
+
+    from kubelora.bench.engine_assets import AdapterSpec, shape_of, write_adapters
+
+    peft = make_adapter(tmp_path / "peft", tiny_model, rank=4, targets=",".join(ATTENTION_TARGETS))
+    [ours] = write_adapters(tmp_path, [AdapterSpec("ours", 4)], shape_of(tiny_model), tiny_model, "cpu").values()
+    with safe_open(str(peft / "adapter_model.safetensors"), "pt") as a, \
+            safe_open(str(ours / "adapter_model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(a.get_slice(k).get_shape() == b.get_slice(k).get_shape() for k in a.keys())
+    theirs, mine = (json.loads((d / "adapter_config.json").read_text()) for d in (peft, ours))
+    for key in ("peft_type", "r", "bias", "use_rslora", "use_dora", "fan_in_fan_out"):
+        assert theirs[key] == mine[key], key
+    assert sorted(theirs["target_modules"]) == sorted(mine["target_modules"])
+
+
+def test_bench_model_loads_in_transformers_and_the_engine(tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    from kubelora.bench.engine_assets import SHAPES, write_model
+    from kubelora.engine import LLM, SamplingParams
+
+    model_dir = write_model(tmp_path / "model", SHAPES["tiny"], "cpu")
+    _, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    llm = LLM(model_dir, device="cpu", max_model_len=64)
+    try:
+        [result] = llm.generate([[11, 12, 13]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.close()
+    assert len(result.token_ids) == 3 and result.text  # every id decodes to text (added tokens past the BPE)
