@@ -14,7 +14,11 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
+        # The Rust tokenizer's own decode gives transformers' text when no space clean-up applies, at a fifth
+        # of the host time (it runs twice per sequence and step on the engine thread).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        is_raw = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self._decode = backend.decode if is_raw else tokenizer.decode
 
     def update(self, seq: Sequence, is_finished: bool) -> bool:
         """Refresh seq.text after new tokens; True when a stop string matched (the caller finishes it)."""
@@ -38,12 +42,11 @@ class Detokenizer:
         once the new text is complete (no trailing U+FFFD of a split UTF-8 character).
         """
         ids = seq.output_token_ids
-        context = self._tokenizer.decode(ids[seq.prefix_offset : seq.read_offset],
-                                         skip_special_tokens=skip_special_tokens)
-        window = self._tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip_special_tokens)
+        context = self._decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip_special_tokens)
+        window = self._decode(ids[seq.prefix_offset :], skip_special_tokens=skip_special_tokens)
         if not window.startswith(context):  # the new tokens changed earlier characters: decode it all again
             seq.decoded_text, seq.prefix_offset, seq.read_offset = "", 0, 0
-            context, window = "", self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            context, window = "", self._decode(ids, skip_special_tokens=skip_special_tokens)
         tail = window[len(context) :]
         if tail and not tail.endswith(REPLACEMENT_CHAR):
             seq.decoded_text += tail

@@ -114,3 +114,25 @@ def test_incremental_detokenization_equals_decoding_everything(llama):
             assert seq.text == _stable_prefix(full, ())
         detokenizer.update(seq, is_finished=True)
         assert seq.text == tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip_special)
+
+
+def test_detokenizer_text_equals_transformers_decode(llama):
+    """The detokenizer's fast decode (the Rust tokenizer) gives transformers' text, specials skipped or kept."""
+    from transformers import AutoTokenizer
+
+    from kubelora.engine.detokenizer import Detokenizer
+    from kubelora.engine.sampling_params import SamplingParams
+    from kubelora.engine.sequence import Sequence
+
+    tokenizer = AutoTokenizer.from_pretrained(llama.model_dir)
+    detokenizer = Detokenizer(tokenizer)
+    gen = torch.Generator().manual_seed(3)
+    for skip in (True, False):
+        ids = torch.randint(0, tokenizer.vocab_size, (40,), generator=gen).tolist()
+        seq = Sequence(request_id="r", prompt_token_ids=[1], params=SamplingParams(skip_special_tokens=skip),
+                       adapter_name=None, adapter=None, max_tokens=64, arrival_time=0.0)
+        for token in ids:
+            seq.output_token_ids.append(token)
+            detokenizer.update(seq, is_finished=False)
+        detokenizer.update(seq, is_finished=True)
+        assert seq.text == tokenizer.decode(ids, skip_special_tokens=skip)
