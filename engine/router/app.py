@@ -18,12 +18,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kubelora.engine.common.errors import InvalidRequest, ModelNotFound, ServiceError, Unavailable
+from kubelora.engine.common.http_errors import error_middleware, to_http
 from kubelora.engine.router import routing
 from kubelora.engine.router.config import RouterConfig
 from kubelora.engine.router.metrics import RouterMetrics
 from kubelora.engine.router.proxy import InFlight, forward
 from kubelora.engine.router.sources import PlacementSource, PlacementStore
-from kubelora.engine.server.errors import ApiError, InvalidRequest, ModelNotFound, Unavailable, error_middleware
 
 MAX_BODY_BYTES = 16 << 20  # the engine's own limit: a larger body would be refused there anyway
 RETRY_AFTER_S = "1"
@@ -81,9 +82,9 @@ def _requested_model(body: bytes) -> str:
     try:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
+        raise InvalidRequest("request body is not valid JSON", param=None, code="invalid_json") from None
     if not isinstance(payload, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_type")
+        raise InvalidRequest("request body must be a JSON object", param=None, code="invalid_type")
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("field 'model' is required: the base model's name or an adapter of the pool",
@@ -112,8 +113,8 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         model = _requested_model(body)
         route = _route(state, model)
-    except ApiError as exc:
-        state.metrics.rejected.labels(exc.code or exc.type).inc()
+    except ServiceError as exc:
+        state.metrics.rejected.labels(to_http(exc).code).inc()
         raise
     state.metrics.requests.labels(model, route.candidates[0].pod, route.decision.value).inc()
     with state.metrics.duration.labels(route.decision.value).time():

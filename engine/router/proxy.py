@@ -17,11 +17,12 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kubelora.engine.common.errors import BadGateway
+from kubelora.engine.common.http_errors import to_http
+from kubelora.engine.common.logs import log_event
 from kubelora.engine.router.metrics import RouterMetrics
 from kubelora.engine.router.placement import Replica
 from kubelora.engine.router.routing import Route
-from kubelora.engine.server.errors import ApiError
-from kubelora.engine.server.logs import log_event
 
 log = logging.getLogger("kubelora.engine.router")
 
@@ -30,12 +31,6 @@ _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "prox
                          "transfer-encoding", "upgrade", "host", "content-length", "date", "server"))
 REPLICA_HEADER = "X-Kubelora-Replica"  # which pod answered: for debugging and tests
 MAX_ATTEMPTS = 2  # the first choice and one retry on the next replica
-
-
-class BadGateway(ApiError):
-    status = 502
-    type = "upstream_error"
-    default_code = "replica_unreachable"
 
 
 class InFlight:
@@ -126,4 +121,4 @@ async def _end_broken(request: web.Request, response: web.StreamResponse, replic
 
 def _sse_error(pod: str) -> bytes:
     error = BadGateway(f"replica {pod} failed while streaming the answer", code="replica_broke_stream")
-    return f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+    return f"data: {json.dumps(to_http(error).body())}\n\ndata: [DONE]\n\n".encode()

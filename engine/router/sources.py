@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from kubelora.engine.common.logs import log_event
 from kubelora.engine.router.placement import PLACEMENT_KEY, Placement, parse_placement
-from kubelora.engine.server.logs import log_event
 
 log = logging.getLogger("kubelora.engine.router")
 

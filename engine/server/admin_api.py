@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kubelora.engine.server.errors import InvalidRequest, Unauthorized
+from kubelora.engine.common.errors import InvalidRequest, Unauthorized
+from kubelora.engine.common.logs import log_event
 from kubelora.engine.server.fields import decode_json_object
-from kubelora.engine.server.logs import log_event
 from kubelora.engine.server.protocol import LoadAdapterRequest, parse_load_adapter, parse_unload_adapter
 from kubelora.engine.server.serving import Serving
 from kubelora.engine.server.sources import resolve_source

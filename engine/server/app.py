@@ -16,15 +16,18 @@ from pathlib import Path
 
 from aiohttp import web
 
+from kubelora.engine.common.errors import Unavailable
+from kubelora.engine.common.http_errors import error_middleware
+from kubelora.engine.common.logs import log_event
+from kubelora.engine.config import EngineConfig
 from kubelora.engine.server.admin_api import AdminRoutes
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.config import ServerConfig
-from kubelora.engine.server.errors import Unavailable, error_middleware
-from kubelora.engine.server.logs import log_event
 from kubelora.engine.server.metrics import EngineView, ServerMetrics
 from kubelora.engine.server.openai_api import OpenAIRoutes
 from kubelora.engine.server.serving import Serving
 from kubelora.engine.server.sources import SourceConfig, resolve_source
+from kubelora.engine.server.tokenization import PromptTokenizer
 
 log = logging.getLogger("kubelora.engine.server")
 MAX_BODY_BYTES = 16 << 20
@@ -32,17 +35,11 @@ NUM_ADMIN_THREADS = 4
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_engine(config: ServerConfig):
-    """The default engine factory: an LLMEngine with this server's limits."""
-    from kubelora.engine import EngineConfig, LLMEngine
+def build_engine(config: EngineConfig):
+    """The default engine factory: an LLMEngine (torch loads here, once the server listens)."""
+    from kubelora.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(
-        model_dir=config.model, device=config.device, dtype=config.dtype, max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras, max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs, max_waiting=config.max_waiting_requests,
-        served_model_name=config.served_model_name or None, is_base_model_strict=config.strict_base_model,
-        **({"max_lora_pool_bytes": config.max_lora_pool_bytes} if config.max_lora_pool_bytes else {}),
-    ))
+    return LLMEngine(config)
 
 
 def source_config(config: ServerConfig) -> SourceConfig:
@@ -53,7 +50,7 @@ def source_config(config: ServerConfig) -> SourceConfig:
 class Lifecycle:
     """Starts the engine in the background and holds the `Serving` once it is up."""
 
-    def __init__(self, config: ServerConfig, engine_factory: Callable[[ServerConfig], object]) -> None:
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[EngineConfig], object]) -> None:
         self.config = config
         self._factory = engine_factory
         self.serving: Serving | None = None
@@ -77,16 +74,15 @@ class Lifecycle:
             self.done.set()
 
     async def _start(self) -> Serving:
-        from transformers import AutoTokenizer
-
         loop = asyncio.get_running_loop()
         started = time.time()
-        engine = await loop.run_in_executor(None, self._factory, self.config)
-        tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, self.config.model)
-        metrics = ServerMetrics(engine.model_name, self.config.max_loras)
+        engine = await loop.run_in_executor(None, self._factory, self.config.engine)
+        # Copied before the engine thread starts decoding with it.
+        prompts = await loop.run_in_executor(None, PromptTokenizer, engine.tokenizer)
+        metrics = ServerMetrics(engine.model_name, self.config.engine.max_loras)
         async_engine = AsyncEngine(engine, metrics.observe_finished)
         async_engine.start()
-        serving = Serving(async_engine, tokenizer, engine.model_name, engine.max_model_len, metrics,
+        serving = Serving(async_engine, engine.adapters, prompts, engine.model_name, engine.max_model_len, metrics,
                           source_config(self.config), ThreadPoolExecutor(NUM_ADMIN_THREADS, "kubelora-admin"),
                           started)
         try:
@@ -105,7 +101,8 @@ class Lifecycle:
     async def _stop(serving: Serving) -> None:
         await serving.engine.stop()
         serving.admin_pool.shutdown(wait=False, cancel_futures=True)
-        serving.engine.engine.close()
+        serving.prompts.close()
+        serving.engine.close()
 
 
 def _load_startup_adapter(serving: Serving, name: str, path: str) -> None:
@@ -141,12 +138,11 @@ async def metrics(request: web.Request) -> web.Response:
     serving = request.app[LIFECYCLE].serving
     if serving is None:
         return web.Response(body=b"", content_type="text/plain")
-    engine = serving.engine.engine
-    view = EngineView(engine.snapshot(), [a for a in engine.adapters.list() if not a.is_unloading])
+    view = EngineView(serving.engine.snapshot(), [a for a in serving.adapters.list() if not a.is_unloading])
     return web.Response(body=serving.metrics.render(view), headers={"Content-Type": PROMETHEUS_TEXT})
 
 
-def build_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], object] = build_engine
+def build_app(config: ServerConfig, engine_factory: Callable[[EngineConfig], object] = build_engine
               ) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     lifecycle = Lifecycle(config, engine_factory)

@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kubelora.engine.common.errors import Unavailable
+from kubelora.engine.common.logs import log_event
 from kubelora.engine.sampling_params import SamplingParams
-from kubelora.engine.server.errors import Unavailable
-from kubelora.engine.server.logs import log_event
 
 if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
-    from kubelora.engine import RequestOutput
+    from kubelora.engine import EngineSnapshot, RequestOutput
 
 log = logging.getLogger("kubelora.engine.server")
 IDLE_WAIT_S = 0.2  # the engine thread re-checks for shutdown this often while idle
@@ -66,7 +66,7 @@ class RequestGroup:
 
 class AsyncEngine:
     def __init__(self, engine, on_finished: Callable[[RequestOutput], None] | None = None) -> None:
-        self.engine = engine
+        self._engine = engine
         self._on_finished = on_finished
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -100,27 +100,34 @@ class AsyncEngine:
         try:
             for r in requests:
                 self._queues[r.request_id] = queue
-                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.adapter, time.time())
+                self._engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.adapter, time.time())
                 added.append(r.request_id)
         except BaseException:
             for r in requests:
                 self._queues.pop(r.request_id, None)
             for request_id in added:
-                self.engine.abort_request(request_id)
+                self._engine.abort_request(request_id)
             raise
         return RequestGroup(self, added, queue)
 
+    def snapshot(self) -> EngineSnapshot:
+        return self._engine.snapshot()
+
+    def close(self) -> None:
+        """Free the engine's resources (adapter loader threads) once `stop` has returned."""
+        self._engine.close()
+
     def abort(self, request_id: str) -> None:
         # The queue stays registered until the "abort" output arrives, so metrics still see it finish.
-        self.engine.abort_request(request_id)
+        self._engine.abort_request(request_id)
 
     def _run(self) -> None:
         log_event(log, "engine_thread_started")
         try:
             while not self._stopping.is_set():
-                if not self.engine.wait_for_work(IDLE_WAIT_S):
+                if not self._engine.wait_for_work(IDLE_WAIT_S):
                     continue
-                outputs = self.engine.step()
+                outputs = self._engine.step()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as exc:  # noqa: BLE001 - a bug in step(): report it, fail open requests, stop

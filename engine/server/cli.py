@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from kubelora.engine.aio_serve import run_app
+from kubelora.engine.common.aio_serve import run_app
+from kubelora.engine.common.logs import install_json_handler, log_event
 from kubelora.engine.server import config as server_config
 from kubelora.engine.server.app import LIFECYCLE, build_app
-from kubelora.engine.server.logs import configure_logging, log_event
 
 log = logging.getLogger("kubelora.engine.server")
 
@@ -35,6 +35,18 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(config.log_level)
     log_event(log, "starting", **_loggable(config))
     return asyncio.run(serve(build_app(config), config.host, config.port))
+
+
+def configure_logging(level: str) -> None:
+    """JSON lines on stderr for every logger: ours, aiohttp's, Python warnings and transformers'."""
+    install_json_handler(level)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # duplicates our request events
+    logging.captureWarnings(True)
+    from transformers.utils import logging as hf_logging  # its own stderr handler and progress bars: use ours
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()
 
 
 def _loggable(config: server_config.ServerConfig) -> dict:

@@ -1,7 +1,9 @@
-"""Server settings: one frozen `ServerConfig`, from command-line flags first and `KUBELORA_*` variables second.
+"""Server settings: one frozen `ServerConfig` holding its `EngineConfig`, from command-line flags first and
+`KUBELORA_*` variables second.
 
 Every setting has one row in `SETTINGS` (flag, environment variable, parser, default); `add_arguments` and
-`resolve_config` both loop over that table, and docs/server.md lists the same rows.
+`resolve_config` both loop over that table, and docs/server.md lists the same rows. A row whose field is an
+`EngineConfig` field fills the engine's config; the others fill the server's.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import functools
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kubelora.engine import settings
-from kubelora.engine.settings import Setting, parse_bool
+from kubelora.engine.common import settings
+from kubelora.engine.common.settings import Setting, parse_bool
+from kubelora.engine.config import EngineConfig
 
 ENV_PREFIX = "KUBELORA_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -35,20 +38,21 @@ def _lora(text: str) -> tuple[str, str]:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    _setting("--model", str, "base model directory (Hugging Face layout, safetensors)"),
+    _setting("--model", str, "base model directory (Hugging Face layout, safetensors)", config_field="model_dir"),
     _setting("--served-model-name", str, "name clients use for the base model (default: the model directory's name)"),
     _setting("--lora", _lora, "adapter to load at start, NAME=PATH (repeatable)", is_list=True),
     _setting("--max-loras", int, "distinct adapters in one batch (adapter slots on the device)"),
     _setting("--max-lora-rank", int, "largest adapter rank accepted"),
     _setting("--max-cpu-loras", int, "adapters kept in host memory (LRU)"),
     _setting("--max-model-len", int, "prompt plus completion tokens per request"),
-    _setting("--max-num-seqs", int, "sequences in one batch", default=64),
-    _setting("--max-waiting-requests", int, "queued requests before 429", default=1024),
+    _setting("--max-num-seqs", int, "sequences in one batch"),
+    _setting("--max-waiting-requests", int, "queued requests before 429", config_field="max_waiting"),
     _setting("--max-lora-pool-bytes", int, "device adapter pool budget (default: max-loras x max-lora-rank rows)"),
     _setting("--strict-base-model", parse_bool, "refuse adapters whose base_model_name_or_path names another model",
-             default=False, is_switch=True),
-    _setting("--device", str, "cpu, cuda or cuda:N", default="cpu"),
-    _setting("--dtype", str, "weights dtype: auto, float32, float16, bfloat16", default="auto"),
+             is_switch=True, config_field="is_base_model_strict"),
+    _setting("--device", str, "cpu, cuda or cuda:N"),
+    _setting("--dtype", str, "weights dtype: auto, float32, float16, bfloat16"),
+    _setting("--enforce-eager", parse_bool, "run every step eagerly, without CUDA graphs", is_switch=True),
     _setting("--host", str, "listen address", default="0.0.0.0"),
     _setting("--port", int, "listen port", default=8000),
     _setting("--admin-token-file", str, "file holding the bearer token for the adapter admin endpoints"),
@@ -58,24 +62,16 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--max-adapter-bytes", int, "largest adapter download or archive content", default=2 << 30),
     _setting("--log-level", str, "debug, info, warning or error", default="info"),
 )
-REQUIRED = ("model", "max_loras", "max_lora_rank", "max_cpu_loras", "max_model_len")
+# Rows named like an EngineConfig field fill it (EngineConfig keeps their defaults and range checks); the rest
+# are the server's own.
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig))
+REQUIRED = ("--model", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--max-model-len")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str
-    max_loras: int
-    max_lora_rank: int
-    max_cpu_loras: int
-    max_model_len: int
-    served_model_name: str | None = None  # None: the engine's name for the model (its directory's name)
+    engine: EngineConfig
     lora: tuple[tuple[str, str], ...] = ()
-    max_num_seqs: int = 64
-    max_waiting_requests: int = 1024
-    max_lora_pool_bytes: int | None = None
-    strict_base_model: bool = False
-    device: str = "cpu"
-    dtype: str = "auto"
     host: str = "0.0.0.0"
     port: int = 8000
     admin_token: str | None = field(default=None, repr=False)
@@ -86,23 +82,22 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "max_model_len", "max_num_seqs",
-                     "max_waiting_requests", "max_adapter_bytes", "max_lora_pool_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        engine = self.engine
+        if engine.max_cpu_loras < engine.max_loras:
+            raise ValueError(f"max_cpu_loras ({engine.max_cpu_loras}) must be >= max_loras ({engine.max_loras})")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", engine.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {engine.device!r}")
+        if self.max_adapter_bytes < 1:
+            raise ValueError(f"max_adapter_bytes must be >= 1, got {self.max_adapter_bytes}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.admin_token is not None and not self.admin_token:
             raise ValueError("admin token must not be empty")
         names = [name for name, _ in self.lora]
         for name in names:
-            if not ADAPTER_NAME_RE.match(name) or name == self.served_model_name:
+            if not ADAPTER_NAME_RE.match(name) or name == engine.served_model_name:
                 raise ValueError(f"lora name {name!r} must match {ADAPTER_NAME_RE.pattern} and differ from the base")
         if len(set(names)) != len(names):
             raise ValueError(f"lora names must be unique, got {names}")
@@ -143,10 +138,22 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str] | None =
             value = s.default
         if s.is_list:
             value = tuple(value or ())
-        values[s.dest] = value
-    missing = [f"--{name.replace('_', '-')} (or {ENV_PREFIX}{name.upper()})" for name in REQUIRED
-               if values[name] is None]
+        if value is not None:  # unset engine rows keep EngineConfig's defaults
+            values[s.field_name] = value
+    missing = [f"{s.flag} (or {s.env})" for s in SETTINGS if s.flag in REQUIRED and s.field_name not in values]
     if missing:
         raise ValueError(f"missing required settings: {', '.join(missing)}")
-    values["admin_token"] = _read_token(values.pop("admin_token_file"), environ)
-    return ServerConfig(**values)
+    engine = _engine_config({name: values.pop(name) for name in list(values) if name in ENGINE_FIELDS})
+    admin_token = _read_token(values.pop("admin_token_file", None), environ)
+    return ServerConfig(engine=engine, admin_token=admin_token, **values)
+
+
+def _engine_config(values: dict[str, object]) -> EngineConfig:
+    """EngineConfig's own checks, with the setting named as the operator wrote it."""
+    try:
+        return EngineConfig(**values)
+    except ValueError as exc:
+        for s in SETTINGS:
+            if str(exc).startswith(f"{s.field_name} "):
+                raise ValueError(f"{s.flag} (or {s.env}): {exc}") from None
+        raise

@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from kubelora.engine.server.errors import AdapterSourceError
+from kubelora.engine.common.errors import AdapterSourceError
 
 CHUNK_BYTES = 1 << 20
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kubelora.engine.server.errors import InvalidRequest
+from kubelora.engine.common.errors import InvalidRequest
 
 _MISSING = object()
 
@@ -18,9 +18,9 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", param=None, code="invalid_json") from None
     if not isinstance(body, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {_kind(body)}", code="invalid_json")
+        raise InvalidRequest(f"request body must be a JSON object, got {_kind(body)}", param=None, code="invalid_json")
     return body
 
 

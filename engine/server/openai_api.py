@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from kubelora.engine.common.errors import AdapterUnavailable, ServiceError
+from kubelora.engine.common.http_errors import to_http
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.server.async_engine import EngineRequest, RequestGroup
-from kubelora.engine.server.errors import ApiError, Unavailable
 from kubelora.engine.server.fields import decode_json_object
 from kubelora.engine.server.protocol import parse_chat, parse_completion
 from kubelora.engine.server.responses import SSE_DONE, Choice, Envelope, Usage, sse_event, start_sse
@@ -23,12 +24,6 @@ from kubelora.engine.server.serving import Serving
 
 if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
     from kubelora.engine import RequestOutput
-
-class AdapterUnavailable(Unavailable):
-    """503: the adapter's on-demand load failed; the next request for it retries the load."""
-
-    type = "adapter_unavailable"
-    default_code = "adapter_load_failed"
 
 
 class OpenAIRoutes:
@@ -43,7 +38,7 @@ class OpenAIRoutes:
         serving = self._serving()
         req = parse_completion(decode_json_object(await request.read()))
         adapter = serving.resolve_model(req.model)
-        prompts = [serving.tokenize(p) for p in req.prompts]
+        prompts = await serving.prompts.encode(req.prompts)
         for tokens in prompts:
             serving.check_length(len(tokens), req.sampling.max_tokens, "prompt")
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model, is_chat=False)
@@ -54,7 +49,7 @@ class OpenAIRoutes:
         serving = self._serving()
         req = parse_chat(decode_json_object(await request.read()))
         adapter = serving.resolve_model(req.model)
-        tokens = serving.render_chat(req.messages, req.add_generation_prompt)
+        tokens = await serving.prompts.render_chat(req.messages, req.add_generation_prompt)
         serving.check_length(len(tokens), req.sampling.max_tokens, "messages")
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, is_chat=True)
         params = req.sampling.to_params("chat")
@@ -113,8 +108,8 @@ async def _stream(request: web.Request, group: RequestGroup, envelope: Envelope,
                 finals[rid] = output
         if include_usage:
             await response.write(sse_event(envelope.usage_chunk(_usage(finals))))
-    except ApiError as exc:
-        await response.write(sse_event(exc.body()))
+    except ServiceError as exc:
+        await response.write(sse_event(to_http(exc).body()))
     await response.write(SSE_DONE)
     await response.write_eof()
     return response

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubelora.engine.common.errors import InvalidRequest
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.server.config import ADAPTER_NAME_RE
-from kubelora.engine.server.errors import InvalidRequest
 from kubelora.engine.server.fields import Fields
 
 MAX_STOP_STRINGS = 16

@@ -1,4 +1,5 @@
-"""What the handlers need once the engine runs: model names, tokenization, and the length checks.
+"""What the handlers need once the engine runs: the engine bridge, its adapters, the prompt tokenizer, model
+names and the length checks.
 
 A `Serving` exists only after the engine has started; until then every engine-backed route answers 503.
 """
@@ -7,12 +8,16 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from kubelora.engine.common.errors import ContextLengthExceeded, ModelNotFound, PromptTooLong
 from kubelora.engine.server.async_engine import AsyncEngine
-from kubelora.engine.server.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, PromptTooLong
 from kubelora.engine.server.metrics import ServerMetrics
-from kubelora.engine.server.protocol import ChatMessage, Prompt
 from kubelora.engine.server.sources import SourceConfig
+from kubelora.engine.server.tokenization import PromptTokenizer
+
+if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
+    from kubelora.engine import AdapterManager
 
 
 @dataclass(frozen=True)
@@ -20,10 +25,12 @@ class RequestedSource:
     lora_path: str  # as the load call wrote it
     sha256: str | None  # the digest the load was checked against, if one was given
 
+
 @dataclass(frozen=True)
 class Serving:
     engine: AsyncEngine
-    tokenizer: object  # the server's own HF tokenizer (the engine thread uses another instance)
+    adapters: AdapterManager  # the engine's (thread-safe); loads and unloads run in admin_pool
+    prompts: PromptTokenizer
     model_name: str  # the base model's served name
     max_model_len: int
     metrics: ServerMetrics
@@ -34,10 +41,6 @@ class Serving:
     # and the sha256 it was checked against: the operator compares both with the source it wants.
     # Only touched on the event loop.
     requested_sources: dict[tuple[str, str], RequestedSource] = field(default_factory=dict)
-
-    @property
-    def adapters(self):
-        return self.engine.engine.adapters
 
     def remember_source(self, name: str, revision: str, source: str, sha256: str | None = None) -> None:
         for key in [k for k in self.requested_sources if k[0] == name]:
@@ -58,28 +61,12 @@ class Serving:
                                 f"{self.model_name!r} and the loaded adapters", param="model")
         return model
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, tuple):
-            return list(prompt)
-        return list(self.tokenizer.encode(prompt))
-
-    def render_chat(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - template errors (jinja raise_exception) are the caller's input
-            raise InvalidRequest(f"'messages' cannot be rendered with the model's chat template: {exc}",
-                                 param="messages", code="invalid_value") from None
-        # The template writes special tokens (BOS) itself.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
-        """413 when the prompt alone leaves no room; 400 when prompt + max_tokens exceeds max-model-len."""
+        """PromptTooLong when the prompt alone leaves no room; ContextLengthExceeded when prompt + max_tokens
+        does not fit max_model_len."""
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
-            raise PromptTooLong(f"'{prompt_param}' has {num_prompt_tokens} tokens; max-model-len is {limit}, so "
-                                f"a prompt may have at most {limit - 1} tokens", param=prompt_param)
+            raise PromptTooLong(num_prompt_tokens, limit, param=prompt_param)
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
             raise ContextLengthExceeded(
                 f"'max_tokens' is {max_tokens} and the prompt has {num_prompt_tokens} tokens: together more than "

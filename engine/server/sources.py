@@ -17,9 +17,9 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+from kubelora.engine.common.errors import AdapterSourceError
 from kubelora.engine.server.archives import ARCHIVE_SUFFIXES, extract_archive, find_adapter_dir
 from kubelora.engine.server.downloads import download
-from kubelora.engine.server.errors import AdapterSourceError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 WEIGHTS_FILE = "adapter_model.safetensors"

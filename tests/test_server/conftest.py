@@ -13,12 +13,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from kubelora.engine.server.config import ServerConfig
+from kubelora.engine.config import EngineConfig
+from kubelora.engine.server.config import ENGINE_FIELDS, ServerConfig
 
 # name -> (rank, alpha, targets, seed): mixed ranks and target sets.
 ADAPTERS = {
@@ -70,11 +71,14 @@ def material(tmp_path_factory) -> Material:
 
 
 def server_config(material: Material, **overrides) -> ServerConfig:
-    base = ServerConfig(model=str(material.model_dir), max_loras=2, max_lora_rank=MAX_LORA_RANK, max_cpu_loras=4,
-                        max_model_len=MAX_MODEL_LEN, host="127.0.0.1", port=0,
-                        adapter_root=(str(material.adapter_root),),
-                        adapter_cache_dir=str(material.root / "cache"))
-    return replace(base, **overrides)
+    """Overrides name EngineConfig or ServerConfig fields."""
+    engine = {"model_dir": str(material.model_dir), "max_loras": 2, "max_lora_rank": MAX_LORA_RANK,
+              "max_cpu_loras": 4, "max_model_len": MAX_MODEL_LEN}
+    server = {"host": "127.0.0.1", "port": 0, "adapter_root": (str(material.adapter_root),),
+              "adapter_cache_dir": str(material.root / "cache")}
+    for name, value in overrides.items():
+        (engine if name in ENGINE_FIELDS else server)[name] = value
+    return ServerConfig(engine=EngineConfig(**engine), **server)
 
 
 class SlowEngine:
@@ -142,6 +146,11 @@ class LiveServer:
     @property
     def serving(self):
         return self.lifecycle.serving
+
+    def encode(self, text: str) -> list[int]:
+        """`text` tokenized as the server tokenizes prompts (on its tokenizer thread)."""
+        future = asyncio.run_coroutine_threadsafe(self.serving.prompts.encode((text,)), self._loop)
+        return future.result(timeout=30)[0]
 
     def client(self, **kwargs):
         import openai

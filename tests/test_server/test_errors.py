@@ -132,7 +132,7 @@ async def test_failed_on_demand_load_fails_only_its_requests(api, material):
 
 async def test_queue_full_gives_429_with_retry_after(aiohttp_client, config_for, slow_engine_factory):
     # One running, one waiting, the rest refused: 64 steps of >= 5 ms keep the first one running meanwhile.
-    config = config_for(max_num_seqs=1, max_waiting_requests=1)
+    config = config_for(max_num_seqs=1, max_waiting=1)
     client = await _start(aiohttp_client, config, slow_engine_factory(0.005))
     body = {"model": "model", "prompt": "Hello", "max_tokens": 64, "ignore_eos": True}
     responses = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6)))

@@ -66,7 +66,7 @@ async def test_64_concurrent_requests_match_offline(material, live_server, refer
         tokens = _chat_tokens(tokenizer, prompt) if kind.startswith("chat") else tokenizer.encode(prompt)
         [expected] = reference(adapter, [tokens], MAX_TOKENS)
         assert text == expected, f"{adapter or 'base'} {kind} {prompt!r}"
-    snapshot = server.serving.engine.engine.snapshot()
+    snapshot = server.serving.engine.snapshot()
     assert snapshot.num_adapter_loads >= 8 and snapshot.num_host_evictions > 0
     assert not snapshot.num_running and not snapshot.num_waiting
     assert server.get("/ready")[0] == 200

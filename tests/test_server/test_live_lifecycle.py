@@ -16,7 +16,7 @@ def _stream(client, model: str, max_tokens: int = LONG):
 
 
 def _running(server, adapter: str) -> int:
-    return server.serving.engine.engine.snapshot().num_running.get(adapter, 0)
+    return server.serving.engine.snapshot().num_running.get(adapter, 0)
 
 
 def _greedy(client, model: str, max_tokens: int = 8) -> str:
@@ -28,7 +28,7 @@ def _greedy(client, model: str, max_tokens: int = 8) -> str:
 @pytest.fixture
 def prompt_tokens(live_server):
     def encode(server) -> list[int]:
-        return server.serving.tokenizer.encode(PROMPT)
+        return server.encode(PROMPT)
     return encode
 
 
@@ -124,7 +124,7 @@ def _wait_idle(server, timeout_s: float) -> float:
 
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
-        snapshot = server.serving.engine.engine.snapshot()
+        snapshot = server.serving.engine.snapshot()
         if not snapshot.num_running and not snapshot.num_waiting:
             return time.monotonic() - started
         time.sleep(0.02)

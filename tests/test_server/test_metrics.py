@@ -26,7 +26,7 @@ def test_metrics_after_known_workload(material, live_server):
     base = server.serving.model_name
     client = server.client()
     prompt = "Colors of the garden:"
-    num_prompt = len(server.serving.tokenizer.encode(prompt))
+    num_prompt = len(server.encode(prompt))
     for _ in range(3):
         client.completions.create(model="a0", prompt=prompt, max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -56,7 +56,7 @@ def test_metrics_after_known_workload(material, live_server):
     assert _value(s, "kubelora_adapter_device_bytes", adapter="a0") == a0.bytes
     assert _value(s, "kubelora_adapter_host_bytes", adapter="a2") == 0
     assert _value(s, "kubelora_adapter_pool_bytes", state="used") == a0.bytes
-    snapshot = server.serving.engine.engine.snapshot()
+    snapshot = server.serving.engine.snapshot()
     assert _value(s, "kubelora_adapter_pool_bytes", state="free") == snapshot.adapter_pool_total_bytes - a0.bytes
     assert _value(s, "kubelora_adapter_loads_total") == 2  # a0 and a1 staged in host memory; a2 only known
     for name in ("a0", "a1"):  # every host load is labelled with its adapter, on demand ones too

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kubelora.engine.server.errors import InvalidRequest
+from kubelora.engine.common.errors import InvalidRequest
+from kubelora.engine.common.http_errors import to_http
 from kubelora.engine.server.fields import decode_json_object
 from kubelora.engine.server.protocol import (parse_chat, parse_completion, parse_load_adapter,
                                              parse_unload_adapter)
@@ -50,7 +51,7 @@ def test_token_prompt_is_one_prompt():
 def test_completion_errors_name_the_field(body, param, code):
     with pytest.raises(InvalidRequest) as info:
         parse_completion(body)
-    assert info.value.param == param and info.value.code == code and info.value.status == 400
+    assert info.value.param == param and info.value.code == code and to_http(info.value).status == 400
     assert param.split(".")[-1] in info.value.message
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kubelora.engine.server.errors import AdapterSourceError
+from kubelora.engine.common.errors import AdapterSourceError
+from kubelora.engine.common.http_errors import to_http
 from kubelora.engine.server.sources import SourceConfig, confine_local, host_allowed, resolve_source
 
 FILES = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"weights"}
@@ -29,7 +30,7 @@ def _adapter(directory: Path) -> Path:
 def _refused(fn, *args, code: str | None = None, **kwargs) -> AdapterSourceError:
     with pytest.raises(AdapterSourceError) as info:
         fn(*args, **kwargs)
-    assert info.value.status == 400
+    assert to_http(info.value).status == 400
     if code:
         assert info.value.code == code
     return info.value

@@ -2,6 +2,8 @@
 
     log_event(log, "adapter_loaded", adapter="a", revision="3f2c", seconds=0.41)
     -> {"ts": "2026-...Z", "level": "info", "logger": "kubelora.engine.server", "event": "adapter_loaded", ...}
+
+Stdlib only: the server and the router both log this way.
 """
 
 from __future__ import annotations
@@ -38,28 +40,11 @@ def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **f
         logger.log(level, event, extra={_FIELDS: {"event": event, **fields}})
 
 
-def configure_logging(level: str) -> None:
-    """JSON lines on stderr for every logger (ours, aiohttp's, the engine's)."""
-    install_json_handler(level)
-    # aiohttp's access log duplicates our request events.
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    logging.captureWarnings(True)  # warnings.warn(...) becomes a JSON line too
-    _route_transformers_logs()
-
-
 def install_json_handler(level: str) -> None:
-    """Only the root handler and level: torch-free callers (the router) use this without `configure_logging`."""
+    """JSON lines on stderr for every logger: one root handler at `level`."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
 
-
-def _route_transformers_logs() -> None:
-    """transformers has its own stderr handler and progress bars; send its records through ours instead."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
-    hf_logging.disable_progress_bar()

@@ -20,10 +20,15 @@ class Setting:
     is_list: bool = False  # repeatable flag; comma-separated in the environment
     is_switch: bool = False  # --flag / --no-flag; true/false in the environment
     env_prefix: str = ""  # each table binds its own prefix (KUBELORA_, KUBELORA_ROUTER_) with functools.partial
+    config_field: str = ""  # the config field it fills, when its name differs from the flag's
 
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def field_name(self) -> str:
+        return self.config_field or self.dest
 
     @property
     def env(self) -> str:

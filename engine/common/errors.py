@@ -1,0 +1,165 @@
+"""The errors kubelora answers on purpose: one hierarchy for the engine core, the server and the router.
+
+Each class has a stable `type`; an instance may name the field at fault (`param`) and refine `type` for clients
+(`code`), and may carry response headers. Nothing here knows HTTP: `kubelora.engine.common.http_errors` maps each
+class to its status in one table. Every class with an answer of its own lives here; refinements that share their
+parent's answer stay beside the code that raises them (`kubelora.engine.errors`: each adapter validation failure).
+Anything else that escapes a handler is a bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class ServiceError(Exception):
+    """Base of every error raised on purpose. `message` names the field and the limit."""
+
+    type = "service_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+
+# ---- the request as sent ----
+
+class InvalidRequest(ServiceError, ValueError):
+    """A request that cannot be served as sent.
+
+    The server's parsers name the field and say why (`code`: invalid_json, invalid_type, out_of_range...).
+    `LLMEngine.add_request` refuses an empty prompt, a token id outside the vocabulary or a duplicate request id
+    with the message only: its checks are about the prompt, hence the default `param`.
+    """
+
+    type = "invalid_request"
+
+    def __init__(self, message: str, *, param: str | None = "prompt", code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt plus the requested completion does not fit max_model_len (the engine would clip it)."""
+
+    type = "context_length_exceeded"
+
+
+class PromptTooLong(ServiceError, ValueError):
+    """The prompt does not leave room for one generated token within max_model_len."""
+
+    type = "prompt_too_long"
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int, *, param: str = "prompt") -> None:
+        super().__init__(f"'{param}' has {num_prompt_tokens} tokens; max_model_len is {max_model_len}, so it may "
+                         f"have at most {max_model_len - 1} tokens", param=param)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class ModelNotFound(ServiceError):
+    """`model` names neither the base model nor an adapter that is served."""
+
+    type = "model_not_found"
+
+
+class Unauthorized(ServiceError):
+    """An admin endpoint called without the bearer token it requires."""
+
+    type = "unauthorized"
+
+
+class AdapterSourceError(ServiceError):
+    """An adapter path or URL refused (outside the roots, host not allowed) or unreadable."""
+
+    type = "adapter_source_error"
+
+
+# ---- the service's state ----
+
+class Unavailable(ServiceError):
+    """The engine is not ready or has stopped; the router has no placement or no ready replica."""
+
+    type = "unavailable"
+
+
+class AdapterUnavailable(Unavailable):
+    """The adapter's on-demand load failed; the next request for it retries the load."""
+
+    type = "adapter_unavailable"
+
+
+class BadGateway(ServiceError):
+    """The router reached no replica, or a replica broke off its answer."""
+
+    type = "bad_gateway"
+
+
+# ---- raised by the engine core ----
+
+class EngineError(ServiceError):
+    """Base of the errors only the engine core raises (LLMEngine, AdapterManager)."""
+
+    type = "engine_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class UnknownAdapter(EngineError, KeyError):
+    """The request names an adapter that is not registered."""
+
+    type = "unknown_adapter"
+
+    def __init__(self, adapter: str) -> None:
+        super().__init__(f"adapter {adapter!r} is not loaded")
+        self.adapter = adapter
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class AdapterUnloading(EngineError):
+    """The adapter is being unloaded: in-flight requests finish, new ones are refused."""
+
+    type = "adapter_unloading"
+
+    def __init__(self, adapter: str) -> None:
+        super().__init__(f"adapter {adapter!r} is being unloaded; no new requests are admitted for it")
+        self.adapter = adapter
+
+
+class QueueFull(EngineError):
+    """The waiting queue holds max_waiting requests already; retry after `retry_after_s`."""
+
+    type = "queue_full"
+
+    def __init__(self, max_waiting: int, retry_after_s: float = 1.0) -> None:
+        super().__init__(f"waiting queue is full (max_waiting={max_waiting}); retry after {retry_after_s:g}s")
+        self.max_waiting = max_waiting
+        self.retry_after_s = retry_after_s
+
+
+class AdapterError(EngineError):
+    """A failure of one adapter's load; it never affects other adapters or requests."""
+
+    type = "adapter_error"
+
+    def __init__(self, adapter: str, message: str) -> None:
+        super().__init__(f"adapter {adapter!r}: {message}")
+        self.adapter = adapter
+
+
+class AdapterExists(AdapterError):
+    """A different revision is already loaded under this name and load_inplace was not set."""
+
+    type = "adapter_exists"
+
+
+class AdapterChanged(AdapterError):
+    """An on-demand reload found different files than the registered revision (reload with load_inplace)."""
+
+    type = "adapter_changed"

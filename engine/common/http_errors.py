@@ -1,0 +1,108 @@
+"""HTTP answers in OpenAI's shape: one table from error class to status, and the one middleware that uses it.
+
+Body: `{"error": {"message", "type", "param", "code"}}`. `type` is OpenAI's error type (clients and tests switch
+on it); `code` refines it (the exception's own code, else the rule's, else the exception's stable `type`), so
+clients can tell e.g. adapter_rank_too_large from adapter_shape_mismatch. No tracebacks leave the process: any
+other exception is a bug, answered 500 with its traceback in the log only. The server and the router both use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from kubelora.engine.common.errors import (
+    AdapterChanged, AdapterError, AdapterExists, AdapterSourceError, AdapterUnavailable, AdapterUnloading, BadGateway,
+    InvalidRequest, ModelNotFound, PromptTooLong, QueueFull, ServiceError, Unauthorized, Unavailable, UnknownAdapter)
+
+log = logging.getLogger("kubelora.engine.http")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """One error response."""
+
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class HttpRule:
+    status: int
+    type: str  # OpenAI's error type
+    param: str | None = None  # when the exception names no field
+    code: str | None = None  # when the exception gives none (else its stable `type`)
+    headers: Callable[[ServiceError], dict[str, str]] | None = None
+
+
+def _retry_after(exc: QueueFull) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+
+
+# The most derived class in an exception's MRO wins.
+RULES: dict[type[ServiceError], HttpRule] = {
+    ServiceError: HttpRule(400, "invalid_request_error"),
+    InvalidRequest: HttpRule(400, "invalid_request_error"),
+    PromptTooLong: HttpRule(413, "prompt_too_long", code="context_length_exceeded"),
+    Unauthorized: HttpRule(401, "authentication_error", code="invalid_api_key"),
+    ModelNotFound: HttpRule(404, "not_found_error"),
+    UnknownAdapter: HttpRule(404, "not_found_error", param="model", code="model_not_found"),
+    AdapterUnloading: HttpRule(404, "not_found_error", param="model"),
+    AdapterSourceError: HttpRule(400, "adapter_source_error"),
+    AdapterError: HttpRule(400, "adapter_load_error", param="lora_path"),
+    AdapterExists: HttpRule(409, "conflict_error", param="lora_name"),
+    AdapterChanged: HttpRule(409, "conflict_error", param="lora_path"),
+    QueueFull: HttpRule(429, "rate_limit_error", headers=_retry_after),
+    Unavailable: HttpRule(503, "service_unavailable"),
+    AdapterUnavailable: HttpRule(503, "adapter_unavailable", code="adapter_load_failed"),
+    BadGateway: HttpRule(502, "upstream_error", code="replica_unreachable"),
+}
+INTERNAL_ERROR = HttpError(500, "server_error", "internal server error; see the engine log")
+# aiohttp's own errors (no route, wrong method, body too large) by status.
+_AIOHTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large"}
+
+
+def to_http(exc: BaseException) -> HttpError | None:
+    """The answer an exception stands for, or None when it is a bug."""
+    if not isinstance(exc, ServiceError):
+        return None
+    rule = next(RULES[cls] for cls in type(exc).__mro__ if cls in RULES)
+    headers = {**(rule.headers(exc) if rule.headers else {}), **exc.headers}
+    param = exc.param if exc.param is not None else rule.param
+    return HttpError(rule.status, rule.type, exc.message, param, exc.code or rule.code or exc.type, headers)
+
+
+def error_response(error: HttpError) -> web.Response:
+    return web.Response(status=error.status, text=json.dumps(error.body()), content_type="application/json",
+                        headers=error.headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(HttpError(exc.status, _AIOHTTP_TYPES.get(exc.status, "invalid_request_error"),
+                                        exc.reason or "error"))
+    except Exception as exc:  # noqa: BLE001 - the one place every failure becomes a response
+        error = to_http(exc)
+        if error is None:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            error = INTERNAL_ERROR
+        return error_response(error)

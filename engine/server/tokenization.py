@@ -1,0 +1,53 @@
+"""Prompts to token ids, off the event loop: the engine's tokenizer, used on one worker thread.
+
+The engine owns the tokenizer (`LLMEngine.tokenizer`, loaded once); its engine thread decodes with it while the
+server encodes. Hugging Face tokenizers are not safe for concurrent use (a fast one refuses a borrow while another
+call changes its truncation or padding; a slow one keeps Python caches), so the worker thread uses its own copy,
+taken from the engine's when the server starts. Encoding and chat templating are CPU work that would stall every
+open stream if they ran on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+from kubelora.engine.common.errors import InvalidRequest
+from kubelora.engine.server.protocol import ChatMessage, Prompt
+
+
+class PromptTokenizer:
+    """`encode` and `render_chat` run on the `kubelora-tokenizer` thread; `close` stops it."""
+
+    def __init__(self, engine_tokenizer) -> None:
+        self._tokenizer = copy.deepcopy(engine_tokenizer)  # only ever used on `_thread`
+        self._thread = ThreadPoolExecutor(1, "kubelora-tokenizer")
+
+    async def encode(self, prompts: tuple[Prompt, ...]) -> list[list[int]]:
+        """Token ids per prompt; a prompt given as token ids is used as is."""
+        return await self._run(self._encode_all, prompts)
+
+    async def render_chat(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
+        """The chat template's text, tokenized; a template that refuses the messages is the caller's error."""
+        return await self._run(self._render_chat, messages, add_generation_prompt)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def _encode_all(self, prompts: tuple[Prompt, ...]) -> list[list[int]]:
+        return [list(p) if isinstance(p, tuple) else list(self._tokenizer.encode(p)) for p in prompts]
+
+    def _render_chat(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool) -> list[int]:
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            text = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - template errors (jinja raise_exception) are the caller's input
+            raise InvalidRequest(f"'messages' cannot be rendered with the model's chat template: {exc}",
+                                 param="messages", code="invalid_value") from None
+        # The template writes special tokens (BOS) itself.
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
