@@ -1,11 +1,11 @@
 """Host time per LoRA call on the GPU: what a step's layers pay on the CPU for each `add_lora` (no CUDA graph).
 
 `python -P -m kubelora.bench.host [--calls N] [--steps N] [--profile]`: at the serving benchmark's sizes (hidden 2048, q
-2048, k and v 512, 16 layers, adapters on q/k/v/o: docs/serving.md), one step's metadata, then N calls of the
+2048, k and v 512, 16 layers, adapters on q/k/v/o), one step's metadata, then N calls of the
 Triton op on it as a step's layers make them, timed on the host (the GPU runs behind; a synchronize at the end).
 Beside it, for scale, one elementwise torch launch and the base projection's matmul. Then whole steps of the
 engine's LoRA host work: the step's metadata for every projection kind and each layer's four `add_lora` calls
-(the MLP's two return at once). The engine's decode step is host-bound (docs/serving.md): this is the LoRA share.
+(the MLP's two return at once). This is the LoRA share of a step's host time.
 """
 
 from __future__ import annotations

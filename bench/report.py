@@ -68,7 +68,7 @@ def write_markdown(path: str, env: dict[str, str], table: str, rows: list[Row], 
     text = [
         "# Kernel benchmark: multi-LoRA shrink+expand (QKV, hidden 4096 -> 3 x 4096, bf16)", "",
         "Written by `kubelora bench kernels --write docs/benchmarks.md` (`bench/kernels.py`). The",
-        "end-to-end serving benchmark (many adapters against the base model) is docs/serving.md.", "",
+        "end-to-end engine benchmark (many adapters against the base model) is docs/benchmarks-engine.md.", "",
         *[f"- {k}: {v}" for k, v in env.items()], "",
         "GPU time per call, each call captured in a CUDA graph over independent input sets rotated past the",
         "60 MiB L2, median of 7 trials. Floor: the distinct adapters' weights at their own ranks + x + y read",

@@ -1,7 +1,7 @@
 """Repeat launches of a compiled Triton kernel without the JIT's per-call dispatch.
 
 `JITFunction.run` binds and specializes every argument and looks the compiled kernel up on every call; the
-serving benchmark's profile (docs/serving.md) put about half of each LoRA call's host time there. Within one
+engine's host profile (`python -P -m kubelora.bench.host`) put about half of each LoRA call's host time there. Within one
 step every layer launches the same kernels with the same integer arguments and tensors of the same dtypes and
 alignment, so after the first launch the compiled kernel is launched directly (`CompiledKernel[grid]`), as
 long as everything Triton specializes on is unchanged and no profiler hooks launches; otherwise the launch
