@@ -22,13 +22,13 @@ class AdapterPlacer(Protocol):
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_loras: int
+    max_loras: int | None  # None: no count limit, the device pool's bytes decide
     max_waiting: int
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_waiting"):
-            if getattr(self, field) < 1:
+            if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
 
 

@@ -5,17 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CPU_LORAS = 4  # the CPU pool's default size, in adapters of max_lora_rank, when max_loras is not set
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits and sizes of one engine. `None` means "derive from the model and device" (see docs).
 
-    - max_loras: distinct adapters in one batch. max_lora_rank: the largest rank accepted.
+    - max_loras: distinct adapters in one batch; None (default): as many as the device adapter pool holds at
+      their own ranks (the byte budget is the limit). max_lora_rank: the largest rank accepted.
     - max_cpu_loras: host-tier LRU capacity (adapters with requests in flight are never evicted).
-    - max_lora_pool_bytes: device adapter pool budget; default max_loras * max_lora_rank rank rows of every
-      target module (q, k, v, o, gate, up, down). Adapters take bytes at their own rank, so lower-rank adapters
-      fit more than max_loras.
+    - max_lora_pool_bytes: device adapter pool budget, counted in rank rows of every target module (q, k, v, o,
+      gate, up, down). Default: with max_loras set, max_loras * max_lora_rank rows; else on CUDA
+      lora_pool_fraction of the device memory free after the weights are loaded (the KV cache then takes
+      gpu_memory_utilization of what is left), on CPU DEFAULT_CPU_LORAS * max_lora_rank rows. Adapters take
+      bytes at their own rank, so lower-rank adapters fit more.
     - max_model_len: prompt + output tokens per request; default the model's max_position_embeddings.
     - KV cache: num_kv_blocks blocks of kv_block_size tokens; default from kv_cache_bytes, else (CPU) room for
       max_num_seqs full-length sequences, else (CUDA) gpu_memory_utilization of what weights and pool leave.
@@ -29,7 +33,7 @@ class EngineConfig:
     model_dir: str
     device: str = "cpu"
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    max_loras: int = 4
+    max_loras: int | None = None
     max_lora_rank: int = 16
     max_cpu_loras: int = 16
     max_model_len: int | None = None
@@ -40,6 +44,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.85
+    lora_pool_fraction: float = 0.05
     max_lora_pool_bytes: int | None = None
     lora_backend: str | None = None
     is_base_model_strict: bool = False
@@ -55,7 +60,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _check_range("max_loras", self.max_loras, 1, 4096)
+        if self.max_loras is not None:
+            _check_range("max_loras", self.max_loras, 1, 4096)
         _check_range("max_lora_rank", self.max_lora_rank, 1, 4096)
         _check_range("max_cpu_loras", self.max_cpu_loras, 1, 1 << 20)
         _check_range("max_num_seqs", self.max_num_seqs, 1, 1 << 16)
@@ -66,6 +72,8 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_bytes", "max_lora_pool_bytes"):
             if getattr(self, name) is not None:
                 _check_range(name, getattr(self, name), 1, 1 << 48)
+        if not 0.0 < self.lora_pool_fraction < 1.0:
+            raise ValueError(f"lora_pool_fraction must be in (0, 1), got {self.lora_pool_fraction}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.lora_backend not in (None, "torch", "triton"):

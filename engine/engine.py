@@ -54,10 +54,12 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer)
         torch.manual_seed(config.seed)
-        pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype),
+        weights = _to_device(load_weights(config.model_dir, self.model_config, self.dtype), self.device)
+        pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype, self.device),
                               self.dtype, self.device)
         self.adapters = AdapterManager(self._adapter_config(), self.model_config, pool, self._adapter_limits(pool))
-        weights = _to_device(load_weights(config.model_dir, self.model_config, self.dtype), self.device)
+        # Distinct adapters a batch can hold: the count limit, else what the pool holds at max_lora_rank.
+        self.max_loras = config.max_loras or max(1, pool.num_rows // config.max_lora_rank)
         self.num_kv_blocks = setup.num_kv_blocks(config, self.model_config, self.dtype, self.max_model_len,
                                                  self.device)
         self._runner = self._build_runner(hf_config, weights, pool)

@@ -2,8 +2,9 @@
 
 Each step `schedule()` returns a `Batch`: first the running sequences (decodes, then prefill chunks), then
 waiting ones admitted in fairness order (smallest virtual token counter first). A waiting request whose adapter
-is not resident, or that would need one more adapter slot than `max_loras`, is skipped and the scan goes on:
-it never blocks requests of other adapters. Base-model requests take no adapter slot.
+is not resident (the device pool has no room for it beside the running adapters), or that would need one more
+adapter slot than `max_loras` where that count limit is set, is skipped and the scan goes on: it never blocks
+requests of other adapters. Base-model requests take no adapter slot.
 
 Anti-starvation: when a key is refused only for lack of a slot, keys behind it in fairness order stop admitting
 new requests into the adapters they already run, so a slot frees as soon as those requests finish: a waiting
@@ -173,7 +174,7 @@ class Scheduler:
                 return
             revision = self._waiting[key][0].adapter
             is_new_slot = revision is not None and revision not in in_batch
-            if is_new_slot and len(in_batch) >= self.config.max_loras:
+            if is_new_slot and self.config.max_loras is not None and len(in_batch) >= self.config.max_loras:
                 refused.add(key)  # needs a slot: keys behind it must not hold theirs longer
                 has_slot_waiter = True
                 continue
@@ -219,6 +220,9 @@ class Scheduler:
 
     @property
     def _grant_size(self) -> int:
+        """Requests a new adapter admits at once: its share of the batch under a count limit, else all that fit."""
+        if self.config.max_loras is None:
+            return self.config.max_num_seqs
         return max(1, self.config.max_num_seqs // self.config.max_loras)
 
     def _next_key(self, refused: set[str]) -> str | None:

@@ -8,7 +8,7 @@ import math
 import torch
 
 from kubelora.engine.adapters.pool import DeviceLoRAPool
-from kubelora.engine.config import EngineConfig
+from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
 from kubelora.engine.decode_inputs import DecodeInputs
 from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import KVCache
@@ -43,10 +43,20 @@ def resolve_lora_backend(config: EngineConfig) -> str:
     return default_backend(config.device) if default_backend is not None else "torch"
 
 
-def pool_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
-    """Rank rows per module: the byte budget divided by the bytes of one rank row of every module."""
+def pool_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """Rank rows per module: the byte budget divided by the bytes of one rank row of every module.
+
+    Call after the weights are on the device: the CUDA default is a share of the memory they leave free.
+    """
     per_rank = DeviceLoRAPool.bytes_per_rank(model, dtype)
-    budget = config.max_lora_pool_bytes or config.max_loras * config.max_lora_rank * per_rank
+    if config.max_lora_pool_bytes is not None:
+        budget = config.max_lora_pool_bytes
+    elif config.max_loras is not None:
+        budget = config.max_loras * config.max_lora_rank * per_rank
+    elif device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(device)[0] * config.lora_pool_fraction)
+    else:
+        budget = DEFAULT_CPU_LORAS * config.max_lora_rank * per_rank
     rows = budget // per_rank
     if rows < 1:
         raise ValueError(f"max_lora_pool_bytes must hold at least one rank row of every module "

@@ -41,13 +41,13 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--model", str, "base model directory (Hugging Face layout, safetensors)", config_field="model_dir"),
     _setting("--served-model-name", str, "name clients use for the base model (default: the model directory's name)"),
     _setting("--lora", _lora, "adapter to load at start, NAME=PATH (repeatable)", is_list=True),
-    _setting("--max-loras", int, "distinct adapters in one batch (adapter slots on the device)"),
+    _setting("--max-loras", int, "distinct adapters in one batch (default: as many as the device pool holds)"),
     _setting("--max-lora-rank", int, "largest adapter rank accepted"),
     _setting("--max-cpu-loras", int, "adapters kept in host memory (LRU)"),
     _setting("--max-model-len", int, "prompt plus completion tokens per request"),
     _setting("--max-num-seqs", int, "sequences in one batch"),
     _setting("--max-waiting-requests", int, "queued requests before 429", config_field="max_waiting"),
-    _setting("--max-lora-pool-bytes", int, "device adapter pool budget (default: max-loras x max-lora-rank rows)"),
+    _setting("--max-lora-pool-bytes", int, "device adapter pool budget (default: see docs/server.md)"),
     _setting("--strict-base-model", parse_bool, "refuse adapters whose base_model_name_or_path names another model",
              is_switch=True, config_field="is_base_model_strict"),
     _setting("--device", str, "cpu, cuda or cuda:N"),
@@ -65,7 +65,7 @@ SETTINGS: tuple[Setting, ...] = (
 # Rows named like an EngineConfig field fill it (EngineConfig keeps their defaults and range checks); the rest
 # are the server's own.
 ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig))
-REQUIRED = ("--model", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--max-model-len")
+REQUIRED = ("--model", "--max-lora-rank", "--max-cpu-loras", "--max-model-len")
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         engine = self.engine
-        if engine.max_cpu_loras < engine.max_loras:
+        if engine.max_loras is not None and engine.max_cpu_loras < engine.max_loras:
             raise ValueError(f"max_cpu_loras ({engine.max_cpu_loras}) must be >= max_loras ({engine.max_loras})")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", engine.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {engine.device!r}")

@@ -269,3 +269,41 @@ def test_adapter_blocked_by_a_full_pool_has_a_bounded_wait():
     scheduler.add(make_seq("trickle", "trickle", max_tokens=2))
     assert _first_scheduled_step(scheduler, "trickle") <= max_tokens + 1
     assert scheduler.get("flood-99") is not None
+
+
+class BudgetPlacer(FakePlacer):
+    """A device pool that holds `capacity` adapters: beyond it, NO_ROOM unless the adapter is already placed."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.placed: set = set()
+
+    def ensure_device(self, revision, protected) -> Residency:
+        if revision not in self.placed:
+            if len(self.placed) >= self.capacity:
+                self.placed &= set(protected)  # evict what no running request holds
+            if len(self.placed) >= self.capacity:
+                return Residency.NO_ROOM
+            self.placed.add(revision)
+        return Residency.RESIDENT
+
+
+def test_without_a_count_limit_the_pool_decides_and_one_batch_takes_every_adapter():
+    """64 requests over 32 adapters with room for all 32: one batch, no waves."""
+    scheduler = make_scheduler(BudgetPlacer(capacity=32), max_loras=None, max_num_seqs=64,
+                               max_num_batched_tokens=4096)
+    for i in range(64):
+        scheduler.add(make_seq(f"r{i}", f"a{i % 32}"))
+    first = run_step(scheduler)
+    assert len(first.chunks) == 64 and len(adapters_in(first)) == 32
+
+
+def test_without_a_count_limit_a_small_pool_runs_what_fits_and_finishes_everyone():
+    placer = BudgetPlacer(capacity=8)
+    scheduler = make_scheduler(placer, max_loras=None, max_num_seqs=64, max_num_batched_tokens=4096)
+    for i in range(64):
+        scheduler.add(make_seq(f"r{i}", f"a{i % 32}"))
+    batches = run_until_done(scheduler)
+    assert max(len(adapters_in(b)) for b in batches) == 8
+    assert sum(placer.releases.values()) == 64

@@ -119,3 +119,18 @@ def test_warm_up_writes_only_the_pad_block(llama):
         assert any(k[pad].abs().sum() > 0 for k in cache.key)
     finally:
         llm.close()
+
+
+def test_pool_budget_defaults(llama):
+    from kubelora.engine.adapters.pool import DeviceLoRAPool
+    from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
+    from kubelora.engine.model.config import load_hf_config, model_config_from_hf
+
+    model = model_config_from_hf(load_hf_config(llama.model_dir), llama.model_dir)
+    per_rank = DeviceLoRAPool.bytes_per_rank(model, torch.float32)
+    cpu = torch.device("cpu")
+    rows = setup.pool_rows(EngineConfig(model_dir="m", max_lora_rank=16), model, torch.float32, cpu)
+    assert rows == DEFAULT_CPU_LORAS * 16
+    assert setup.pool_rows(EngineConfig(model_dir="m", max_loras=3, max_lora_rank=8), model, torch.float32, cpu) == 24
+    config = EngineConfig(model_dir="m", max_loras=3, max_lora_pool_bytes=10 * per_rank)
+    assert setup.pool_rows(config, model, torch.float32, cpu) == 10
