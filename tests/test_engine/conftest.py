@@ -80,3 +80,30 @@ def make_prompt(index: int, length: int, vocab: int = 512) -> list[int]:
 @pytest.fixture(scope="session")
 def prompt_ids():
     return make_prompt
+
+
+def build_reference(material, device: str = "cpu"):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(material.model_dir, dtype=torch.float32).to(device)
+    names = list(material.adapters)
+    model = PeftModel.from_pretrained(base, material.adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(material.adapters[name], adapter_name=name)
+    return model.eval()
+
+
+def reference_logits(model, adapter: str | None, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence, with that sequence's adapter (or none)."""
+    ids = torch.tensor([token_ids], device=model.device)
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                return model(ids).logits[0]
+
+
+@pytest.fixture(scope="session")
+def peft_reference():
+    """(build_reference, reference_logits): transformers+PEFT with every test adapter, the correctness bar."""
+    return build_reference, reference_logits

@@ -26,29 +26,15 @@ def _generate(material, prompts, params, **options):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("material", ["llama", "qwen2"], indirect=True)
-def test_cuda_float32_matches_transformers_peft(material, backend, prompt_ids):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
+def test_cuda_float32_matches_transformers_peft(material, backend, prompt_ids, peft_reference):
+    build_reference, reference_logits = peft_reference
     prompts = [prompt_ids(i, 5 + 3 * i) for i in range(len(BATCH))]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, return_logits=True)
     results = _generate(material, prompts, params, dtype="float32", lora_backend=backend)
-    base = AutoModelForCausalLM.from_pretrained(material.model_dir, dtype=torch.float32)
-    names = list(material.adapters)
-    reference = PeftModel.from_pretrained(base, material.adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        reference.load_adapter(material.adapters[name], adapter_name=name)
-    reference.eval()
+    reference = build_reference(material)
     worst = 0.0
     for name, prompt, result in zip(BATCH, prompts, results):
-        ids = torch.tensor([prompt + result.token_ids[:-1]])
-        with torch.no_grad():
-            if name is None:
-                with reference.disable_adapter():
-                    expected = reference(ids).logits[0]
-            else:
-                reference.set_adapter(name)
-                expected = reference(ids).logits[0]
+        expected = reference_logits(reference, name, prompt + result.token_ids[:-1])
         got = torch.cat([result.prompt_logits, result.logits[1:]])
         worst = max(worst, float((got - expected).abs().max()))
         assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name

@@ -41,27 +41,13 @@ def test_graphs_give_the_eager_tokens_float32(material, prompt_ids):
     assert graphs == eager
 
 
-def test_graphs_match_transformers_peft(llama, prompt_ids):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
+def test_graphs_match_transformers_peft(llama, prompt_ids, peft_reference):
+    build_reference, reference_logits = peft_reference
     prompts = _prompts(prompt_ids, len(BATCH))
     tokens, _ = _generate(llama, prompts, "float32", enforce_eager=False)
-    base = AutoModelForCausalLM.from_pretrained(llama.model_dir, dtype=torch.float32).cuda()
-    names = list(llama.adapters)
-    reference = PeftModel.from_pretrained(base, llama.adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        reference.load_adapter(llama.adapters[name], adapter_name=name)
-    reference.eval()
+    reference = build_reference(llama, device="cuda")
     for name, prompt, got in zip(BATCH, prompts, tokens):
-        ids = torch.tensor([prompt + got[:-1]], device="cuda")
-        with torch.no_grad():
-            if name is None:
-                with reference.disable_adapter():
-                    logits = reference(ids).logits[0]
-            else:
-                reference.set_adapter(name)
-                logits = reference(ids).logits[0]
+        logits = reference_logits(reference, name, prompt + got[:-1])
         assert logits[len(prompt) - 1 :].argmax(-1).tolist() == got, name
 
 

@@ -21,25 +21,6 @@ def greedy():
     return SamplingParams(max_tokens=NUM_DECODE, temperature=0.0, ignore_eos=True, return_logits=True)
 
 
-def build_reference(material):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(material.model_dir, dtype=torch.float32)
-    names = list(material.adapters)
-    model = PeftModel.from_pretrained(base, material.adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(material.adapters[name], adapter_name=name)
-    return model.eval()
-
-
-def reference_logits(model, adapter: str | None, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one sequence, with that sequence's adapter (or none)."""
-    ids = torch.tensor([token_ids])
-    with torch.no_grad():
-        if adapter is None:
-            with model.disable_adapter():
-                return model(ids).logits[0]
         model.set_adapter(adapter)
         return model(ids).logits[0]
 
@@ -55,9 +36,10 @@ def run_engine(material, prompts, names, params, **options):
 
 
 @pytest.mark.parametrize("material", ["llama", "mistral", "qwen2"], indirect=True)
-def test_mixed_batch_matches_transformers_peft(material, greedy, prompt_ids):
+def test_mixed_batch_matches_transformers_peft(material, greedy, prompt_ids, peft_reference):
     prompts = [prompt_ids(i, 5 + 3 * i) for i in range(len(BATCH))]
     results = run_engine(material, prompts, BATCH, greedy)
+    build_reference, reference_logits = peft_reference
     reference = build_reference(material)
     for name, prompt, result in zip(BATCH, prompts, results):
         assert result.finish_reason == "length" and len(result.token_ids) == NUM_DECODE
