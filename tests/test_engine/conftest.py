@@ -101,6 +101,8 @@ def reference_logits(model, adapter: str | None, token_ids: list[int]) -> torch.
         if adapter is None:
             with model.disable_adapter():
                 return model(ids).logits[0]
+        model.set_adapter(adapter)
+        return model(ids).logits[0]
 
 
 @pytest.fixture(scope="session")

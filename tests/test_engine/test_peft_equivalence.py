@@ -21,10 +21,6 @@ def greedy():
     return SamplingParams(max_tokens=NUM_DECODE, temperature=0.0, ignore_eos=True, return_logits=True)
 
 
-        model.set_adapter(adapter)
-        return model(ids).logits[0]
-
-
 def run_engine(material, prompts, names, params, **options):
     llm = LLM(material.model_dir, max_loras=4, max_lora_rank=32, **options)
     for name, path in material.adapters.items():
