@@ -25,9 +25,12 @@ class SchedulerConfig:
     max_loras: int | None  # None: no count limit, the device pool's bytes decide
     max_waiting: int
     eos_token_ids: tuple[int, ...] = ()
+    # While requests wait for room in the device adapter pool, an adapter keeps its room for this many steps,
+    # then its requests pause (their KV cache kept) so that waiting adapters get a turn.
+    lora_time_slice_steps: int = 16
 
     def __post_init__(self) -> None:
-        for field in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_waiting"):
+        for field in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_waiting", "lora_time_slice_steps"):
             if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
 

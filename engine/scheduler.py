@@ -8,8 +8,12 @@ requests of other adapters. Base-model requests take no adapter slot.
 
 Anti-starvation: when a key is refused only for lack of a slot, keys behind it in fairness order stop admitting
 new requests into the adapters they already run, so a slot frees as soon as those requests finish: a waiting
-adapter gets in within one request lifetime (bounded by max_tokens) even when others flood. Running requests
-keep their slot until they finish (adapters are not swapped every step).
+adapter gets in within one request lifetime (bounded by max_tokens) even when others flood.
+
+Time slices: when requests wait because the device adapter pool has no room beside the running adapters, an
+adapter that has run `lora_time_slice_steps` steps since it was admitted pauses: its requests go back to the
+front of their queues with their KV cache kept, its pool room may be taken by a waiting adapter, and fairness
+order brings it back. So adapters beyond the pool's room take turns instead of waiting for whole requests.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class Scheduler:
         self._num_waiting = 0
         self._finished_between_steps: list[Sequence] = []  # aborted or failed outside postprocess
         self.num_preemptions = 0
+        self.num_pauses = 0
+        self._num_steps = 0
+        self._slice_start: dict[object, int] = {}  # adapter revision -> step its current time slice began
+        self._has_pool_waiters = False  # the last step refused a request for lack of pool room
 
     # ---- queues (under the engine lock) ----
 
@@ -82,6 +90,10 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         self._fail_failed_loads()
+        self._num_steps += 1
+        if self._has_pool_waiters:
+            self._pause_expired_slices()
+        self._has_pool_waiters = False
         budget = [self.config.max_num_batched_tokens]
         chunks: list[ScheduledChunk] = []
         self._schedule_running(budget, chunks)
@@ -153,6 +165,21 @@ class Scheduler:
                 return False
         return True
 
+    def _pause_expired_slices(self) -> None:
+        """Requests of adapters whose time slice is over go back to the front of their queues, KV cache kept."""
+        running = {s.adapter for s in self._running if s.adapter is not None}
+        self._slice_start = {rev: start for rev, start in self._slice_start.items() if rev in running}
+        expired = {rev for rev, start in self._slice_start.items()
+                   if self._num_steps - start >= self.config.lora_time_slice_steps}
+        for seq in reversed([s for s in self._running if s.adapter in expired]):
+            self._running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self._waiting.setdefault(seq.fairness_key, deque()).appendleft(seq)
+            self._num_waiting += 1
+            self.num_pauses += 1
+        for revision in expired:
+            del self._slice_start[revision]
+
     def _preempt(self, seq: Sequence) -> None:
         """Out of KV blocks: drop the sequence's cache and requeue it at the front (recomputed later)."""
         self._running.remove(seq)
@@ -186,6 +213,7 @@ class Scheduler:
             if residency is not Residency.RESIDENT:
                 refused.add(key)  # loading or no room: wait without blocking the others
                 has_slot_waiter |= residency is Residency.NO_ROOM  # pool full of running adapters: drain them
+                self._has_pool_waiters |= residency is Residency.NO_ROOM
                 continue
             # A new slot admits a group of the adapter's queued requests at once: they run together and the
             # adapter is not swapped in again for each of them.
@@ -193,6 +221,8 @@ class Scheduler:
                 return  # out of KV blocks: nothing else fits either
             if revision is not None:
                 in_batch.add(revision)
+                if is_new_slot:
+                    self._slice_start[revision] = self._num_steps
 
     def _admit_from(self, key: str, budget: list[int], chunks: list[ScheduledChunk], limit: int) -> int:
         """Admit up to `limit` requests from the head of one key's queue that share the head's revision."""

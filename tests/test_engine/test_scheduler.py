@@ -293,8 +293,9 @@ def test_without_a_count_limit_the_pool_decides_and_one_batch_takes_every_adapte
     """64 requests over 32 adapters with room for all 32: one batch, no waves."""
     scheduler = make_scheduler(BudgetPlacer(capacity=32), max_loras=None, max_num_seqs=64,
                                max_num_batched_tokens=4096)
+    names = [f"a{j}" for j in range(32)]
     for i in range(64):
-        scheduler.add(make_seq(f"r{i}", f"a{i % 32}"))
+        scheduler.add(make_seq(f"r{i}", names[i % 32]))
     first = run_step(scheduler)
     assert len(first.chunks) == 64 and len(adapters_in(first)) == 32
 
@@ -307,3 +308,47 @@ def test_without_a_count_limit_a_small_pool_runs_what_fits_and_finishes_everyone
     batches = run_until_done(scheduler)
     assert max(len(adapters_in(b)) for b in batches) == 8
     assert sum(placer.releases.values()) == 64
+
+
+def _first_token_steps(scheduler: Scheduler, seqs: list) -> list[int]:
+    firsts: dict[str, int] = {}
+    step = 0
+    while scheduler.has_unfinished():
+        step += 1
+        run_step(scheduler)
+        for seq in seqs:
+            if seq.output_token_ids and seq.request_id not in firsts:
+                firsts[seq.request_id] = step
+        assert step < 5000, "scheduler made no progress"
+    return sorted(firsts[s.request_id] for s in seqs)
+
+
+def test_adapters_beyond_the_pool_take_time_slices():
+    """64 requests over 32 adapters, a pool for 8: every request's first token comes within a few slices,
+    not after the waves of whole requests before it; every request finishes with all its tokens."""
+    names = [f"a{j}" for j in range(32)]  # one object per adapter, as revisions are
+    seqs = [make_seq(f"r{i}", names[i % 32], max_tokens=128) for i in range(64)]
+    scheduler = make_scheduler(BudgetPlacer(capacity=8), max_loras=None, max_num_seqs=64,
+                               max_num_batched_tokens=4096, lora_time_slice_steps=16)
+    for seq in seqs:
+        scheduler.add(seq)
+    firsts = _first_token_steps(scheduler, seqs)
+    assert firsts[-1] <= 3 * 16 + 2  # the 4th group of 8 adapters starts after 3 slices
+    assert scheduler.num_pauses > 0
+    assert all(len(s.output_token_ids) == 128 for s in seqs)
+
+    waves = [make_seq(f"w{i}", names[i % 32], max_tokens=128) for i in range(64)]
+    serial = make_scheduler(BudgetPlacer(capacity=8), max_loras=None, max_num_seqs=64, max_num_batched_tokens=4096,
+                            lora_time_slice_steps=10_000)
+    for seq in waves:
+        serial.add(seq)
+    assert _first_token_steps(serial, waves)[-1] > 3 * 128  # without slices: three whole waves first
+
+
+def test_time_slices_do_not_start_without_pool_waiters():
+    scheduler = make_scheduler(BudgetPlacer(capacity=8), max_loras=None, max_num_seqs=64,
+                               lora_time_slice_steps=2)
+    for i in range(16):
+        scheduler.add(make_seq(f"r{i}", f"a{i % 8}", max_tokens=12))
+    run_until_done(scheduler)
+    assert scheduler.num_pauses == 0
