@@ -1,0 +1,246 @@
+"""One pass's decisions, pure: what the pass read + the pool spec + the memory -> the engine calls to make.
+
+`plan_pass` sorts the pool's adapters (invalid, waiting on a Secret, refused, desired), places the desired ones
+and plans the calls that are due; `record_result` judges one call's result (a refusal that holds, or a retry
+with backoff) into the next memory and the events to post. `report.build_report` then shapes what to publish
+and write. Nothing here does I/O or reads the clock (`now` is handed in); the memory comes in and a new one
+goes out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from kubelora.operator import names
+from kubelora.operator.engine_client import EngineError
+from kubelora.operator.memory import PodAdapter, Published, ReconcileMemory, Refusal, Retry
+from kubelora.operator.observe import Observation
+from kubelora.operator.placement import Placement, PlacementRequest, place
+from kubelora.operator.plan import Action, DesiredAdapter, Load, Unload, plan_pod
+from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
+from kubelora.operator.status import Failure, ReplicaState
+from kubelora.operator.validation import validate_adapter
+
+
+@dataclass(frozen=True)
+class StoredPlacement:
+    """The placement ConfigMap as found: its holders (the previous placement) and its revision."""
+    pods_by_adapter: dict[str, tuple[str, ...]]
+    revision: int
+
+    @classmethod
+    def from_configmap(cls, configmap: dict | None) -> StoredPlacement:
+        try:
+            payload = json.loads(((configmap or {}).get("data") or {}).get("placement.json", "{}"))
+        except ValueError:
+            payload = {}
+        return cls({a: tuple(p) for a, p in (payload.get("adapters") or {}).items()},
+                   int(payload.get("revision") or 0))
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What one pass read: the pool, its adapters, their source tokens, its pods and what they hold."""
+    pool_body: dict  # the LoRAPool as read
+    pool: PoolSpec  # parsed from pool_body
+    bodies: Mapping[str, dict]  # adapter name -> LoRAAdapter naming the pool (those being deleted too)
+    tokens: Mapping[str, str | None]  # adapter -> the token its authSecretRef names (None: Secret or key missing)
+    observation: Observation
+    stored: StoredPlacement | None = None  # read only while the memory holds no previous placement
+
+
+@dataclass(frozen=True)
+class AdapterSet:
+    desired: dict[str, DesiredAdapter] = field(default_factory=dict)
+    requests: tuple[PlacementRequest, ...] = ()
+    invalid: dict[str, Failure] = field(default_factory=dict)  # static validation: unloaded, not placed
+    frozen: dict[str, Failure] = field(default_factory=dict)  # engine refused this revision: left as is
+    blocked: dict[str, Failure] = field(default_factory=dict)  # waiting on its source Secret: left as is
+
+    def left_alone(self) -> dict[str, Failure]:
+        """Adapters no call touches this pass: what the pods hold of them stays."""
+        return {**self.frozen, **self.blocked}
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    adapters: AdapterSet
+    placement: Placement
+    actions: tuple[Action, ...]
+    stale_pods: frozenset[str]  # pods made from an older pool spec (being rolled out)
+    pool_fingerprint: str
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """One engine call's outcome: a load's adapter card, or the error."""
+    action: Action
+    card: Mapping | None = None
+    error: EngineError | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to post on the adapter's LoRAAdapter (skipped when it has none)."""
+    adapter: str
+    is_warning: bool
+    reason: str
+    message: str
+
+
+def adapter_name(action: Action) -> str:
+    return action.adapter if isinstance(action, Unload) else action.adapter.name
+
+
+def plan_pass(view: PoolView, memory: ReconcileMemory, now: float) -> tuple[PassPlan, ReconcileMemory]:
+    """Classify, place and plan; calls whose (pod, adapter) is backing off until after `now` are left out."""
+    adapters, memory = classify_adapters(view, memory)
+    observation, fingerprint = view.observation, view.pool.fingerprint
+    known = {p["metadata"]["name"] for p in observation.pods}
+    stale = frozenset(p["metadata"]["name"] for p in observation.pods
+                      if (p["metadata"].get("annotations") or {}).get(names.ANNOTATION_POOL_SPEC) != fingerprint)
+    previous, published = memory.previous, memory.published
+    if previous is None and view.stored is not None:  # hysteresis across operator restarts
+        previous, published = view.stored.pods_by_adapter, Published(view.stored.revision, "")
+    placement = place(adapters.requests, observation.urls, view.pool.engine.max_cpu_loras, previous)
+    memory = replace(memory, served=_on_pods(memory.served, known), retries=_on_pods(memory.retries, known),
+                     previous=placement.pods_by_adapter, published=published)
+    actions = _plan_calls(adapters, placement, observation, memory.served)
+    due = tuple(a for a in actions if _retry_at(memory, (a.pod, adapter_name(a))) <= now)
+    return PassPlan(adapters, placement, due, stale, fingerprint), memory
+
+
+def _plan_calls(adapters: AdapterSet, placement: Placement, observation: Observation,
+                served: Mapping[PodAdapter, str]) -> list[Action]:
+    actions: list[Action] = []
+    for pod, observed in observation.adapters.items():
+        served_here = {adapter: revision for (p, adapter), revision in served.items() if p == pod}
+        actions += plan_pod(pod, adapters.desired, set(placement.adapters_on(pod)), observed, served_here,
+                            frozen=adapters.left_alone())
+    return actions
+
+
+def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterSet, ReconcileMemory]:
+    """Each adapter not being deleted is invalid, blocked on its Secret, refused (frozen) or desired."""
+    refusals = {k: v for k, v in memory.refusals.items() if k in view.bodies}
+    served = dict(memory.served)
+    desired: dict[str, DesiredAdapter] = {}
+    requests: list[PlacementRequest] = []
+    invalid: dict[str, Failure] = {}
+    frozen: dict[str, Failure] = {}
+    blocked: dict[str, Failure] = {}
+    for name, body in view.bodies.items():
+        if body["metadata"].get("deletionTimestamp"):
+            continue
+        try:
+            spec = AdapterSpec.from_body(body)
+            validate_adapter(spec, view.pool)
+        except InvalidSpec as exc:
+            invalid[name] = Failure(exc.reason, str(exc))
+            continue
+        secret = spec.source.auth_secret
+        if secret is not None and not view.tokens.get(name):
+            # Not final: checked again every pass, so creating the Secret is enough.
+            blocked[name] = Failure("SecretNotFound", f"spec.source.authSecretRef: Secret "
+                                     f"{view.pool.namespace}/{secret.name} has no key {secret.key!r}")
+            continue
+        revision = spec.source.revision
+        for pod, served_revision in served_by_status(body):
+            served.setdefault((pod, name), served_revision)
+        refusal = standing_refusal(body, revision, view.pool.fingerprint, refusals.pop(name, None))
+        if refusal is not None:
+            refusals[name] = refusal
+            frozen[name] = refusal.failure
+            continue
+        desired[name] = DesiredAdapter(name, spec.source.lora_path, spec.source.sha256, revision,
+                                       auth_token=view.tokens.get(name))
+        requests.append(PlacementRequest(name, spec.replicas))
+    adapters = AdapterSet(desired, tuple(requests), invalid, frozen, blocked)
+    return adapters, replace(memory, served=served, refusals=refusals)
+
+
+def served_by_status(body: dict) -> list[tuple[str, str]]:
+    """(pod, source revision) the status says were loaded: after an operator restart, what each pod was given."""
+    return [(entry["pod"], entry["revision"]) for entry in (body.get("status") or {}).get("replicas") or []
+            if entry.get("revision") and entry.get("state") == ReplicaState.LOADED.value]
+
+
+def standing_refusal(body: dict, revision: str, pool_fingerprint: str, remembered: Refusal | None) -> Refusal | None:
+    """The refusal that holds for this revision under this pool spec, if any (None: try it)."""
+    if remembered is not None:
+        return remembered if remembered.holds_for(revision, pool_fingerprint) else None
+    status = body.get("status") or {}
+    # After an operator restart the status tells; a status written before failedPoolSpec existed counts as the
+    # current pool's.
+    failed_pool = status.get("failedPoolSpec", pool_fingerprint)
+    if status.get("failedRevision") != revision or failed_pool != pool_fingerprint:
+        return None
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    return Refusal(revision, pool_fingerprint,
+                   Failure(ready.get("reason", "LoadFailed"), ready.get("message", "the engine refused it")))
+
+
+def record_result(memory: ReconcileMemory, result: CallResult, plan: PassPlan, now: float,
+                  backoff_s: Callable[[int], float]) -> tuple[ReconcileMemory, list[Event]]:
+    """The memory after one call, and the events it makes."""
+    action, name = result.action, adapter_name(result.action)
+    key = (action.pod, name)
+    if result.error is not None:
+        return _record_failure(memory, action, result.error, plan, now, backoff_s)
+    if isinstance(action, Unload):
+        return (replace(memory, served=_without(memory.served, key)),
+                [Event(name, False, "Unloaded", f"unloaded from pod {action.pod}")])
+    memory = replace(memory, served={**memory.served, key: action.adapter.source_revision},
+                     retries=_without(memory.retries, key))
+    if not (action.is_preload or action.is_inplace):
+        return memory, []  # registrations with preload: false make no events
+    verb = "Reloaded" if action.is_inplace else "Loaded"
+    content = (result.card or {}).get("revision")
+    return memory, [Event(name, False, verb, f"revision {action.adapter.source_revision} (content {content}) on "
+                                             f"pod {action.pod}, preload={action.is_preload}")]
+
+
+def _record_failure(memory: ReconcileMemory, action: Action, error: EngineError, plan: PassPlan, now: float,
+                    backoff_s: Callable[[int], float]) -> tuple[ReconcileMemory, list[Event]]:
+    # A refusal is the adapter's own fault only on a pod made from the current pool spec; an older pod is being
+    # replaced (say maxLoraRank was just raised): back off and try again, on the new pod.
+    if isinstance(action, Load) and error.is_permanent and action.pod not in plan.stale_pods:
+        failure = Failure(error.reason, f"pod {action.pod}: {error}")
+        refusal = Refusal(action.adapter.source_revision, plan.pool_fingerprint, failure)
+        return (replace(memory, refusals={**memory.refusals, action.adapter.name: refusal}),
+                [Event(action.adapter.name, True, "LoadFailed", f"{failure.reason}: {failure.message}")])
+    name = adapter_name(action)
+    previous = memory.retries.get((action.pod, name))
+    num_failures = 1 if previous is None else previous.num_failures + 1
+    retry = Retry(num_failures, now + backoff_s(num_failures), str(error))
+    memory = replace(memory, retries={**memory.retries, (action.pod, name): retry})
+    if num_failures > 1:
+        return memory, []  # the first failure of a series makes the event
+    verb = "UnloadFailed" if isinstance(action, Unload) else "LoadFailed"
+    return memory, [Event(name, True, verb, f"pod {action.pod}: {error}; retrying with backoff")]
+
+
+def freeze_new_failures(adapters: AdapterSet, refusals: Mapping[str, Refusal], pool_fingerprint: str) -> AdapterSet:
+    """Adapters the engine refused during this pass report Failed now, not one pass later."""
+    refused = {name: refusals[name].failure for name, want in adapters.desired.items()
+               if name in refusals and refusals[name].holds_for(want.source_revision, pool_fingerprint)}
+    if not refused:
+        return adapters
+    return replace(adapters, desired={n: w for n, w in adapters.desired.items() if n not in refused},
+                   frozen={**adapters.frozen, **refused})
+
+
+def _retry_at(memory: ReconcileMemory, key: PodAdapter) -> float:
+    retry = memory.retries.get(key)
+    return 0.0 if retry is None else retry.retry_at
+
+
+def _on_pods(values: Mapping[PodAdapter, object], pods: Iterable[str]) -> dict:
+    pods = set(pods)
+    return {k: v for k, v in values.items() if k[0] in pods}
+
+
+def _without(values: Mapping, key: object) -> dict:
+    return {k: v for k, v in values.items() if k != key}

@@ -1,0 +1,157 @@
+"""What one pass publishes and writes, pure: the placement payload, each adapter's status and the pool's status.
+
+`build_report` takes what the pass read, its plan, the results of its calls and the memory after them. What a
+pod holds after the pass is the observation with the successful calls applied (`held_after`); the observation
+itself is left as it was read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from kubelora.operator import names
+from kubelora.operator.decide import AdapterSet, CallResult, Event, PassPlan, PoolView, freeze_new_failures
+from kubelora.operator.memory import Published, ReconcileMemory
+from kubelora.operator.observe import Observation
+from kubelora.operator.placement import Placement
+from kubelora.operator.plan import DesiredAdapter, ObservedAdapter, Unload, is_current
+from kubelora.operator.specs import AdapterSpec, InvalidSpec
+from kubelora.operator.status import (Failure, Phase, ReplicaState, ReplicaStatus, build_adapter_status,
+                                      build_pool_status)
+
+HeldByPod = Mapping[str, Mapping[str, ObservedAdapter]]  # pod -> adapter -> what the pod reports
+
+
+@dataclass(frozen=True)
+class Report:
+    adapter_statuses: dict[str, dict]  # adapter (not being deleted) -> its new status
+    pool_status: dict
+    placement: dict | None  # the payload to publish, with its new revision; None: unchanged
+    memory: ReconcileMemory  # to keep once the placement is published
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What the pods hold after the pass's calls, with what the operator knows it loaded there."""
+    held: HeldByPod
+    memory: ReconcileMemory
+
+    def holders(self, name: str, pods: Iterable[str], want: DesiredAdapter | None) -> list[str]:
+        """Pods holding `name` resident (host or device), at `want`'s revision when given."""
+        return [pod for pod in pods if self._serves(pod, name, want)]
+
+    def replica(self, name: str, pod: str, want: DesiredAdapter | None) -> ReplicaStatus:
+        have = self.held.get(pod, {}).get(name)
+        retry = self.memory.retries.get((pod, name))
+        error = retry.message if retry is not None else (have.last_error if have is not None else None)
+        if self._serves(pod, name, want):
+            served = self.memory.served.get((pod, name)) or (want.source_revision if want is not None else None)
+            return ReplicaStatus(pod, ReplicaState.LOADED, revision=served, content_revision=have.content_revision,
+                                 residency=have.residency, loaded_at=have.loaded_at, last_error=error)
+        state = ReplicaState.LOADING if retry is None else ReplicaState.PENDING
+        return ReplicaStatus(pod, state, last_error=error)
+
+    def _serves(self, pod: str, name: str, want: DesiredAdapter | None) -> bool:
+        have = self.held.get(pod, {}).get(name)
+        if have is None or not have.is_resident:
+            return False
+        return want is None or is_current(have, want, self.memory.served.get((pod, name)))
+
+
+def build_report(view: PoolView, plan: PassPlan, results: Iterable[CallResult], memory: ReconcileMemory) -> Report:
+    adapters = freeze_new_failures(plan.adapters, memory.refusals, plan.pool_fingerprint)
+    holdings = Holdings(held_after(view.observation.adapters, results), memory)
+    payload = placement_payload(view, adapters, plan.placement, holdings)
+    fingerprint = json.dumps(payload, sort_keys=True)
+    published = memory.published or Published(0, "")
+    update = None
+    if fingerprint != published.payload:
+        published = Published(published.revision + 1, fingerprint)
+        update = {**payload, "revision": published.revision}
+    statuses = {name: adapter_status(name, body, adapters, plan, holdings, has_ready_pod=bool(view.observation.urls))
+                for name, body in view.bodies.items() if not body["metadata"].get("deletionTimestamp")}
+    pool = pool_status(view.pool.name, view.pool_body, view.observation, holdings.held, plan.placement,
+                       capacity=view.pool.engine.max_cpu_loras, revision=published.revision,
+                       num_adapters=len(view.bodies))
+    return Report(statuses, pool, update, replace(memory, published=published))
+
+
+def held_after(held: HeldByPod, results: Iterable[CallResult]) -> dict[str, dict[str, ObservedAdapter]]:
+    """The observed adapters with every successful call applied (a new mapping; `held` is not changed)."""
+    after = {pod: dict(adapters) for pod, adapters in held.items()}
+    for result in results:
+        action = result.action
+        if result.error is not None:
+            continue
+        if isinstance(action, Unload):
+            after[action.pod].pop(action.adapter, None)
+            continue
+        card = {**(result.card or {}), "id": action.adapter.name, "source": action.adapter.lora_path}
+        after[action.pod][action.adapter.name] = ObservedAdapter.from_card(card)
+    return after
+
+
+def placement_payload(view: PoolView, adapters: AdapterSet, placement: Placement, holdings: Holdings) -> dict:
+    """The router's contract without its revision: each adapter's placed pods that hold its current revision."""
+    held = {name: holdings.holders(name, placement.pods_of(name), want) for name, want in adapters.desired.items()}
+    held.update({name: holdings.holders(name, sorted(holdings.held), None) for name in adapters.left_alone()})
+    replicas = [{"pod": pod, "url": url, "ready": pod in view.observation.urls}
+                for pod, url in view.observation.all_urls.items()]
+    return {"pool": view.pool.name, "baseModel": view.pool.served_name,
+            "replicas": sorted(replicas, key=lambda r: r["pod"]), "adapters": held}
+
+
+def adapter_status(name: str, body: dict, adapters: AdapterSet, plan: PassPlan, holdings: Holdings, *,
+                   has_ready_pod: bool) -> dict:
+    generation = int(body["metadata"].get("generation") or 0)
+    try:
+        revision = AdapterSpec.from_body(body).source.revision
+    except InvalidSpec:
+        revision = ""
+    failure = adapters.invalid.get(name) or adapters.left_alone().get(name)
+    if failure is not None:
+        replicas = [holdings.replica(name, pod, None) for pod in holdings.holders(name, sorted(holdings.held), None)]
+        return build_adapter_status(generation=generation, revision=revision, wanted=0, replicas=replicas,
+                                    failure=failure, failed_revision=revision if name in adapters.frozen else None,
+                                    failed_pool_spec=plan.pool_fingerprint)
+    want = adapters.desired[name]
+    replicas = [holdings.replica(name, pod, want) for pod in plan.placement.pods_of(name)]
+    pending = None if has_ready_pod else Failure("NoReadyReplicas", "no engine replica of the pool is ready")
+    return build_adapter_status(generation=generation, revision=revision,
+                                wanted=plan.placement.wanted_by_adapter.get(name, 0), replicas=replicas,
+                                pending=pending)
+
+
+def pool_status(pool_name: str, body: dict, observation: Observation, held: HeldByPod, placement: Placement | None,
+                *, capacity: int, revision: int, num_adapters: int, invalid: Failure | None = None) -> dict:
+    pods = []
+    for pod in sorted(observation.pods, key=lambda p: p["metadata"]["name"]):
+        name = pod["metadata"]["name"]
+        placed = placement.adapters_on(name) if placement is not None else []
+        here = held.get(name, {})
+        pods.append({"name": name, "ip": (pod.get("status") or {}).get("podIP") or "",
+                     "ready": name in observation.urls,
+                     "adapters": [a for a in placed if a in here and here[a].is_resident],
+                     "numRegistered": len(here), "freeSlots": max(capacity - len(placed), 0)})
+    return build_pool_status(
+        generation=int(body["metadata"].get("generation") or 0),
+        spec_replicas=int((body.get("spec") or {}).get("replicas", 1)), num_pods=len(observation.pods), pods=pods,
+        selector=names.selector_string(names.engine_selector(pool_name)), num_adapters=num_adapters,
+        placement_revision=revision, invalid=invalid)
+
+
+def invalid_pool_status(pool_name: str, body: dict, invalid: Failure) -> dict:
+    """A pool whose spec does not parse: no pods, no placement, Ready=False with the spec's reason."""
+    return pool_status(pool_name, body, Observation([]), {}, None, capacity=0, revision=0, num_adapters=0,
+                       invalid=invalid)
+
+
+def phase_event(name: str, old: dict, patch: dict) -> Event | None:
+    """One event per phase change of an adapter (Failed and Degraded as warnings)."""
+    if old.get("phase") == patch["phase"]:
+        return None
+    ready = next(c for c in patch["conditions"] if c["type"] == "Ready")
+    return Event(name, patch["phase"] in (Phase.FAILED.value, Phase.DEGRADED.value), patch["phase"],
+                 f"{ready['reason']}: {ready['message']}")
