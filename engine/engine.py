@@ -27,7 +27,7 @@ from kubelora.engine.model.config import load_hf_config, model_config_from_hf, r
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.model.weights import ModelWeights, load_weights
-from kubelora.engine.outputs import EngineSnapshot, RequestOutput
+from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
 from kubelora.engine.runner import ModelRunner, RunnerConfig, StepResult
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -66,6 +66,7 @@ class LLMEngine:
         self._blocks = BlockManager(BlockManagerConfig(self.num_kv_blocks, config.kv_block_size))
         self._scheduler = Scheduler(self._scheduler_config(), self._blocks, self.adapters)
         self._detokenizer = Detokenizer(self.tokenizer)
+        self._logprobs = LogprobsDecoder(self.tokenizer)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._last_batch = (0, 0, 0)
@@ -92,7 +93,8 @@ class LLMEngine:
                              kv_cache, pool.layer_buffers())
         lora_backend = setup.resolve_lora_backend(self.config)
         runner_config = RunnerConfig(device=self.device, block_size=self.config.kv_block_size,
-                                     lora_backend=lora_backend, is_paged_attention=self.device.type == "cuda")
+                                     lora_backend=lora_backend, is_paged_attention=self.device.type == "cuda",
+                                     eos_token_ids=self.eos_token_ids)
         runner = ModelRunner(model, runner_config)
         if self.device.type == "cuda":  # compile before the first request, not during it
             seconds = warm_up(runner, warm_up_sizes(self.config.max_num_batched_tokens), self.num_kv_blocks,
@@ -115,6 +117,7 @@ class LLMEngine:
                     adapter: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request. Raises InvalidRequest, PromptTooLong, QueueFull, UnknownAdapter, AdapterUnloading."""
         prompt = self._check_prompt(prompt_token_ids)
+        self._check_sampling_tokens(params)
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         generator = None
@@ -173,6 +176,7 @@ class LLMEngine:
         for chunk, logits in zip(batch.chunks, result.logits):
             if logits is not None and chunk.seq.status is SequenceStatus.RUNNING:
                 _record_logits(chunk.seq, chunk.start_pos, logits, chunk.is_sampled)
+        self._record_logprobs(batch, result)
         outputs = []
         for seq in self._scheduler.postprocess(batch, result.sampled):
             if self._detokenizer.update(seq, seq.status.is_finished):
@@ -181,9 +185,25 @@ class LLMEngine:
             outputs.append(self._output(seq, seq.output_token_ids[-1:]))
         return outputs
 
+    def _record_logprobs(self, batch: Batch, result: StepResult) -> None:
+        """The sampled tokens' logprobs (appended with their tokens) and prompt logprobs once per position."""
+        for i, chunk in enumerate(batch.chunks):
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if result.prompt_logprobs and result.prompt_logprobs[i]:
+                for j, raw in enumerate(result.prompt_logprobs[i]):  # entry j is prompt token start_pos + 1 + j
+                    if chunk.start_pos + j == len(seq.prompt_logprobs):  # a preemption recomputes them
+                        seq.prompt_logprobs.append(self._logprobs.position(raw))
+            if result.logprobs and result.logprobs[i] is not None:
+                seq.output_logprobs.append(self._logprobs.position(result.logprobs[i]))
+
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         finished = seq.status.is_finished
         keep_logits = finished and seq.params.return_logits
+        params = seq.params
+        has_logprobs = params.logprobs is not None and bool(new_token_ids)
+        has_prompt_logprobs = params.prompt_logprobs is not None and (finished or len(seq.output_token_ids) == 1)
         return RequestOutput(
             request_id=seq.request_id,
             adapter=seq.adapter_name,
@@ -198,7 +218,16 @@ class LLMEngine:
             first_token_time=seq.first_token_time,
             prompt_logits=torch.stack(seq.prompt_logits) if keep_logits and seq.prompt_logits else None,
             logits=torch.stack(seq.logits) if keep_logits and seq.logits else None,
+            new_logprobs=tuple(seq.output_logprobs[-len(new_token_ids):]) if has_logprobs else (),
+            logprobs=tuple(seq.output_logprobs) if finished and params.logprobs is not None else None,
+            prompt_logprobs=tuple(seq.prompt_logprobs) if has_prompt_logprobs else None,
         )
+
+    def _check_sampling_tokens(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.token_ids_used() if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} in the sampling parameters is outside the vocabulary [0, {vocab})")
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
         prompt = [int(t) for t in prompt_token_ids]

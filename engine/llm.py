@@ -89,4 +89,6 @@ def _result(output: RequestOutput, prompt_token_ids: list[int]) -> GenerationRes
         error=output.error,
         prompt_logits=output.prompt_logits,
         logits=output.logits,
+        logprobs=output.logprobs,
+        prompt_logprobs=output.prompt_logprobs,
     )

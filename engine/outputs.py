@@ -10,6 +10,21 @@ from kubelora.engine.adapters.types import AdapterStats
 
 
 @dataclass(frozen=True)
+class Logprob:
+    token_id: int
+    logprob: float  # natural log; -inf is reported as sampler.LOGPROB_FLOOR
+    token: str  # the token decoded alone
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """One position of a prompt or an output: the token there and the most likely ones (most likely first)."""
+
+    chosen: Logprob
+    top: tuple[Logprob, ...]
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     adapter: str | None
@@ -24,6 +39,12 @@ class RequestOutput:
     first_token_time: float | None  # time.time() of the first generated token (TTFT = this - arrival_time)
     prompt_logits: torch.Tensor | None = None  # [num_prompt_tokens, vocab], finished + return_logits only
     logits: torch.Tensor | None = None  # [num_generated, vocab]: the distribution of each generated token
+    # With params.logprobs: one per token of new_token_ids; every one so far once finished.
+    new_logprobs: tuple[PositionLogprobs, ...] = ()
+    logprobs: tuple[PositionLogprobs, ...] | None = None
+    # With params.prompt_logprobs: one per prompt token after the first; on the first token's output and
+    # once finished.
+    prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +60,27 @@ class GenerationResult:
     error: str | None
     prompt_logits: torch.Tensor | None
     logits: torch.Tensor | None
+    logprobs: tuple[PositionLogprobs, ...] | None = None
+    prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
+
+
+class LogprobsDecoder:
+    """The sampler's token-id logprobs with each token's text (decoded alone, cached per id)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def position(self, raw) -> PositionLogprobs:
+        """raw: a sampler.TokenLogprobs."""
+        top = tuple(Logprob(t, lp, self._text(t)) for t, lp in zip(raw.top_ids, raw.top_logprobs))
+        return PositionLogprobs(Logprob(raw.token_id, raw.logprob, self._text(raw.token_id)), top)
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
 
 
 @dataclass(frozen=True)

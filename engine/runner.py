@@ -12,7 +12,8 @@ from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import prepare_attention, prepare_decode_attention, prepare_prefill_attention
 from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
-from kubelora.engine.sampler import sample
+from kubelora.engine.sampler import TokenLogprobs, keep_top, prompt_logprobs, sample
+from kubelora.engine.sampling_batch import prepare_sampling
 from kubelora.engine.scheduler import Batch
 from kubelora.kernels.lora import prepare_lora_projs, prepare_lora_step
 
@@ -24,12 +25,16 @@ class RunnerConfig:
     lora_backend: str
     # Attention reads the paged cache in place (kernels/attention.py) instead of gathering it into a padded batch
     is_paged_attention: bool = False
+    eos_token_ids: tuple[int, ...] = ()  # banned by the sampler while a request has fewer than min_tokens
 
 
 @dataclass(frozen=True)
 class StepResult:
     sampled: list[int | None]  # per chunk: the new token, None for a chunk in the middle of a prefill
     logits: list[torch.Tensor | None]  # per chunk with params.return_logits: [len(chunk), vocab] on the host
+    logprobs: list[TokenLogprobs | None] | None = None  # per chunk: the sampled token's, where asked
+    # per chunk with params.prompt_logprobs: one per prompt token after the chunk's positions (the next token)
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,9 @@ class ModelRunner:
         plan = prepare_logits_plan(batch, self.config.device)
         hidden = self.model.forward(token_ids, ctx)
         logits = self.model.compute_logits(hidden[plan.rows])
-        return StepResult(sampled=self._sample(batch, logits, plan), logits=_chunk_logits(batch, logits, plan))
+        sampled, logprobs = self._sample(batch, logits, plan)
+        return StepResult(sampled=sampled, logits=_chunk_logits(batch, logits, plan), logprobs=logprobs,
+                          prompt_logprobs=_prompt_logprobs(batch, logits, plan))
 
     def _is_static_decode(self, batch: Batch) -> bool:
         """One sampled token per sequence, no logits kept, and a bucket that holds the batch."""
@@ -68,10 +75,12 @@ class ModelRunner:
         step = DecodeStep(token_ids=[c.token_ids[0] for c in chunks], positions=[c.start_pos for c in chunks],
                           block_tables=[c.block_table for c in chunks], token_slots=[c.slot for c in chunks],
                           slot_tables=tables)
-        logits = self.decoder.run(step)
-        seqs = [c.seq for c in chunks]
-        sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return StepResult(sampled=sampled, logits=[None] * len(chunks))
+        logits = self.decoder.run(step)  # sampling runs after the replay, reading the graph's static output
+        out = sample(logits, self._sampling_batch([c.seq for c in chunks], logits.device))
+        return StepResult(sampled=out.token_ids, logits=[None] * len(chunks), logprobs=out.logprobs)
+
+    def _sampling_batch(self, seqs: list, device: torch.device):
+        return prepare_sampling(seqs, self.model.config.vocab_size, device, self.config.eos_token_ids)
 
     def prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
         device = self.config.device
@@ -108,13 +117,16 @@ class ModelRunner:
         proj = prepare_lora_projs(tables, self.config.device)  # every kind in one host->device copy
         return LoRAContext(step=step, proj=proj, backend=self.config.lora_backend)
 
-    def _sample(self, batch: Batch, logits: torch.Tensor, plan: LogitsPlan) -> list[int | None]:
+    def _sample(self, batch: Batch, logits: torch.Tensor,
+                plan: LogitsPlan) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         rows = [r for r in plan.sample_rows if r is not None]
         if not rows:
-            return [None] * len(batch.chunks)
+            return [None] * len(batch.chunks), [None] * len(batch.chunks)
         seqs = [c.seq for c, r in zip(batch.chunks, plan.sample_rows) if r is not None]
-        tokens = iter(sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs]))
-        return [None if r is None else next(tokens) for r in plan.sample_rows]
+        out = sample(logits[rows], self._sampling_batch(seqs, logits.device))
+        tokens, logprobs = iter(out.token_ids), iter(out.logprobs)
+        return ([None if r is None else next(tokens) for r in plan.sample_rows],
+                [None if r is None else next(logprobs) for r in plan.sample_rows])
 
 
 def _kind_tables(slots: tuple[SlotView, ...], modules: tuple[str, ...]) -> tuple[list, list, list]:
@@ -126,13 +138,14 @@ def _kind_tables(slots: tuple[SlotView, ...], modules: tuple[str, ...]) -> tuple
 
 
 def prepare_logits_plan(batch: Batch, device: torch.device) -> LogitsPlan:
-    """Logits only where needed: the last token of sampled chunks, every token when return_logits is set."""
+    """Logits only where needed: the last token of sampled chunks, every token with return_logits or with
+    prompt logprobs still to compute."""
     rows, chunk_rows, sample_rows = [], [], []
     token = 0
     for chunk in batch.chunks:
         num = len(chunk.token_ids)
         first = len(rows)
-        if chunk.seq.params.return_logits:
+        if chunk.seq.params.return_logits or _num_prompt_targets(chunk):
             rows.extend(range(token, token + num))
         elif chunk.is_sampled:
             rows.append(token + num - 1)
@@ -148,3 +161,31 @@ def _chunk_logits(batch: Batch, logits: torch.Tensor, plan: LogitsPlan) -> list[
     for chunk, (first, end) in zip(batch.chunks, plan.chunk_rows):
         out.append(logits[first:end].cpu() if chunk.seq.params.return_logits else None)
     return out
+
+
+def _num_prompt_targets(chunk) -> int:
+    """Prompt tokens whose logprob this chunk's logits give (the token after each position, inside the prompt)."""
+    if chunk.seq.params.prompt_logprobs is None:
+        return 0
+    return max(0, min(len(chunk.token_ids), len(chunk.seq.prompt_token_ids) - 1 - chunk.start_pos))
+
+
+def _prompt_logprobs(batch: Batch, logits: torch.Tensor, plan: LogitsPlan) -> list[list[TokenLogprobs] | None]:
+    """Every chunk's prompt logprobs from one log_softmax over their rows and one device -> host copy."""
+    rows, targets, counts = [], [], []
+    for chunk, (first, _) in zip(batch.chunks, plan.chunk_rows):
+        num = _num_prompt_targets(chunk)
+        counts.append(num)
+        rows.extend(range(first, first + num))
+        targets.extend(chunk.seq.prompt_token_ids[chunk.start_pos + 1 : chunk.start_pos + 1 + num])
+    if not rows:
+        return [None] * len(batch.chunks)
+    k = max(c.seq.params.prompt_logprobs for c, n in zip(batch.chunks, counts) if n)
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    entries = iter(prompt_logprobs(logits[index], torch.tensor(targets, device=logits.device), k))
+    out = []
+    for chunk, num in zip(batch.chunks, counts):
+        kept = chunk.seq.params.prompt_logprobs or 0
+        out.append([keep_top(next(entries), kept) for _ in range(num)] if num else None)
+    return out
+

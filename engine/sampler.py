@@ -1,55 +1,127 @@
-"""Token sampling: greedy, temperature, top-k, top-p; per-request seeded generators."""
+"""The sampling stage: logits processing, greedy / temperature / min-p / top-k / top-p draws, logprobs.
+
+Inputs: logits [num_rows, vocab] float32 (on CUDA a view of the decode graph's static output: never written
+here) and one `SamplingBatch` (engine/sampling_batch.py). Every filter is a batched tensor op; the draw is
+per row only for seeded requests, so a seeded request gives the same tokens whatever else shares its batch.
+Output: the sampled ids and, for rows that ask, their log-probabilities, in one device -> host copy.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kubelora.engine.sampling_params import SamplingParams
+from kubelora.engine.sampling_batch import Penalties, SamplingBatch
+
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity), as vLLM does
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [num_seqs, vocab] float32 -> one token id per row.
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position: the chosen token's log-probability and the top ones (most likely first)."""
 
-    Filters run batched; the draw is per row only for seeded requests, so a seeded request gives the same
-    tokens whatever else shares its batch.
-    """
-    greedy = logits.argmax(dim=-1)
-    if all(p.is_greedy for p in params):
-        return greedy.tolist()
-    probs = _filtered_probs(logits, params)
-    tokens = greedy.clone()
-    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    unseeded = [i for i in sampled_rows if generators[i] is None]
-    if unseeded:
-        tokens[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
-    for i in sampled_rows:
-        if generators[i] is not None:
-            tokens[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
-    return tokens.tolist()
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                               dtype=logits.dtype, device=logits.device)
-    scaled = logits / temperature[:, None]
-    top_k = [p.top_k for p in params]
-    if any(k > 0 for k in top_k):
-        scaled = _apply_top_k(scaled, top_k)
-    top_p = [p.top_p for p in params]
-    if any(p < 1.0 for p in top_p):
-        scaled = _apply_top_p(scaled, torch.tensor(top_p, dtype=logits.dtype, device=logits.device))
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row; None where the row did not ask
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits: [num_rows, vocab] float32 -> one token id per row (and logprobs where asked)."""
+    if batch.is_plain_greedy:
+        return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+    processed = process_logits(logits, batch)
+    tokens = processed.argmax(dim=-1)
+    if not all(batch.greedy_rows):
+        tokens = _draw(processed, batch, tokens)
+    if batch.max_logprobs is None:
+        return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
+    rows = _logprobs(torch.log_softmax(logits.float(), dim=-1), tokens, batch.max_logprobs)
+    return SamplerOutput([r.token_id for r in rows],
+                         [keep_top(r, k) if k is not None else None for r, k in zip(rows, batch.num_logprobs)])
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits after allowed/banned tokens, logit bias and penalties (a new tensor; `logits` is kept)."""
+    if not batch.has_processing:
+        return logits
+    out = logits.clone()
+    if batch.allowed is not None:
+        keep = torch.zeros_like(out, dtype=torch.bool)
+        keep[~batch.allowed_rows] = True
+        keep[batch.allowed.rows, batch.allowed.tokens] = True
+        out.masked_fill_(~keep, float("-inf"))
+    if batch.banned is not None:
+        out[batch.banned.rows, batch.banned.tokens] = float("-inf")
+    if batch.logit_bias is not None:
+        out.index_put_((batch.logit_bias.rows, batch.logit_bias.tokens), batch.logit_bias.values, accumulate=True)
+    if batch.penalties is not None:
+        out = apply_penalties(out, batch.penalties)
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """Repetition as transformers' RepetitionPenaltyLogitsProcessor (positive / r, negative * r) over the
+    prompt and output; then logits - frequency * count - presence * (count > 0) over the output (OpenAI)."""
+    num_rows, vocab = logits.shape
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, penalties.seen_tokens, True)
+    seen = seen[:, :vocab]
+    rep = penalties.repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, penalties.output_tokens, torch.ones_like(penalties.output_tokens, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    return logits - penalties.frequency[:, None] * counts - penalties.presence[:, None] * (counts > 0)
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Probabilities after temperature, min_p, top_k and top_p (vLLM's order)."""
+    scaled = logits / batch.temperature[:, None]
+    if batch.min_p is not None:
+        scaled = apply_min_p(scaled, batch.min_p)
+    if batch.top_k is not None:
+        scaled = apply_top_k(scaled, batch.top_k)
+    if batch.top_p is not None:
+        scaled = apply_top_p(scaled, batch.top_p)
     return torch.softmax(scaled, dim=-1)
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+def _draw(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor) -> torch.Tensor:
+    probs = filtered_probs(logits, batch)
+    tokens = greedy.clone()
+    sampled_rows = [i for i, g in enumerate(batch.greedy_rows) if not g]
+    unseeded = [i for i in sampled_rows if batch.generators[i] is None]
+    if unseeded:
+        tokens[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+    for i in sampled_rows:  # a seeded request draws from its own generator
+        if batch.generators[i] is not None:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=batch.generators[i])[0]
+    return tokens
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top one's (transformers' MinPLogitsWarper)."""
+    probs = torch.softmax(logits, dim=-1)
+    floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """top_k: [num_rows] int64 in [1, vocab] (vocab keeps every token)."""
     sorted_desc = logits.sort(dim=-1, descending=True).values
-    kth = sorted_desc.gather(1, (k - 1)[:, None])  # [num_seqs, 1] the k-th largest value
+    kth = sorted_desc.gather(1, (top_k - 1)[:, None])  # [num_rows, 1] the k-th largest value
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest prefix of tokens (by probability) whose mass reaches top_p; always the top one."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
@@ -58,3 +130,24 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """logprobs: [num_rows, vocab]; tokens: [num_rows] -> per row, with ids and values in one host copy."""
+    chosen = logprobs.gather(1, tokens[:, None])
+    top = logprobs.topk(k, dim=-1) if k else None
+    parts = [tokens[:, None].double(), chosen.double()]
+    if top is not None:
+        parts += [top.indices.double(), top.values.double()]
+    host = torch.cat(parts, dim=1).clamp(min=LOGPROB_FLOOR).tolist()  # ids are >= 0: the clamp keeps them
+    return [TokenLogprobs(int(r[0]), r[1], tuple(int(t) for t in r[2 : 2 + k]), tuple(r[2 + k :])) for r in host]
+
+
+def keep_top(row: TokenLogprobs, k: int) -> TokenLogprobs:
+    return TokenLogprobs(row.token_id, row.logprob, row.top_ids[:k], row.top_logprobs[:k])
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """logits: [num_rows, vocab] at prompt positions; targets: [num_rows] the next prompt token of each."""
+    return _logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
+

@@ -2,46 +2,118 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+MAX_LOGPROBS = 20  # top log-probabilities per position (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one logit_bias value
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
+    """temperature 0 is greedy; top_k 0, top_p 1, min_p 0 and the neutral penalties disable those filters.
 
     max_tokens None means "until max_model_len"; a max_tokens larger than the room left after the prompt is
     clipped to that room (finish_reason "length"), never rejected. `return_logits` keeps each computed
     distribution (prompt positions and generated steps, float32 on the host): for tests and evaluation only.
+
+    Logits processing (engine/sampler.py, in this order): `allowed_token_ids` keeps only those tokens;
+    `bad_words_token_ids` bans the last token of each sequence whose other tokens end the output (a one-token
+    sequence always); while fewer than `min_tokens` are generated, EOS and `stop_token_ids` are banned;
+    `logit_bias` (token id -> added value) is added; `repetition_penalty` (> 1 discourages) divides positive
+    and multiplies negative logits of tokens seen in the prompt or output; `frequency_penalty` x count and
+    `presence_penalty` x seen are subtracted for output tokens. Then temperature, min_p, top_k, top_p.
+    `logprobs` (None: off) returns the sampled token's log-probability and the `logprobs` most likely ones per
+    generated token; `prompt_logprobs` the same for each prompt token after the first. Log-probabilities are
+    of the model's distribution (log_softmax of the raw logits, before any processing), as vLLM's default.
     """
 
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # a dict {token_id: bias} is accepted and sorted
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     return_logits: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self._normalise()
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        _check_range("temperature", self.temperature, 0.0, 100.0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        self._check_counts()
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+    def _normalise(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids",
+                           tuple(tuple(int(t) for t in word) for word in self.bad_words_token_ids))
+
+    def _check_counts(self) -> None:
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if any(not word for word in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must not hold an empty sequence")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_processing(self) -> bool:
+        """Some logits processor changes this request's logits (min_tokens counts: it may ban EOS)."""
+        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids) or self.min_tokens > 0)
+
+    def token_ids_used(self) -> tuple[int, ...]:
+        """Every token id the settings name (checked against the vocabulary when a request is added)."""
+        ids = [t for t, _ in self.logit_bias] + list(self.allowed_token_ids or ()) + list(self.stop_token_ids)
+        return tuple(ids + [t for word in self.bad_words_token_ids for t in word])
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:  # NaN fails too
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}")

@@ -57,6 +57,10 @@ class Sequence:
     num_preemptions: int = 0
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # with params.return_logits: [vocab] each
     logits: list[torch.Tensor] = field(default_factory=list)
+    # With params.logprobs / prompt_logprobs (engine/outputs.py PositionLogprobs): one per generated token;
+    # one per prompt token after the first.
+    output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def fairness_key(self) -> str:

@@ -6,17 +6,19 @@ max-model-len is decided later, by the handler that knows the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kubelora.engine.common.errors import InvalidRequest
-from kubelora.engine.sampling_params import SamplingParams
+from kubelora.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from kubelora.engine.server.config import ADAPTER_NAME_RE
 from kubelora.engine.server.fields import Fields
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
 MAX_SEED = 2**63 - 1
+MAX_BAD_WORDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 1024
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Prompt = str | tuple[int, ...]
@@ -36,12 +38,38 @@ class Sampling:
     ignore_eos: bool
     skip_special_tokens: bool
     include_stop_str_in_output: bool
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()  # tokenized by the handler (`to_params`'s bad_words_token_ids)
+    logprobs: int | None = None  # top log-probabilities per generated token (None: no logprobs)
+    prompt_logprobs: int | None = None
 
-    def to_params(self, tag: str) -> SamplingParams:
+    def to_params(self, bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output)
+                              include_stop_str_in_output=self.include_stop_str_in_output, min_p=self.min_p,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                              min_tokens=self.min_tokens, allowed_token_ids=self.allowed_token_ids,
+                              bad_words_token_ids=bad_words_token_ids, logprobs=self.logprobs,
+                              prompt_logprobs=self.prompt_logprobs)
+
+
+@dataclass(frozen=True)
+class Choices:
+    """How one request's prompts become choices: n per prompt (choice index prompt * n + j), echo, truncation,
+    and the usage reporting of a stream."""
+
+    n: int = 1
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: the last max-model-len - 1
+    continuous_usage_stats: bool = False  # every stream chunk carries its choice's usage so far
 
 
 @dataclass(frozen=True)
@@ -51,6 +79,7 @@ class CompletionRequest:
     sampling: Sampling
     is_stream: bool
     include_usage: bool
+    choices: Choices = Choices()
 
 
 @dataclass(frozen=True)
@@ -67,6 +96,7 @@ class ChatRequest:
     is_stream: bool
     include_usage: bool
     add_generation_prompt: bool
+    choices: Choices = Choices()
 
 
 MAX_AUTH_TOKEN_CHARS = 4096
@@ -103,11 +133,78 @@ def _take_stop(f: Fields) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _take_token_ids(f: Fields, key: str) -> tuple[int, ...]:
-    ids = f.take_list(key) or []
+def _take_token_ids(f: Fields, key: str, ids: list | None = None) -> tuple[int, ...]:
+    ids = (f.take_list(key) or []) if ids is None else ids
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise InvalidRequest(f"'{key}' must be an array of non-negative integers", param=key, code="invalid_type")
     return tuple(ids)
+
+
+def _take_logit_bias(f: Fields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"<token id>": bias in [-100, 100]}."""
+    raw = f.take_any("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise InvalidRequest("'logit_bias' must be an object of token id -> number", param="logit_bias",
+                             code="invalid_type")
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequest(f"'logit_bias' has {len(raw)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                             param="logit_bias", code="out_of_range")
+    entries = []
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise InvalidRequest(f"'logit_bias' keys must be token ids (decimal integers), got {key!r}",
+                                 param="logit_bias", code="invalid_value")
+        entries.append((int(key), Fields(raw, prefix="logit_bias.").take_float(key, 0.0, low=-MAX_LOGIT_BIAS,
+                                                                                high=MAX_LOGIT_BIAS)))
+    return tuple(entries)
+
+
+def _take_words(f: Fields, key: str) -> tuple[str, ...]:
+    words = f.take_list(key) or []
+    if not all(isinstance(w, str) and w.strip() for w in words):
+        raise InvalidRequest(f"'{key}' must be an array of non-blank strings", param=key, code="invalid_type")
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"'{key}' has {len(words)} strings; at most {MAX_BAD_WORDS} are allowed", param=key,
+                             code="out_of_range")
+    return tuple(words)
+
+
+def _take_processing(f: Fields, sampling: Sampling) -> Sampling:
+    """Penalties, logit bias, min_p, min_tokens and token constraints (vLLM's names and ranges)."""
+    allowed = f.take_list("allowed_token_ids")
+    if allowed is not None and not allowed:
+        raise InvalidRequest("'allowed_token_ids' must not be empty", param="allowed_token_ids",
+                             code="invalid_value")
+    min_tokens = f.take_int("min_tokens", 0, low=0)
+    if sampling.max_tokens is not None and min_tokens > sampling.max_tokens:
+        raise InvalidRequest(f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({sampling.max_tokens})",
+                             param="min_tokens", code="out_of_range")
+    return replace(
+        sampling,
+        min_p=f.take_float("min_p", 0.0, low=0.0, high=1.0),
+        presence_penalty=f.take_float("presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=f.take_float("frequency_penalty", 0.0, low=-2.0, high=2.0),
+        repetition_penalty=f.take_float("repetition_penalty", 1.0, low=0.0, high=2.0, low_open=True),
+        logit_bias=_take_logit_bias(f),
+        min_tokens=min_tokens,
+        allowed_token_ids=None if allowed is None else _take_token_ids(f, "allowed_token_ids", allowed),
+        bad_words=_take_words(f, "bad_words"),
+        prompt_logprobs=f.take_int("prompt_logprobs", None, low=0, high=MAX_LOGPROBS),
+    )
+
+
+def _take_choices(f: Fields, num_prompts: int, continuous_usage_stats: bool, echo: bool = False) -> Choices:
+    n = f.take_int("n", 1, low=1, high=MAX_PROMPTS)
+    if num_prompts * n > MAX_PROMPTS:
+        raise InvalidRequest(f"{num_prompts} prompts x 'n' {n} is {num_prompts * n} choices; at most {MAX_PROMPTS} "
+                             "per request", param="n", code="out_of_range")
+    truncate = f.take_int("truncate_prompt_tokens", None, low=-1)
+    if truncate == 0:
+        raise InvalidRequest("'truncate_prompt_tokens' must be >= 1 or -1 (max-model-len), got 0",
+                             param="truncate_prompt_tokens", code="out_of_range")
+    return Choices(n=n, echo=echo, truncate_prompt_tokens=truncate, continuous_usage_stats=continuous_usage_stats)
 
 
 def _take_sampling(f: Fields, max_tokens: int | None) -> Sampling:
@@ -128,23 +225,19 @@ def _take_sampling(f: Fields, max_tokens: int | None) -> Sampling:
 
 
 def _take_common_unsupported(f: Fields) -> None:
-    f.take_unsupported("n", 1)
-    for key in ("presence_penalty", "frequency_penalty"):
-        f.take_unsupported(key, 0, 0.0)
-    f.take_unsupported("repetition_penalty", 1, 1.0)
-    f.take_unsupported("logit_bias", {})
     f.take_str("user")
 
 
-def _take_stream(f: Fields) -> tuple[bool, bool]:
+def _take_stream(f: Fields) -> tuple[bool, bool, bool]:
+    """stream, include_usage, continuous_usage_stats (vLLM: only with include_usage)."""
     is_stream = f.take_bool("stream", False)
     options = f.take_object("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         include_usage = options.take_bool("include_usage", False)
-        options.take_bool("continuous_usage_stats", False)
+        continuous = options.take_bool("continuous_usage_stats", False) and include_usage
         options.finish()
-    return is_stream, include_usage
+    return is_stream, include_usage, continuous
 
 
 def _take_model(f: Fields) -> str:
@@ -186,15 +279,20 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     f = Fields(body)
     model = _take_model(f)
     prompts = _parse_prompts(f.take_any("prompt", required=True))
-    sampling = _take_sampling(f, f.take_int("max_tokens", 16, low=1))
-    is_stream, include_usage = _take_stream(f)
+    sampling = _take_processing(f, _take_sampling(f, f.take_int("max_tokens", 16, low=1)))
+    is_stream, include_usage, continuous = _take_stream(f)
     _take_common_unsupported(f)
     f.take_unsupported("best_of", 1)
-    f.take_unsupported("echo", False)
-    f.take_unsupported("logprobs", 0)
+    echo = f.take_bool("echo", False)
+    logprobs = f.take_int("logprobs", None, low=0, high=MAX_LOGPROBS)
+    prompt_logprobs = sampling.prompt_logprobs
+    if echo and logprobs is not None:  # echo with logprobs returns the prompt tokens' logprobs first
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    sampling = replace(sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    choices = _take_choices(f, len(prompts), continuous, echo)
     f.take_unsupported("suffix", "")
     f.finish()
-    return CompletionRequest(model, prompts, sampling, is_stream, include_usage)
+    return CompletionRequest(model, prompts, sampling, is_stream, include_usage, choices)
 
 
 def _parse_content(value: Any, field: str) -> str:
@@ -238,18 +336,27 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     messages = _parse_messages(f.take_list("messages", required=True))
     max_tokens = f.take_int("max_completion_tokens", None, low=1)
     legacy = f.take_int("max_tokens", None, low=1)
-    sampling = _take_sampling(f, max_tokens if max_tokens is not None else legacy)
-    is_stream, include_usage = _take_stream(f)
+    sampling = _take_processing(f, _take_sampling(f, max_tokens if max_tokens is not None else legacy))
+    is_stream, include_usage, continuous = _take_stream(f)
     _take_common_unsupported(f)
-    f.take_unsupported("logprobs", False)
-    f.take_unsupported("top_logprobs", 0)
+    sampling = replace(sampling, logprobs=_take_chat_logprobs(f))
+    choices = _take_choices(f, 1, continuous)
     f.take_unsupported("tools", [])
     f.take_unsupported("tool_choice", "none")
     f.take_unsupported("response_format", {"type": "text"})
     f.take_bool("parallel_tool_calls", True)
     add_generation_prompt = f.take_bool("add_generation_prompt", True)
     f.finish()
-    return ChatRequest(model, messages, sampling, is_stream, include_usage, add_generation_prompt)
+    return ChatRequest(model, messages, sampling, is_stream, include_usage, add_generation_prompt, choices)
+
+
+def _take_chat_logprobs(f: Fields) -> int | None:
+    """Chat spells logprobs as `logprobs: true` plus `top_logprobs: k` (OpenAI requires the first for the second)."""
+    is_logprobs = f.take_bool("logprobs", False)
+    top = f.take_int("top_logprobs", None, low=0, high=MAX_LOGPROBS)
+    if top is not None and top > 0 and not is_logprobs:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+    return (top or 0) if is_logprobs else None
 
 
 def _take_adapter_name(f: Fields) -> str:

@@ -25,6 +25,9 @@ class Choice:
     index: int
     text: str
     finish_reason: str | None
+    logprobs: dict | None = None  # completion_logprobs / chat_logprobs of this body's tokens
+    prompt_logprobs: list | None = None  # vLLM's prompt_logprobs (on the first body of the choice)
+    usage: Usage | None = None  # stream_options.continuous_usage_stats: this choice's usage so far
 
 
 @dataclass(frozen=True)
@@ -44,13 +47,18 @@ class Envelope:
         body = self._base("")
         body["choices"] = [self._whole_choice(c) for c in choices]
         body["usage"] = usage.to_json()
+        if self.is_chat and choices and choices[0].prompt_logprobs is not None:  # vLLM: top level in chat
+            body["prompt_logprobs"] = choices[0].prompt_logprobs
         return body
 
     def _whole_choice(self, c: Choice) -> dict:
         if self.is_chat:
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
                     "finish_reason": c.finish_reason}
-        return {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        body = {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        if c.prompt_logprobs is not None:
+            body["prompt_logprobs"] = c.prompt_logprobs
+        return body
 
     def chunk(self, choice: Choice, *, is_first: bool = False) -> dict:
         """One stream chunk: `choice.text` is the delta; chat's first chunk also carries the role."""
@@ -59,11 +67,17 @@ class Envelope:
             delta: dict = {"role": "assistant", "content": choice.text} if is_first else {}
             if choice.text and not is_first:
                 delta["content"] = choice.text
-            body["choices"] = [{"index": choice.index, "delta": delta, "logprobs": None,
+            body["choices"] = [{"index": choice.index, "delta": delta, "logprobs": choice.logprobs,
                                 "finish_reason": choice.finish_reason}]
+            if choice.prompt_logprobs is not None:
+                body["prompt_logprobs"] = choice.prompt_logprobs
         else:
-            body["choices"] = [{"index": choice.index, "text": choice.text, "logprobs": None,
+            body["choices"] = [{"index": choice.index, "text": choice.text, "logprobs": choice.logprobs,
                                 "finish_reason": choice.finish_reason}]
+            if choice.prompt_logprobs is not None:
+                body["choices"][0]["prompt_logprobs"] = choice.prompt_logprobs
+        if choice.usage is not None:
+            body["usage"] = choice.usage.to_json()
         return body
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -71,6 +85,41 @@ class Envelope:
         body["choices"] = []
         body["usage"] = usage.to_json()
         return body
+
+
+def completion_logprobs(entries: list, text_offset: int) -> dict:
+    """OpenAI completions' logprobs of `entries` (engine PositionLogprobs; None for a prompt's first token),
+    whose text starts at character `text_offset` of the choice's text."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        if entry is None:
+            tokens.append(""), token_logprobs.append(None), top_logprobs.append(None), offsets.append(text_offset)
+            continue
+        tokens.append(entry.chosen.token)
+        token_logprobs.append(entry.chosen.logprob)
+        top_logprobs.append({t.token: t.logprob for t in entry.top})
+        offsets.append(text_offset)
+        text_offset += len(entry.chosen.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list) -> dict:
+    """OpenAI chat's logprobs: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+    def one(t) -> dict:
+        return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8", "replace"))}
+
+    return {"content": [{**one(e.chosen), "top_logprobs": [one(t) for t in e.top]} for e in entries],
+            "refusal": None}
+
+
+def prompt_logprobs_json(entries: tuple) -> list:
+    """vLLM's prompt_logprobs: None for the first prompt token, then {token id: {logprob, decoded_token}} with
+    the prompt's own token and the top ones."""
+    def one(t) -> tuple[str, dict]:
+        return str(t.token_id), {"logprob": t.logprob, "decoded_token": t.token}
+
+    return [None] + [dict([one(e.chosen), *(one(t) for t in e.top)]) for e in entries]
 
 
 def sse_event(body: dict) -> bytes:

@@ -32,6 +32,15 @@ class PromptTokenizer:
         """The chat template's text, tokenized; a template that refuses the messages is the caller's error."""
         return await self._run(self._render_chat, messages, add_generation_prompt)
 
+    async def encode_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """`bad_words` as token sequences: each word as written and with a leading space (how it reads after
+        another word), without special tokens; the same sequence once."""
+        return await self._run(self._encode_words, words) if words else ()
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids (an echoed prompt given as ids)."""
+        return await self._run(self._tokenizer.decode, token_ids)
+
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
@@ -51,3 +60,8 @@ class PromptTokenizer:
                                  param="messages", code="invalid_value") from None
         # The template writes special tokens (BOS) itself.
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        variants = [v for w in words for v in (w.lstrip(), " " + w.lstrip())]
+        encoded = (tuple(self._tokenizer.encode(v, add_special_tokens=False)) for v in variants)
+        return tuple(dict.fromkeys(e for e in encoded if e))

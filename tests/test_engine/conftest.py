@@ -109,3 +109,23 @@ def reference_logits(model, adapter: str | None, token_ids: list[int]) -> torch.
 def peft_reference():
     """(build_reference, reference_logits): transformers+PEFT with every test adapter, the correctness bar."""
     return build_reference, reference_logits
+
+
+def build_sampling_batch(logits: torch.Tensor, params: list, generators=None, outputs=None, prompts=None, eos=()):
+    """A SamplingBatch over stand-in sequences (prompt, output so far, generator) for the logits rows."""
+    from kubelora.engine.sampling_batch import prepare_sampling
+    from kubelora.engine.sequence import Sequence
+
+    seqs = []
+    for i, p in enumerate(params):
+        seq = Sequence(request_id=f"r{i}", prompt_token_ids=list(prompts[i]) if prompts else [1], params=p,
+                       adapter_name=None, adapter=None, max_tokens=64, arrival_time=0.0,
+                       generator=generators[i] if generators else None)
+        seq.output_token_ids = list(outputs[i]) if outputs else []
+        seqs.append(seq)
+    return prepare_sampling(seqs, logits.shape[-1], logits.device, eos)
+
+
+@pytest.fixture(scope="session")
+def sampling_batch():
+    return build_sampling_batch

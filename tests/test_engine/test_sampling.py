@@ -10,34 +10,38 @@ from kubelora.engine.detokenizer import _stable_prefix
 from kubelora.engine.sampler import sample
 
 
-def _draws(logits: torch.Tensor, params: SamplingParams, num: int = 400) -> set[int]:
+def _draws(sampling_batch, logits: torch.Tensor, params: SamplingParams, num: int = 400) -> set[int]:
     generators = [torch.Generator().manual_seed(i) for i in range(num)]
     rows = logits.expand(num, -1)
-    return set(sample(rows, [params] * num, generators))
+    return set(sample(rows, sampling_batch(rows, [params] * num, generators)).token_ids)
 
 
-def test_top_k_restricts_support_to_the_k_largest():
+def test_top_k_restricts_support_to_the_k_largest(sampling_batch):
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0, 2.9]])
-    assert _draws(logits, SamplingParams(temperature=5.0, top_k=3)) == {1, 3, 5}
-    assert _draws(logits, SamplingParams(temperature=5.0, top_k=1)) == {1}
+    assert _draws(sampling_batch, logits, SamplingParams(temperature=5.0, top_k=3)) == {1, 3, 5}
+    assert _draws(sampling_batch, logits, SamplingParams(temperature=5.0, top_k=1)) == {1}
 
 
-def test_top_p_keeps_the_smallest_prefix_reaching_p():
+def test_top_p_keeps_the_smallest_prefix_reaching_p(sampling_batch):
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     logits = probs.log()
-    assert _draws(logits, SamplingParams(temperature=1.0, top_p=0.7)) == {1, 3}
-    assert _draws(logits, SamplingParams(temperature=1.0, top_p=0.85)) == {1, 2, 3}
-    assert _draws(logits, SamplingParams(temperature=1.0, top_p=0.01)) == {1}
+    assert _draws(sampling_batch, logits, SamplingParams(temperature=1.0, top_p=0.7)) == {1, 3}
+    assert _draws(sampling_batch, logits, SamplingParams(temperature=1.0, top_p=0.85)) == {1, 2, 3}
+    assert _draws(sampling_batch, logits, SamplingParams(temperature=1.0, top_p=0.01)) == {1}
 
 
-def test_greedy_rows_ignore_sampling_rows():
+def test_greedy_rows_ignore_sampling_rows(sampling_batch):
     logits = torch.tensor([[0.0, 1.0, 0.5], [3.0, 0.0, 0.0]])
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)]
-    assert sample(logits, params, [None, torch.Generator().manual_seed(3)])[0] == 1
+    assert sample(logits, sampling_batch(logits, params, [None, torch.Generator().manual_seed(3)])).token_ids[0] == 1
 
 
 def test_sampling_params_validation():
-    for bad in ({"top_p": 0.0}, {"top_k": -1}, {"temperature": -1.0}, {"max_tokens": 0}, {"stop": ("",)}):
+    for bad in ({"top_p": 0.0}, {"top_k": -1}, {"temperature": -1.0}, {"max_tokens": 0}, {"stop": ("",)},
+                {"min_p": 1.5}, {"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"repetition_penalty": 0.0},
+                {"logit_bias": {3: 101.0}}, {"min_tokens": 20, "max_tokens": 10}, {"logprobs": 21},
+                {"prompt_logprobs": -1}, {"allowed_token_ids": ()}, {"bad_words_token_ids": ((),)},
+                {"temperature": float("nan")}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     assert SamplingParams(stop="###").stop == ("###",)

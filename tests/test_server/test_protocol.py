@@ -14,7 +14,7 @@ from kubelora.engine.server.protocol import (parse_chat, parse_completion, parse
 def test_completion_defaults():
     req = parse_completion({"model": "m", "prompt": "hi"})
     assert req.prompts == ("hi",) and not req.is_stream and req.sampling.max_tokens == 16
-    params = req.sampling.to_params("completion")
+    params = req.sampling.to_params()
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.stop == ()
 
 
@@ -44,7 +44,8 @@ def test_token_prompt_is_one_prompt():
     ({"model": "m", "prompt": "x", "top_p": 0}, "top_p", "out_of_range"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream", "invalid_type"),
     ({"model": "m", "prompt": "x", "stop": [1]}, "stop", "invalid_type"),
-    ({"model": "m", "prompt": "x", "n": 2}, "n", "unsupported_value"),
+    ({"model": "m", "prompt": "x", "n": 0}, "n", "out_of_range"),
+    ({"model": "m", "prompt": ["a", "b"], "n": 33}, "n", "out_of_range"),
     ({"model": "m", "prompt": "x", "max_token": 2}, "max_token", "unknown_field"),
     ({"model": "m", "prompt": "x", "stream_options": {"bogus": 1}}, "stream_options.bogus", "unknown_field"),
 ])

@@ -1,0 +1,186 @@
+"""The sampling stage's inputs: per-request settings of one step as tensors, packed on the host, one copy.
+
+`prepare_sampling` runs once per step on the engine thread, after the forward (on CUDA: after the decode
+graph's replay, which only writes logits). A step whose rows are all greedy with no logits processing and no
+logprobs builds nothing (`SamplingBatch.is_plain_greedy`): the sampler takes the argmax. Otherwise only the
+tensors some row needs are built, every one into a single host byte buffer (pinned on CUDA) that reaches the
+device in one transfer; the sampler then slices typed views out of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kubelora.engine.sequence import Sequence
+
+_ALIGN = 8  # bytes: every region starts on an int64 boundary so a typed view of the byte buffer is legal
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """presence/frequency over output tokens, repetition over prompt + output tokens (vLLM's split)."""
+
+    output_tokens: torch.Tensor  # [num_rows, max_output] int64, padded with vocab_size (a column dropped later)
+    seen_tokens: torch.Tensor  # [num_rows, max_seen] int64: prompt + output of rows with repetition, padded
+    presence: torch.Tensor  # [num_rows] float32
+    frequency: torch.Tensor  # [num_rows] float32
+    repetition: torch.Tensor  # [num_rows] float32, 1 where off
+
+
+@dataclass(frozen=True)
+class SparseTokens:
+    """(row, token) pairs, with a value each where one is needed (logit_bias)."""
+
+    rows: torch.Tensor  # [num_pairs] int64
+    tokens: torch.Tensor  # [num_pairs] int64
+    values: torch.Tensor | None = None  # [num_pairs] float32
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One step's sampling inputs; rows follow the logits rows handed to `sample`."""
+
+    num_rows: int
+    is_plain_greedy: bool  # argmax of the raw logits is the whole answer
+    greedy_rows: tuple[bool, ...]
+    generators: tuple[torch.Generator | None, ...]
+    num_logprobs: tuple[int | None, ...]  # per row: top log-probabilities asked for (None: none)
+    temperature: torch.Tensor | None = None  # [num_rows] float32, 1 for greedy rows
+    top_k: torch.Tensor | None = None  # [num_rows] int64, vocab_size where off
+    top_p: torch.Tensor | None = None  # [num_rows] float32
+    min_p: torch.Tensor | None = None  # [num_rows] float32
+    penalties: Penalties | None = None
+    logit_bias: SparseTokens | None = None
+    banned: SparseTokens | None = None  # bad words and, before min_tokens, EOS and stop ids
+    allowed: SparseTokens | None = None  # rows with allowed_token_ids keep only these pairs
+    allowed_rows: torch.Tensor | None = None  # [num_rows] bool: the row has an allowed list
+    # A grammar mask (structured output) is one more optional region here: a [num_rows, vocab / 32] int32
+    # bitmask filled on the host from each request's matcher state, applied beside `allowed`.
+
+    @property
+    def has_processing(self) -> bool:
+        return any(x is not None for x in (self.penalties, self.logit_bias, self.banned, self.allowed))
+
+    @property
+    def max_logprobs(self) -> int | None:
+        asked = [k for k in self.num_logprobs if k is not None]
+        return max(asked) if asked else None
+
+
+def prepare_sampling(seqs: list[Sequence], vocab_size: int, device: torch.device,
+                     eos_token_ids: tuple[int, ...] = ()) -> SamplingBatch:
+    params = [s.params for s in seqs]
+    greedy = tuple(p.is_greedy for p in params)
+    base = dict(num_rows=len(seqs), greedy_rows=greedy, generators=tuple(s.generator for s in seqs),
+                num_logprobs=tuple(p.logprobs for p in params))
+    if all(greedy) and not any(p.has_processing or p.logprobs is not None for p in params):
+        return SamplingBatch(is_plain_greedy=True, **base)
+    pack = _HostPack()
+    if not all(greedy):
+        _add_filters(pack, params, vocab_size)
+    if any(p.has_penalties for p in params):
+        _add_penalties(pack, seqs, vocab_size)
+    _add_sparse(pack, seqs, eos_token_ids)
+    views = pack.to(device)
+    return SamplingBatch(is_plain_greedy=False, **base, **_assemble(views))
+
+
+def _add_filters(pack: _HostPack, params, vocab_size: int) -> None:
+    pack.add("temperature", [1.0 if p.is_greedy else p.temperature for p in params], torch.float32)
+    if any(p.top_k > 0 for p in params):
+        pack.add("top_k", [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.int64)
+    if any(p.top_p < 1.0 for p in params):
+        pack.add("top_p", [p.top_p for p in params], torch.float32)
+    if any(p.min_p > 0.0 for p in params):
+        pack.add("min_p", [p.min_p for p in params], torch.float32)
+
+
+def _add_penalties(pack: _HostPack, seqs: list[Sequence], vocab_size: int) -> None:
+    """Token histories as padded rows; rows without a penalty send only padding."""
+    outputs = [s.output_token_ids if s.params.has_penalties else [] for s in seqs]
+    seen = [s.prompt_token_ids + s.output_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
+    pack.add("output_tokens", _padded(outputs, vocab_size), torch.int64)
+    pack.add("seen_tokens", _padded(seen, vocab_size), torch.int64)
+    pack.add("presence", [s.params.presence_penalty for s in seqs], torch.float32)
+    pack.add("frequency", [s.params.frequency_penalty for s in seqs], torch.float32)
+    pack.add("repetition", [s.params.repetition_penalty for s in seqs], torch.float32)
+
+
+def _add_sparse(pack: _HostPack, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> None:
+    bias, banned, allowed = ([], [], []), ([], []), ([], [])
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        for token, value in p.logit_bias:
+            bias[0].append(row), bias[1].append(token), bias[2].append(value)
+        for token in _banned_tokens(seq, eos_token_ids):
+            banned[0].append(row), banned[1].append(token)
+        for token in p.allowed_token_ids or ():
+            allowed[0].append(row), allowed[1].append(token)
+    for name, lists in (("bias", bias), ("banned", banned), ("allowed", allowed)):
+        if lists[0]:
+            pack.add(f"{name}_rows", lists[0], torch.int64)
+            pack.add(f"{name}_tokens", lists[1], torch.int64)
+    if bias[0]:
+        pack.add("bias_values", bias[2], torch.float32)
+    if allowed[0]:
+        pack.add("allowed_rows", [s.params.allowed_token_ids is not None for s in seqs], torch.bool)
+
+
+def _banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """Bad words whose prefix ends the output, and the stop tokens while min_tokens is not reached."""
+    p, output = seq.params, seq.output_token_ids
+    banned = [w[-1] for w in p.bad_words_token_ids
+              if len(w) == 1 or (len(output) >= len(w) - 1 and tuple(output[len(output) - len(w) + 1:]) == w[:-1])]
+    if len(output) < p.min_tokens:
+        banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+    return banned
+
+
+def _padded(rows: list[list[int]], pad: int) -> list[list[int]]:
+    width = max(1, max(len(r) for r in rows))
+    return [r + [pad] * (width - len(r)) for r in rows]
+
+
+def _assemble(views: dict[str, torch.Tensor]) -> dict:
+    fields = {k: views.get(k) for k in ("temperature", "top_k", "top_p", "min_p", "allowed_rows")}
+    if "output_tokens" in views:
+        fields["penalties"] = Penalties(views["output_tokens"], views["seen_tokens"], views["presence"],
+                                        views["frequency"], views["repetition"])
+    if "bias_rows" in views:
+        fields["logit_bias"] = SparseTokens(views["bias_rows"], views["bias_tokens"], views["bias_values"])
+    for name in ("banned", "allowed"):
+        if f"{name}_rows" in views:
+            fields[name] = SparseTokens(views[f"{name}_rows"], views[f"{name}_tokens"])
+    return fields
+
+
+class _HostPack:
+    """Typed host tensors laid out in one byte buffer; `to` copies it once and returns typed device views."""
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._regions: dict[str, tuple[int, torch.dtype, torch.Size]] = {}
+        self._num_bytes = 0
+
+    def add(self, name: str, values: list, dtype: torch.dtype) -> None:
+        host = torch.tensor(values, dtype=dtype)
+        raw = host.reshape(-1).view(torch.uint8)
+        self._regions[name] = (self._num_bytes, dtype, host.shape)
+        pad = -raw.numel() % _ALIGN
+        self._parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
+        self._num_bytes += raw.numel() + pad
+
+    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if not self._parts:
+            return {}
+        host = torch.cat(self._parts)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        buf = host.to(device, non_blocking=True)
+        views = {}
+        for name, (offset, dtype, shape) in self._regions.items():
+            size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            views[name] = buf[offset : offset + size].view(dtype).reshape(shape)
+        return views

@@ -1,0 +1,138 @@
+"""One HTTP request's engine requests and how their outputs become OpenAI choices, whole or streamed.
+
+A request of P prompts with `n` asks the engine for P x n requests (choice index prompt * n + j; each its own
+engine request, the j-th with seed + j when a seed is given). Echo puts the prompt's text (and, with
+logprobs, its logprobs) before the completion; usage counts each prompt once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from kubelora.engine.common.errors import AdapterUnavailable, ServiceError
+from kubelora.engine.common.http_errors import to_http
+from kubelora.engine.sampling_params import SamplingParams
+from kubelora.engine.server.async_engine import EngineRequest, RequestGroup
+from kubelora.engine.server.protocol import MAX_SEED, Choices
+from kubelora.engine.server.responses import (SSE_DONE, Choice, Envelope, Usage, chat_logprobs, completion_logprobs,
+                                              prompt_logprobs_json, sse_event, start_sse)
+
+if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
+    from kubelora.engine import RequestOutput
+
+
+@dataclass(frozen=True)
+class ChoicePlan:
+    prompts: list[list[int]]  # token ids per prompt, after truncation
+    params: SamplingParams
+    choices: Choices
+    echo_texts: list[str]  # per prompt: the text echoed before its completions ("" without echo)
+    is_stream: bool
+    include_usage: bool
+
+    def requests(self, envelope_id: str, adapter: str | None) -> list[EngineRequest]:
+        n = self.choices.n
+        return [EngineRequest(f"{envelope_id}-{i * n + j}", tokens, _nth_params(self.params, j), adapter)
+                for i, tokens in enumerate(self.prompts) for j in range(n)]
+
+    def prompt_tokens(self, index: int) -> int:
+        return len(self.prompts[index // self.choices.n])
+
+    def echo_text(self, index: int) -> str:
+        return self.echo_texts[index // self.choices.n]
+
+
+def truncate_prompt(tokens: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The last `keep` tokens (-1: the last max_model_len - 1, room for one generated token)."""
+    if keep is None:
+        return tokens
+    keep = max_model_len - 1 if keep == -1 else keep
+    return tokens[-keep:]
+
+
+def _nth_params(params: SamplingParams, j: int) -> SamplingParams:
+    if j == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + j + MAX_SEED + 1) % (2 * (MAX_SEED + 1)) - MAX_SEED - 1)
+
+
+def _check_not_failed(output: RequestOutput) -> None:
+    if output.finish_reason == "error":
+        raise AdapterUnavailable(output.error or f"adapter {output.adapter!r} failed to load", param="model")
+
+
+def _usage(plan: ChoicePlan, finals: dict[str, RequestOutput]) -> Usage:
+    return Usage(sum(len(p) for p in plan.prompts), sum(len(o.token_ids) for o in finals.values()))
+
+
+def _logprobs(plan: ChoicePlan, envelope: Envelope, entries: tuple, prompt: tuple | None, offset: int) -> dict | None:
+    if plan.params.logprobs is None:
+        return None
+    if envelope.is_chat:
+        return chat_logprobs(list(entries))
+    head = [None, *prompt] if plan.choices.echo and prompt is not None else []
+    return completion_logprobs(head + list(entries), offset)
+
+
+def _prompt_logprobs(plan: ChoicePlan, output: RequestOutput) -> list | None:
+    if plan.params.prompt_logprobs is None or output.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_json(output.prompt_logprobs)
+
+
+async def whole(group: RequestGroup, envelope: Envelope, plan: ChoicePlan) -> dict:
+    finals: dict[str, RequestOutput] = {}
+    async for output in group:
+        if output.finished:
+            _check_not_failed(output)
+            finals[output.request_id] = output
+    choices = []
+    for i, rid in enumerate(group.request_ids):
+        out = finals[rid]
+        logprobs = _logprobs(plan, envelope, out.logprobs or (), out.prompt_logprobs, 0)
+        choices.append(Choice(i, plan.echo_text(i) + out.text, out.finish_reason, logprobs,
+                              _prompt_logprobs(plan, out)))
+    return envelope.whole(choices, _usage(plan, finals))
+
+
+async def stream(request: web.Request, group: RequestGroup, envelope: Envelope,
+                 plan: ChoicePlan) -> web.StreamResponse:
+    response = await start_sse(request)
+    index = {rid: i for i, rid in enumerate(group.request_ids)}
+    sent: dict[str, int] = {}  # characters of text already sent, per request
+    offsets: dict[str, int] = {}  # completions logprobs: characters of the tokens already reported
+    finals: dict[str, RequestOutput] = {}
+    try:
+        async for output in group:
+            _check_not_failed(output)
+            rid, i = output.request_id, index[output.request_id]
+            is_first = rid not in sent
+            delta = output.text[sent.get(rid, 0):]
+            if is_first:
+                delta = plan.echo_text(i) + delta
+            logprobs = None
+            if output.new_logprobs or (is_first and plan.choices.echo and output.prompt_logprobs):
+                logprobs = _logprobs(plan, envelope, output.new_logprobs,
+                                     output.prompt_logprobs if is_first else None, offsets.get(rid, 0))
+                if logprobs is not None and not envelope.is_chat:
+                    offsets[rid] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            if delta or output.finished or (is_first and envelope.is_chat) or logprobs is not None:
+                usage = None
+                if plan.choices.continuous_usage_stats:
+                    usage = Usage(plan.prompt_tokens(i), len(output.token_ids))
+                prompt_lp = _prompt_logprobs(plan, output) if is_first else None
+                choice = Choice(i, delta, output.finish_reason, logprobs, prompt_lp, usage)
+                await response.write(sse_event(envelope.chunk(choice, is_first=is_first)))
+                sent[rid] = len(output.text)
+            if output.finished:
+                finals[rid] = output
+        if plan.include_usage:
+            await response.write(sse_event(envelope.usage_chunk(_usage(plan, finals))))
+    except ServiceError as exc:
+        await response.write(sse_event(to_http(exc).body()))
+    await response.write(SSE_DONE)
+    await response.write_eof()
+    return response
