@@ -25,6 +25,8 @@ class EngineConfig:
       max_num_seqs full-length sequences, else (CUDA) gpu_memory_utilization of what weights and pool leave.
     - lora_backend: "torch" or "triton"; default kubelora.kernels.lora.default_backend(device) when the kernels
       provide it, else "torch".
+    - lora_time_slice_steps: while requests wait for room in the device adapter pool, the steps an adapter keeps
+      its room before its requests pause (KV cache kept) so waiting adapters take turns (engine/scheduler.py).
     - enforce_eager: run every step eagerly (no CUDA graphs; vLLM's name). CUDA graphs are only used on CUDA.
     - is_base_model_strict: reject (True) or warn about (False) an adapter whose base_model_name_or_path
       differs from the served model; shapes are always checked.
@@ -45,6 +47,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.85
     lora_pool_fraction: float = 0.05
+    lora_time_slice_steps: int = 16
     max_lora_pool_bytes: int | None = None
     lora_backend: str | None = None
     is_base_model_strict: bool = False
@@ -69,6 +72,7 @@ class EngineConfig:
         _check_range("max_waiting", self.max_waiting, 1, 1 << 24)
         _check_range("kv_block_size", self.kv_block_size, 1, 1024)
         _check_range("num_loader_threads", self.num_loader_threads, 1, 64)
+        _check_range("lora_time_slice_steps", self.lora_time_slice_steps, 1, 1 << 20)
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_bytes", "max_lora_pool_bytes"):
             if getattr(self, name) is not None:
                 _check_range(name, getattr(self, name), 1, 1 << 48)

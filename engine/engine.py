@@ -109,7 +109,8 @@ class LLMEngine:
         return SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                max_num_batched_tokens=self.config.max_num_batched_tokens,
                                max_loras=self.config.max_loras, max_waiting=self.config.max_waiting,
-                               eos_token_ids=self.eos_token_ids)
+                               eos_token_ids=self.eos_token_ids,
+                               lora_time_slice_steps=self.config.lora_time_slice_steps)
 
     # ---- requests (any thread) ----
 
