@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # -P / PYTHONSAFEPATH: the repo root never lands on sys.path, so `operator/` cannot shadow the stdlib.
 export PYTHONSAFEPATH := 1
 
-.PHONY: venv k8s test demo clean
+.PHONY: venv k8s test demo images clean
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,11 @@ test: venv k8s
 
 demo: venv k8s
 	$(VENV)/bin/kubelora demo
+
+# The three container images (images/), built with podman from a Debian rootfs, no container registry needed;
+# archives in build/images/kubelora-{operator,router,engine}.tar. KUBELORA_IMAGES picks a subset. docs/chart.md.
+images:
+	images/build.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,6 +1,7 @@
 """Pure manifest builders: a PoolSpec (and its owner reference) in, Kubernetes objects out.
 
-Every object carries the pool's owner reference, so deleting the pool garbage-collects them.
+Every object carries the pool's owner reference, so deleting the pool garbage-collects them. A pool that names
+no engine or router image gets the operator's own (`DefaultImages`, from its settings).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 from typing import Any
 
 from kubelora.operator import names
+from kubelora.operator.settings import DefaultImages
 from kubelora.operator.specs import PoolSpec, Volume
 
 Manifest = dict[str, Any]
@@ -57,9 +59,9 @@ def _http_probe(path: str, period_s: int, failure_threshold: int) -> dict[str, A
             "timeoutSeconds": 5, "failureThreshold": failure_threshold}
 
 
-def build_engine_container(pool: PoolSpec) -> dict[str, Any]:
+def build_engine_container(pool: PoolSpec, images: DefaultImages = DefaultImages()) -> dict[str, Any]:
     container: dict[str, Any] = {
-        "name": "engine", "image": pool.image, "args": build_engine_args(pool),
+        "name": "engine", "image": pool.image or images.engine, "args": build_engine_args(pool),
         "ports": [{"name": "http", "containerPort": names.ENGINE_PORT, "protocol": "TCP"}],
         # /health answers while the model loads (liveness); /ready once it serves (readiness).
         "livenessProbe": _http_probe("/health", period_s=10, failure_threshold=3),
@@ -76,8 +78,9 @@ def build_engine_container(pool: PoolSpec) -> dict[str, Any]:
     return container
 
 
-def build_engine_deployment(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
-    container = build_engine_container(pool)
+def build_engine_deployment(pool: PoolSpec, owner: dict[str, Any],
+                            images: DefaultImages = DefaultImages()) -> Manifest:
+    container = build_engine_container(pool, images)
     volumes, mounts = [], []
     for name, volume in (("model", pool.model_volume), ("adapters", pool.adapter_volume)):
         if volume is not None:
@@ -144,11 +147,12 @@ def build_router_rbac(pool: PoolSpec, owner: dict[str, Any]) -> list[Manifest]:
     ]
 
 
-def build_router_deployment(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
+def build_router_deployment(pool: PoolSpec, owner: dict[str, Any],
+                            images: DefaultImages = DefaultImages()) -> Manifest:
     name = names.router_name(pool.name)
     labels = names.pool_labels(pool.name, "router")
     container = {
-        "name": "router", "image": pool.router.image,
+        "name": "router", "image": pool.router.image or images.router,
         # "--": the top-level `kubelora` parser passes options after `router` on only behind it (docs/router.md).
         "args": ["router", "--", "--pool", pool.name, "--namespace", pool.namespace, "--placement-configmap",
                  names.placement_configmap_name(pool.name), "--port", str(names.ROUTER_PORT)],
@@ -166,12 +170,13 @@ def build_router_deployment(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
     }
 
 
-def build_pool_manifests(pool: PoolSpec, owner: dict[str, Any]) -> list[Manifest]:
+def build_pool_manifests(pool: PoolSpec, owner: dict[str, Any],
+                         images: DefaultImages = DefaultImages()) -> list[Manifest]:
     """Everything a pool owns except the placement ConfigMap (written by the reconcile)."""
-    manifests = [build_engine_deployment(pool, owner), build_engine_service(pool, owner),
+    manifests = [build_engine_deployment(pool, owner, images), build_engine_service(pool, owner),
                  build_pool_service(pool, owner)]
     if pool.router.is_enabled:
-        manifests += build_router_rbac(pool, owner) + [build_router_deployment(pool, owner)]
+        manifests += build_router_rbac(pool, owner) + [build_router_deployment(pool, owner, images)]
     return manifests
 
 

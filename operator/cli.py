@@ -7,7 +7,7 @@ import asyncio
 import os
 from collections.abc import Sequence
 
-from kubelora.operator.settings import OperatorSettings
+from kubelora.operator.settings import DefaultImages, OperatorSettings
 
 ENV_PREFIX = "KUBELORA_OPERATOR_"
 
@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backoff-max-seconds", type=float,
                         default=_float_env("BACKOFF_MAX_S", defaults.backoff_max_s))
     parser.add_argument("--verbose", action="store_true", default=_env("VERBOSE", "") in ("1", "true"))
+    parser.add_argument("--engine-image", default=_env("ENGINE_IMAGE") or defaults.images.engine,
+                        help=f"engine image of pools that name none (default {defaults.images.engine})")
+    parser.add_argument("--router-image", default=_env("ROUTER_IMAGE") or defaults.images.router,
+                        help=f"router image of pools that name none (default {defaults.images.router})")
     return parser
 
 
@@ -54,7 +58,8 @@ def _float_env(name: str, default: float) -> float:
 def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
     return OperatorSettings(resync_s=args.resync_seconds, max_concurrent_calls=args.max_concurrent_calls,
                             engine_timeout_s=args.engine_timeout_seconds,
-                            backoff_initial_s=args.backoff_initial_seconds, backoff_max_s=args.backoff_max_seconds)
+                            backoff_initial_s=args.backoff_initial_seconds, backoff_max_s=args.backoff_max_seconds,
+                            images=DefaultImages(engine=args.engine_image, router=args.router_image))
 
 
 def settings_from_env() -> OperatorSettings:

@@ -66,7 +66,7 @@ async def on_pool_spec(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
         raise kopf.PermanentError(str(exc)) from exc
     owner = build_owner_reference(body)
     try:
-        for manifest in build_pool_manifests(pool, owner):
+        for manifest in build_pool_manifests(pool, owner, runtime.settings.images):
             await runtime.kube.apply(manifest)
         if not pool.router.is_enabled:
             for kind, name in build_router_manifest_keys(pool):

@@ -2,7 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib import metadata
+
+
+def _own_version() -> str:
+    try:
+        return metadata.version("kubelora")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "dev"
+
+
+VERSION = _own_version()
+
+
+@dataclass(frozen=True)
+class DefaultImages:
+    """The images a pool gets when its spec leaves `image` / `router.image` empty: this operator's own version.
+
+    The chart renders them (registry, names, its appVersion); these defaults are the names `make images` builds.
+    """
+
+    engine: str = f"kubelora-engine:{VERSION}"
+    router: str = f"kubelora-router:{VERSION}"
+
+    def __post_init__(self) -> None:
+        for name in ("engine", "router"):
+            value = getattr(self, name)
+            if not value or any(c.isspace() for c in value):
+                raise ValueError(f"{name} image must be a non-empty image reference without spaces, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -13,6 +41,7 @@ class OperatorSettings:
     engine_timeout_s: float = 120.0  # one engine call (a load reads and validates the adapter)
     backoff_initial_s: float = 1.0  # first retry after a transient engine failure; doubles per failure
     backoff_max_s: float = 60.0
+    images: DefaultImages = field(default_factory=DefaultImages)
 
     def __post_init__(self) -> None:
         for name in ("resync_s", "engine_timeout_s", "backoff_initial_s", "backoff_max_s"):

@@ -58,7 +58,7 @@ class EngineSettings:
 class RouterSettings:
     is_enabled: bool = False
     replicas: int = 1
-    image: str = "kubelora-router:dev"
+    image: str | None = None  # None: the operator's default (OperatorSettings.images)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class PoolSpec:
     model_path: str
     served_name: str
     replicas: int = 1
-    image: str = "kubelora-engine:dev"
+    image: str | None = None  # None: the operator's default (OperatorSettings.images)
     image_pull_policy: str | None = None
     engine: EngineSettings = EngineSettings()
     model_volume: Volume | None = None
@@ -100,7 +100,7 @@ class PoolSpec:
         return cls(
             name=meta["name"], namespace=meta["namespace"], model_path=model["path"],
             served_name=model.get("servedName") or model["path"].rstrip("/").rsplit("/", 1)[-1],
-            replicas=int(spec.get("replicas", 1)), image=spec.get("image") or cls.image,
+            replicas=int(spec.get("replicas", 1)), image=spec.get("image") or None,
             image_pull_policy=spec.get("imagePullPolicy"),
             engine=EngineSettings(
                 max_loras=engine.get("maxLoras", 4), max_lora_rank=engine.get("maxLoraRank", 16),
@@ -114,7 +114,7 @@ class PoolSpec:
             adapter_url_hosts=tuple(spec.get("adapterUrlHosts") or ()),
             admin_token=SecretRef(token["name"], token.get("key", "token")) if token else None,
             router=RouterSettings(is_enabled=router.get("enabled", False), replicas=router.get("replicas", 1),
-                                  image=router.get("image") or RouterSettings.image),
+                                  image=router.get("image") or None),
             pod_labels=dict(spec.get("podLabels") or {}), node_selector=dict(spec.get("nodeSelector") or {}),
             tolerations=tuple(spec.get("tolerations") or ()), fingerprint=pool_fingerprint(body),
         )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,10 @@ from .conftest import CHART, CI_VALUES, KUBE_VERSION
 
 CI = {p.stem: p for p in CI_VALUES}
 NS = "kubelora-system"
+REPO = Path(__file__).resolve().parents[2]
+# The images `make images` builds (images/build.sh: localhost/<name>:<version>), as the operator gets them.
+BUILT_IMAGES = {"KUBELORA_OPERATOR_ENGINE_IMAGE": "kubelora-engine:0.1.0",
+                "KUBELORA_OPERATOR_ROUTER_IMAGE": "kubelora-router:0.1.0"}
 
 
 def container(rendered: dict) -> dict:
@@ -39,9 +45,9 @@ def test_defaults_render_a_cluster_wide_operator(render):
         ("ClusterRole", "rel-kubelora-discovery"), ("ClusterRoleBinding", "rel-kubelora-discovery"),
         ("ClusterRole", "rel-kubelora-pools"), ("ClusterRoleBinding", "rel-kubelora-pools")}
     operator = container(rendered)
-    assert operator["image"] == "kubelora/operator:0.1.0"  # appVersion
+    assert operator["image"] == "kubelora-operator:0.1.0"  # appVersion
     assert operator["args"] == ["operator"]
-    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081"}  # unset settings keep operator defaults
+    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES}  # unset settings: defaults
     for probe in ("livenessProbe", "readinessProbe"):
         assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert operator["ports"] == [{"name": "healthz", "containerPort": 8081, "protocol": "TCP"}]
@@ -85,7 +91,7 @@ def test_watched_namespaces_get_role_bindings_and_settings_become_env(render):
     operator = container(rendered)
     assert operator["image"] == "registry.example.com/kubelora/operator:v0.1.0-test"
     assert operator["args"] == ["operator", "--engine-timeout-seconds", "60"]
-    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081",
+    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES,
                              "KUBELORA_OPERATOR_NAMESPACES": "team-a,team-b", "KUBELORA_OPERATOR_RESYNC_S": "15",
                              "KUBELORA_OPERATOR_MAX_CONCURRENT_CALLS": "8", "KUBELORA_OPERATOR_VERBOSE": "true",
                              "EXTRA": "1"}
@@ -136,3 +142,22 @@ def test_values_schema_refuses_bad_values(helm, bad, field):
     result = subprocess.run([helm, "template", "rel", str(CHART), "--kube-version", KUBE_VERSION, "--set", bad],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and field in result.stderr, result.stderr
+
+
+def test_images_come_from_one_registry_and_the_chart_version(render):
+    rendered = render(CI["registry-values"])
+    assert container(rendered)["image"] == "registry.example.com:5000/ml/kubelora-operator:0.1.0"
+    images = {k: v for k, v in env(rendered).items() if k.endswith("_IMAGE")}
+    assert images == {"KUBELORA_OPERATOR_ENGINE_IMAGE": "registry.example.com:5000/ml/kubelora-engine:0.1.0-cuda",
+                      "KUBELORA_OPERATOR_ROUTER_IMAGE": "registry.example.com:5000/ml/kubelora-router:0.1.0"}
+
+
+def test_rendered_images_are_the_ones_make_images_builds(render):
+    # images/<name>/Dockerfile for each name the chart renders, and the tag is the version pyproject.toml builds.
+    rendered = render(CI["default-values"])
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    refs = [container(rendered)["image"], *(v for k, v in env(rendered).items() if k.endswith("_IMAGE"))]
+    for ref in refs:
+        name, tag = ref.split(":")
+        assert (REPO / "images" / name / "Dockerfile").is_file(), ref
+        assert tag == version, ref

@@ -63,7 +63,7 @@ def test_engine_deployment_probes_volumes_gpu_and_token():
 def test_defaults_without_optional_fields():
     body = {"metadata": {"name": "q", "namespace": "ns", "uid": "u"}, "spec": {"model": {"path": "/m/base/"}}}
     spec = PoolSpec.from_body(body)
-    assert spec.served_name == "base" and spec.replicas == 1 and spec.image == "kubelora-engine:dev"
+    assert spec.served_name == "base" and spec.replicas == 1 and spec.image is None
     container = build_engine_deployment(spec, OWNER)["spec"]["template"]["spec"]["containers"][0]
     assert "resources" not in container and "volumeMounts" not in container
     assert not any(e["name"] == "KUBELORA_ADMIN_TOKEN" for e in container["env"])

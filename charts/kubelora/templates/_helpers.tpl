@@ -38,6 +38,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* An image reference from {repository, tag}: `[imageRegistry/]repository:tag`, tag defaulting to appVersion.
+Call with (dict "root" $ "image" .Values.engineImage). */}}
+{{- define "kubelora.imageRef" -}}
+{{- $ref := printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
+{{- with .root.Values.imageRegistry -}}
+{{- printf "%s/%s" (trimSuffix "/" .) $ref -}}
+{{- else -}}
+{{- $ref -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "kubelora.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- include "kubelora.imageRef" (dict "root" . "image" .Values.image) -}}
 {{- end -}}
