@@ -79,7 +79,7 @@ class Lifecycle:
         engine = await loop.run_in_executor(None, self._factory, self.config.engine)
         # Copied before the engine thread starts decoding with it.
         prompts = await loop.run_in_executor(None, PromptTokenizer, engine.tokenizer)
-        metrics = ServerMetrics(engine.model_name, engine.max_loras)
+        metrics = ServerMetrics(engine.model_name, self.config.engine.max_loras)
         async_engine = AsyncEngine(engine, metrics.observe_finished)
         async_engine.start()
         serving = Serving(async_engine, engine.adapters, prompts, engine.model_name, engine.max_model_len, metrics,

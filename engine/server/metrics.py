@@ -33,7 +33,8 @@ class EngineView:
 
 
 class ServerMetrics:
-    def __init__(self, base_name: str, max_loras: int) -> None:
+    def __init__(self, base_name: str, max_loras: int | None) -> None:
+        """max_loras: the engine's count limit of distinct adapters per batch (None: the pool's bytes decide)."""
         self.base_name = base_name
         self.registry = CollectorRegistry(auto_describe=True)
         self._engine = _EngineCollector(base_name, max_loras)
@@ -95,7 +96,7 @@ class ServerMetrics:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, base_name: str, max_loras: int) -> None:
+    def __init__(self, base_name: str, max_loras: int | None) -> None:
         self.base_name = base_name
         self.max_loras = max_loras
         self.view: EngineView | None = None
@@ -109,6 +110,9 @@ class _EngineCollector(Collector):
         yield from _adapter_families(self.view, self.base_name)
         yield from _engine_families(self.view.snapshot)
         yield from _vllm_families(self.view, self.base_name, self.max_loras)
+
+
+LEVELS = {"device": "gpu", "host": "cpu", "known": "disk"}  # our tiers in vllm:lora_adapter_loaded's levels
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -164,20 +168,39 @@ def _engine_families(snap: EngineSnapshot) -> Iterator[Metric]:
     yield CounterMetricFamily("kubelora_engine_steps", "Engine steps run", value=snap.num_steps)
 
 
-def _vllm_families(view: EngineView, base_name: str, max_loras: int) -> Iterator[Metric]:
-    """The series existing Gateway API inference routers read from vLLM pods.
+def lora_capacity(view: EngineView, max_loras: int | None) -> int:
+    """Distinct adapters a batch can hold now: the device pool's bytes over the running adapters' mean size
+    (the resident ones' when none runs), capped by the count limit; never below the adapters running."""
+    by_name = {a.name: a for a in view.adapters}
+    running = [by_name[k].bytes for k, n in view.snapshot.num_running.items() if n and k in by_name]
+    sizes = running or [a.bytes for a in view.adapters if a.tier == "device"]
+    capacity = view.snapshot.adapter_pool_total_bytes * len(sizes) // sum(sizes) if sum(sizes) else max_loras or 0
+    if max_loras is not None:
+        capacity = min(capacity, max_loras)
+    return max(capacity, len(running))
 
-    `running_lora_adapters` lists the adapters resident on the device (every one a running request uses is
-    resident), so LoRA-affinity routing sees idle resident adapters too; `waiting_lora_adapters` lists the
-    others that have requests waiting. The value is the scrape time, as vLLM sets it.
+
+def _vllm_families(view: EngineView, base_name: str, max_loras: int | None) -> Iterator[Metric]:
+    """The series existing Gateway API inference routers read from vLLM pods, with vLLM's meaning.
+
+    `vllm:lora_requests_info`: `running_lora_adapters` are the adapters with requests running, `waiting_lora_adapters`
+    those with requests waiting and none running, `max_lora` how many distinct adapters a batch holds (a router
+    compares the running count with it: `lora_capacity`); the value is the scrape time, as vLLM sets it.
+    `vllm:lora_adapter_loaded{adapter_name, level, pinned}`: 1 per registered adapter at its memory level (gpu:
+    the device pool, cpu: host memory, disk: registered only); nothing is pinned.
     """
     snap = view.snapshot
-    resident = sorted(a.name for a in view.adapters if a.tier == "device")
-    waiting = sorted(k for k, n in snap.num_waiting.items() if k and n and k not in resident)
+    running = sorted(k for k, n in snap.num_running.items() if k and n)
+    waiting = sorted(k for k, n in snap.num_waiting.items() if k and n and k not in running)
     info = _gauge("vllm:lora_requests_info", "Running and waiting LoRA adapters",
                   ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-    info.add_metric([str(max_loras), ",".join(resident), ",".join(waiting)], time.time())
+    info.add_metric([str(lora_capacity(view, max_loras)), ",".join(running), ",".join(waiting)], time.time())
     yield info
+    loaded = _gauge("vllm:lora_adapter_loaded", "Registered LoRA adapters by memory level",
+                    ["adapter_name", "level", "pinned"])
+    for a in view.adapters:
+        loaded.add_metric([a.name, LEVELS[a.tier], "false"], 1.0)
+    yield loaded
     for name, doc, value in (
         ("vllm:num_requests_running", "Requests running", sum(snap.num_running.values())),
         ("vllm:num_requests_waiting", "Requests waiting", sum(snap.num_waiting.values())),

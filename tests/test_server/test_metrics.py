@@ -64,8 +64,11 @@ def test_metrics_after_known_workload(material, live_server):
     assert _value(s, "kubelora_adapter_evictions_total", tier="device") == 0
     assert _value(s, "kubelora_engine_steps_total") >= 3 * 5
     assert _value(s, "kubelora_kv_cache_usage_ratio") == 0
-    assert _value(s, "vllm:lora_requests_info", max_lora="2", running_lora_adapters="a0",
+    # Nothing runs after the workload: vLLM lists adapters with requests running or waiting, not resident ones.
+    assert _value(s, "vllm:lora_requests_info", max_lora="2", running_lora_adapters="",
                   waiting_lora_adapters="") > 0
+    assert _value(s, "vllm:lora_adapter_loaded", adapter_name="a0", level="gpu", pinned="false") == 1
+    assert _value(s, "vllm:lora_adapter_loaded", adapter_name="a2", level="disk", pinned="false") == 1
     assert _value(s, "vllm:num_requests_running", model_name=base) == 0
     assert _value(s, "vllm:num_requests_waiting", model_name=base) == 0
 
@@ -73,3 +76,36 @@ def test_metrics_after_known_workload(material, live_server):
     s = _samples(server.get("/metrics")[1].decode())
     for name in ("a0", "a1"):
         assert _value(s, "kubelora_adapter_host_load_seconds_count", adapter=name) == 1
+
+
+def _view(running: dict, waiting: dict, sizes: dict, pool_bytes: int):
+    from dataclasses import replace
+
+    from kubelora.engine.adapters.types import AdapterInfo
+    from kubelora.engine.outputs import EngineSnapshot
+    from kubelora.engine.server.metrics import EngineView
+
+    snapshot = EngineSnapshot(num_running=running, num_waiting=waiting, last_batch_size=0, last_batch_tokens=0,
+                              last_batch_adapters=0, kv_cache_usage=0.0, num_kv_blocks=1, adapter_pool_used_bytes=0,
+                              adapter_pool_total_bytes=pool_bytes, adapter_host_bytes=0, num_adapter_loads=0,
+                              num_adapter_load_failures=0, num_device_evictions=0, num_host_evictions=0,
+                              adapter_load_latencies_s=(), num_preemptions=0, num_steps=0)
+    template = AdapterInfo(name="", revision="r", path="/p", tier="device", rank=8, ranks={}, targets=(), bytes=0,
+                           host_bytes=0, loaded_at=0.0, base_model="m", num_refs=0, is_loading=False,
+                           is_unloading=False, last_error=None)
+    return EngineView(snapshot=snapshot, adapters=[replace(template, name=n, bytes=b) for n, b in sizes.items()])
+
+
+def test_vllm_lora_info_lists_running_and_waiting_and_the_budget_in_adapters():
+    from kubelora.engine.server.metrics import _vllm_families
+
+    view = _view(running={"": 2, "a": 1, "b": 3}, waiting={"b": 1, "c": 2, "": 4},
+                 sizes={"a": 100, "b": 300, "c": 200, "d": 100}, pool_bytes=1000)
+    info = next(_vllm_families(view, "base", None)).samples[0].labels
+    # 1000 pool bytes over the running adapters' mean size (200): 5 adapters fit.
+    assert info == {"max_lora": "5", "running_lora_adapters": "a,b", "waiting_lora_adapters": "c"}
+    assert next(_vllm_families(view, "base", 3)).samples[0].labels["max_lora"] == "3"  # a count limit caps it
+    idle = _view(running={}, waiting={}, sizes={"a": 250}, pool_bytes=1000)
+    assert next(_vllm_families(idle, "base", None)).samples[0].labels["max_lora"] == "4"  # resident sizes then
+    full = _view(running={"a": 1, "b": 1}, waiting={}, sizes={"a": 900, "b": 900}, pool_bytes=1000)
+    assert next(_vllm_families(full, "base", None)).samples[0].labels["max_lora"] == "2"  # never below running
