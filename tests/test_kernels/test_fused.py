@@ -38,13 +38,16 @@ def fused():
     return fused
 
 
-def check_close(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor | float = 0.0) -> None:
+def check_close(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor | float = 0.0,
+                max_share: float | None = None) -> None:
     """|actual - expected| <= ulps * eps * (|expected| + magnitude), and few elements differing at all.
 
     magnitude: the scale of the terms summed into an element (rotary: a sum of two rounded products can cancel).
+    max_share: the share of elements that may differ (default: the dtype's in TOLERANCE).
     """
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    ulps, max_share = TOLERANCE[expected.dtype]
+    ulps, dtype_share = TOLERANCE[expected.dtype]
+    max_share = dtype_share if max_share is None else max_share
     eps = torch.finfo(expected.dtype).eps
     a, e = actual.double(), expected.double()
     err = (a - e).abs()
@@ -190,8 +193,12 @@ def check_rotary(fused, q, k, v, positions, inv_freq, scaling) -> None:
     fused.rotary_torch_(expected_q, expected_k, positions, inv_freq, scaling)
     magnitudes = [x.abs().amax(-1, keepdim=True).double() * scaling for x in (q, k)]
     fused.rotary_(q, k, positions, inv_freq, scaling)
-    check_close(q, expected_q, magnitudes[0])
-    check_close(k, expected_k, magnitudes[1])
+    # On CUDA the angles' cos/sin come from Triton's device functions, whose last float32 bits differ from
+    # torch's at large angles: rounding to the dtype then flips on up to a quarter of the elements, each within
+    # the ulp bound (H200, 2026-12-01: worst 0.28 of the bound, 26% of 16-bit elements). Only the bound holds.
+    share = 1.0 if q.is_cuda else None
+    check_close(q, expected_q, magnitudes[0], share)
+    check_close(k, expected_k, magnitudes[1], share)
     assert torch.equal(v, v_before), "wrote into v"
 
 
