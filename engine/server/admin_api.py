@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kubelora.engine.common.errors import InvalidRequest, Unauthorized
+from kubelora.engine.common.errors import InvalidRequest, ModelNotFound, Unauthorized
 from kubelora.engine.common.logs import log_event
 from kubelora.engine.server.fields import decode_json_object
 from kubelora.engine.server.protocol import LoadAdapterRequest, parse_load_adapter, parse_unload_adapter
@@ -60,6 +60,7 @@ class AdminRoutes:
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)  # adapter names may hold '/'
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
 
@@ -71,11 +72,23 @@ class AdminRoutes:
             raise Unauthorized("this endpoint needs 'Authorization: Bearer <admin token>'",
                                headers={"WWW-Authenticate": "Bearer"})
 
-    async def models(self, request: web.Request) -> web.Response:
-        serving = self._serving()
+    def model_cards(self, request: web.Request, serving: Serving) -> list[dict]:
+        """The cards of every served model as this caller may see them (both model routes show these)."""
         cards = [base_card(serving)]
         cards += [model_card(serving, info) for info in serving.adapters.list() if not info.is_unloading]
-        return web.json_response({"object": "list", "data": cards})
+        return cards
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self.model_cards(request, self._serving())})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{id}`: the base model's or one adapter's card; 404 model_not_found otherwise."""
+        serving, model_id = self._serving(), request.match_info["model_id"]
+        card = next((c for c in self.model_cards(request, serving) if c["id"] == model_id), None)
+        if card is None:
+            raise ModelNotFound(f"model {model_id!r} does not exist; GET /v1/models lists the served models",
+                                param="model")
+        return web.json_response(card)
 
     async def load(self, request: web.Request) -> web.Response:
         self._require_admin(request)

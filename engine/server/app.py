@@ -23,6 +23,7 @@ from kubelora.engine.config import EngineConfig
 from kubelora.engine.server.admin_api import AdminRoutes
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.config import ServerConfig
+from kubelora.engine.server.extra_api import ExtraRoutes
 from kubelora.engine.server.metrics import EngineView, ServerMetrics
 from kubelora.engine.server.openai_api import OpenAIRoutes
 from kubelora.engine.server.serving import Serving
@@ -152,6 +153,7 @@ def build_app(config: ServerConfig, engine_factory: Callable[[EngineConfig], obj
     app.router.add_get("/metrics", metrics)
     OpenAIRoutes(lifecycle.get_serving).add_to(app)
     AdminRoutes(lifecycle.get_serving, config.admin_token).add_to(app)
+    ExtraRoutes(lifecycle.get_serving).add_to(app)
     app.cleanup_ctx.append(_engine_context)
     return app
 

@@ -19,6 +19,7 @@ from kubelora.engine.server.async_engine import EngineRequest, RequestGroup
 from kubelora.engine.server.protocol import MAX_SEED, Choices
 from kubelora.engine.server.responses import (SSE_DONE, Choice, Envelope, Usage, chat_logprobs, completion_logprobs,
                                               prompt_logprobs_json, sse_event, start_sse)
+from kubelora.engine.server.tool_parser import ToolOutput
 
 if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
     from kubelora.engine import RequestOutput
@@ -32,6 +33,7 @@ class ChoicePlan:
     echo_texts: list[str]  # per prompt: the text echoed before its completions ("" without echo)
     is_stream: bool
     include_usage: bool
+    tools: ToolOutput | None = None  # chat with tools (tool_choice not "none"): the output is read for calls
 
     def requests(self, envelope_id: str, adapter: str | None) -> list[EngineRequest]:
         n = self.choices.n
@@ -57,6 +59,15 @@ def _nth_params(params: SamplingParams, j: int) -> SamplingParams:
     if j == 0 or params.seed is None:
         return params
     return replace(params, seed=(params.seed + j + MAX_SEED + 1) % (2 * (MAX_SEED + 1)) - MAX_SEED - 1)
+
+
+def _read_calls(plan: ChoicePlan, text: str, finish_reason: str | None) -> tuple[str, tuple, str | None]:
+    """The content, the tool calls and the finish reason of a finished output: "tool_calls" when it made calls,
+    whose text outside the calls is the content."""
+    parsed = plan.tools.parse(text) if plan.tools is not None else None
+    if parsed is None or not parsed.calls:
+        return text, (), finish_reason
+    return parsed.content, parsed.calls, "tool_calls"
 
 
 def _check_not_failed(output: RequestOutput) -> None:
@@ -93,8 +104,11 @@ async def whole(group: RequestGroup, envelope: Envelope, plan: ChoicePlan) -> di
     for i, rid in enumerate(group.request_ids):
         out = finals[rid]
         logprobs = _logprobs(plan, envelope, out.logprobs or (), out.prompt_logprobs, 0)
-        choices.append(Choice(i, plan.echo_text(i) + out.text, out.finish_reason, logprobs,
-                              _prompt_logprobs(plan, out)))
+        text, calls, finish_reason = _read_calls(plan, out.text, out.finish_reason)
+        if calls:
+            text = text.strip()
+        choices.append(Choice(i, plan.echo_text(i) + text, finish_reason, logprobs, _prompt_logprobs(plan, out),
+                              tool_calls=calls))
     return envelope.whole(choices, _usage(plan, finals))
 
 
@@ -110,7 +124,14 @@ async def stream(request: web.Request, group: RequestGroup, envelope: Envelope,
             _check_not_failed(output)
             rid, i = output.request_id, index[output.request_id]
             is_first = rid not in sent
-            delta = output.text[sent.get(rid, 0):]
+            # With tools, text where a call may start is held back until the output is complete.
+            visible = len(output.text) if plan.tools is None or output.finished else plan.tools.visible(output.text)
+            text, calls, finish_reason = output.text, (), output.finish_reason
+            if output.finished:
+                text, calls, finish_reason = _read_calls(plan, output.text, output.finish_reason)
+            delta = text[sent.get(rid, 0):visible]
+            if calls and not delta.strip():
+                delta = ""
             if is_first:
                 delta = plan.echo_text(i) + delta
             logprobs = None
@@ -124,9 +145,9 @@ async def stream(request: web.Request, group: RequestGroup, envelope: Envelope,
                 if plan.choices.continuous_usage_stats:
                     usage = Usage(plan.prompt_tokens(i), len(output.token_ids))
                 prompt_lp = _prompt_logprobs(plan, output) if is_first else None
-                choice = Choice(i, delta, output.finish_reason, logprobs, prompt_lp, usage)
+                choice = Choice(i, delta, finish_reason, logprobs, prompt_lp, usage, calls)
                 await response.write(sse_event(envelope.chunk(choice, is_first=is_first)))
-                sent[rid] = len(output.text)
+                sent[rid] = visible
             if output.finished:
                 finals[rid] = output
         if plan.include_usage:

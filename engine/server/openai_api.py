@@ -46,12 +46,13 @@ class OpenAIRoutes:
         serving = self._serving()
         req = parse_chat(decode_json_object(await request.read()))
         adapter = serving.resolve_model(req.model)
-        tokens = await serving.prompts.render_chat(req.messages, req.add_generation_prompt)
+        tokens = await serving.prompts.render_chat(req.messages, req.add_generation_prompt, req.template)
         tokens = truncate_prompt(tokens, req.choices.truncate_prompt_tokens, serving.max_model_len)
         serving.check_length(len(tokens), req.sampling.max_tokens, "messages")
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, is_chat=True)
         params = req.sampling.to_params(await serving.prompts.encode_words(req.sampling.bad_words))
-        plan = ChoicePlan([tokens], params, req.choices, [""], req.is_stream, req.include_usage)
+        tools = req.template.tools.reader() if req.template.tools is not None else None
+        plan = ChoicePlan([tokens], params, req.choices, [""], req.is_stream, req.include_usage, tools)
         return await _serve(request, serving, envelope, plan, adapter)
 
 

@@ -12,7 +12,9 @@ from typing import Any
 from kubelora.engine.common.errors import InvalidRequest
 from kubelora.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from kubelora.engine.server.config import ADAPTER_NAME_RE
+from kubelora.engine.server.chat_template import TemplateOptions, take_template_options
 from kubelora.engine.server.fields import Fields
+from kubelora.engine.server.tools import take_message_tool_fields, take_tools
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
@@ -86,6 +88,9 @@ class CompletionRequest:
 class ChatMessage:
     role: str
     content: str
+    name: str | None = None
+    tool_calls: tuple[dict, ...] = ()  # assistant: the calls it made (tools.py's template shape)
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class ChatRequest:
     include_usage: bool
     add_generation_prompt: bool
     choices: Choices = Choices()
+    template: TemplateOptions = TemplateOptions()  # tools, continue_final_message, chat_template_kwargs
 
 
 MAX_AUTH_TOKEN_CHARS = 4096
@@ -323,10 +329,12 @@ def _parse_messages(value: list) -> tuple[ChatMessage, ...]:
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                                  param=f"messages[{i}].role", code="invalid_value")
-        content = _parse_content(f.take_any("content", required=True), f"messages[{i}].content")
-        f.take_str("name")
+        tool_calls, tool_call_id = take_message_tool_fields(f, role)
+        # OpenAI: an assistant message that calls tools may have no content.
+        content = _parse_content(f.take_any("content", required=not tool_calls), f"messages[{i}].content")
+        name = f.take_str("name")
         f.finish()
-        messages.append(ChatMessage(role, content))
+        messages.append(ChatMessage(role, content, name, tool_calls, tool_call_id))
     return tuple(messages)
 
 
@@ -341,13 +349,12 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     _take_common_unsupported(f)
     sampling = replace(sampling, logprobs=_take_chat_logprobs(f))
     choices = _take_choices(f, 1, continuous)
-    f.take_unsupported("tools", [])
-    f.take_unsupported("tool_choice", "none")
+    tools = take_tools(f)
     f.take_unsupported("response_format", {"type": "text"})
-    f.take_bool("parallel_tool_calls", True)
-    add_generation_prompt = f.take_bool("add_generation_prompt", True)
+    add_generation_prompt, template = take_template_options(f, tools, messages)
     f.finish()
-    return ChatRequest(model, messages, sampling, is_stream, include_usage, add_generation_prompt, choices)
+    return ChatRequest(model, messages, sampling, is_stream, include_usage, add_generation_prompt, choices,
+                       template)
 
 
 def _take_chat_logprobs(f: Fields) -> int | None:

@@ -28,6 +28,7 @@ class Choice:
     logprobs: dict | None = None  # completion_logprobs / chat_logprobs of this body's tokens
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs (on the first body of the choice)
     usage: Usage | None = None  # stream_options.continuous_usage_stats: this choice's usage so far
+    tool_calls: tuple = ()  # chat: tool_parser.ToolCall read from the output (then `text` is the rest)
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,11 @@ class Envelope:
 
     def _whole_choice(self, c: Choice) -> dict:
         if self.is_chat:
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
-                    "finish_reason": c.finish_reason}
+            message: dict = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                message["content"] = c.text or None
+                message["tool_calls"] = [call.to_json() for call in c.tool_calls]
+            return {"index": c.index, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
         body = {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
         if c.prompt_logprobs is not None:
             body["prompt_logprobs"] = c.prompt_logprobs
@@ -67,6 +71,8 @@ class Envelope:
             delta: dict = {"role": "assistant", "content": choice.text} if is_first else {}
             if choice.text and not is_first:
                 delta["content"] = choice.text
+            if choice.tool_calls:  # all at once, when the output is complete
+                delta["tool_calls"] = [{"index": j, **call.to_json()} for j, call in enumerate(choice.tool_calls)]
             body["choices"] = [{"index": choice.index, "delta": delta, "logprobs": choice.logprobs,
                                 "finish_reason": choice.finish_reason}]
             if choice.prompt_logprobs is not None:

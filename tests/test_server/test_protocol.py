@@ -71,7 +71,7 @@ def test_chat():
     ({"model": "a", "messages": [{"role": "user"}]}, "messages[0].content"),
     ({"model": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"model": "a", "messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
-    ({"model": "a", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "a", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
 ])
 def test_chat_errors(body, param):
     with pytest.raises(InvalidRequest) as info:
