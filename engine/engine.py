@@ -32,6 +32,8 @@ from kubelora.engine.runner import ModelRunner, RunnerConfig, StepResult
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kubelora.engine.sequence import Sequence, SequenceStatus
+from kubelora.engine.structured.compiler import GrammarCompiler
+from kubelora.engine.structured.matcher import Advance, advance, new_matcher
 from kubelora.engine import setup
 from kubelora.engine.warmup import warm_up, warm_up_sizes
 
@@ -53,6 +55,7 @@ class LLMEngine:
         self.max_model_len = setup.resolve_max_model_len(config, self.model_config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         torch.manual_seed(config.seed)
         weights = _to_device(load_weights(config.model_dir, self.model_config, self.dtype), self.device)
         pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype, self.device),
@@ -124,6 +127,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        matcher = self._new_matcher(params)
         with self._lock:
             if self._scheduler.get(request_id) is not None:
                 raise InvalidRequest(f"request_id {request_id!r} is already in flight")
@@ -132,9 +136,15 @@ class LLMEngine:
             revision = self.adapters.acquire(adapter) if adapter else None
             seq = Sequence(request_id=request_id, prompt_token_ids=prompt, params=params, adapter_name=adapter or None,
                            adapter=revision, max_tokens=max_tokens, arrival_time=arrival_time or time.time(),
-                           generator=generator)
+                           generator=generator, grammar=matcher)
             self._scheduler.add(seq)
             self._work.notify_all()
+
+    def _new_matcher(self, params: SamplingParams):
+        """A grammar matcher for a structured request; compiles here only if the caller did not (offline use)."""
+        if params.structured is None:
+            return None
+        return new_matcher(params.structured.grammar or self.grammars.compile(params.structured))
 
     def abort_request(self, request_id: str) -> None:
         """Finish a request with "abort" (its output comes from the next step); unknown ids are ignored."""
@@ -180,11 +190,22 @@ class LLMEngine:
         self._record_logprobs(batch, result)
         outputs = []
         for seq in self._scheduler.postprocess(batch, result.sampled):
+            if seq.grammar is not None:
+                self._advance_grammar(seq)
             if self._detokenizer.update(seq, seq.status.is_finished):
                 self._scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
                 self._detokenizer.update(seq, True)
             outputs.append(self._output(seq, seq.output_token_ids[-1:]))
         return outputs
+
+    def _advance_grammar(self, seq: Sequence) -> None:
+        """Follow the sampled token; the request stops once its grammar has ended (it took the stop token)."""
+        step = advance(seq.grammar, seq.output_token_ids[-1])
+        if step is Advance.COMPLETED:
+            self._scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        elif step is Advance.REJECTED:  # the sampler's mask makes this a bug
+            self._scheduler.finish(seq, SequenceStatus.FINISHED_ERROR,
+                                   error=f"token {seq.output_token_ids[-1]} is outside the request's grammar")
 
     def _record_logprobs(self, batch: Batch, result: StepResult) -> None:
         """The sampled tokens' logprobs (appended with their tokens) and prompt logprobs once per position."""
@@ -254,6 +275,7 @@ class LLMEngine:
 
     def close(self) -> None:
         self.adapters.close()
+        self.grammars.close()
 
 
 def _record_logits(seq: Sequence, start_pos: int, logits: torch.Tensor, is_sampled: bool) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kubelora.engine.sampling_batch import Penalties, SamplingBatch
+from kubelora.engine.structured.matcher import unpack_bitmask
 
 LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity), as vLLM does
 
@@ -49,7 +50,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The logits after allowed/banned tokens, logit bias and penalties (a new tensor; `logits` is kept)."""
+    """The logits after allowed/banned tokens, grammar masks, logit bias and penalties (a new tensor; `logits`
+    is kept)."""
     if not batch.has_processing:
         return logits
     out = logits.clone()
@@ -60,10 +62,26 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         out.masked_fill_(~keep, float("-inf"))
     if batch.banned is not None:
         out[batch.banned.rows, batch.banned.tokens] = float("-inf")
+    if batch.grammar_bitmask is not None:
+        out = apply_grammar(out, logits, batch)
     if batch.logit_bias is not None:
         out.index_put_((batch.logit_bias.rows, batch.logit_bias.tokens), batch.logit_bias.values, accumulate=True)
     if batch.penalties is not None:
         out = apply_penalties(out, batch.penalties)
+    return out
+
+
+def apply_grammar(out: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Keep only the tokens each grammar row's matcher allows. Where the other filters (allowed_token_ids,
+    bad words, min_tokens' EOS ban) left none of those, the grammar alone decides: a row with no token left
+    would make the draw fail, and any token outside the grammar breaks the output."""
+    rows = batch.grammar_rows
+    allowed = unpack_bitmask(batch.grammar_bitmask, out.shape[1])  # [num_grammar_rows, vocab] bool
+    masked = out[rows].masked_fill_(~allowed, float("-inf"))  # out[rows] is a copy: in place is safe
+    if batch.has_grammar_conflict:  # known on the host: the common step pays no check
+        is_dead = masked.amax(dim=1, keepdim=True) == float("-inf")
+        masked = torch.where(is_dead, logits[rows].masked_fill(~allowed, float("-inf")), masked)
+    out[rows] = masked
     return out
 
 

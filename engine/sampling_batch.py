@@ -4,7 +4,8 @@
 graph's replay, which only writes logits). A step whose rows are all greedy with no logits processing and no
 logprobs builds nothing (`SamplingBatch.is_plain_greedy`): the sampler takes the argmax. Otherwise only the
 tensors some row needs are built, every one into a single host byte buffer (pinned on CUDA) that reaches the
-device in one transfer; the sampler then slices typed views out of it.
+device in one transfer; the sampler then slices typed views out of it. Rows with a grammar add their
+matchers' token bitmask to the same buffer (filled here, on the host: xgrammar's masks are CPU work).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kubelora.engine.sequence import Sequence
+from kubelora.engine.structured.matcher import fill_bitmask
 
 _ALIGN = 8  # bytes: every region starts on an int64 boundary so a typed view of the byte buffer is legal
 
@@ -56,12 +58,16 @@ class SamplingBatch:
     banned: SparseTokens | None = None  # bad words and, before min_tokens, EOS and stop ids
     allowed: SparseTokens | None = None  # rows with allowed_token_ids keep only these pairs
     allowed_rows: torch.Tensor | None = None  # [num_rows] bool: the row has an allowed list
-    # A grammar mask (structured output) is one more optional region here: a [num_rows, vocab / 32] int32
-    # bitmask filled on the host from each request's matcher state, applied beside `allowed`.
+    grammar_rows: torch.Tensor | None = None  # [num_grammar_rows] int64: the rows with a grammar
+    # [num_grammar_rows, ceil(vocab / 32)] int32: bit t % 32 of word t // 32 set where token t is allowed
+    grammar_bitmask: torch.Tensor | None = None
+    # some grammar row also has an allowed list or banned tokens: together they may leave it no token
+    has_grammar_conflict: bool = False
 
     @property
     def has_processing(self) -> bool:
-        return any(x is not None for x in (self.penalties, self.logit_bias, self.banned, self.allowed))
+        return any(x is not None for x in (self.penalties, self.logit_bias, self.banned, self.allowed,
+                                           self.grammar_bitmask))
 
     @property
     def max_logprobs(self) -> int | None:
@@ -83,8 +89,9 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, device: torch.device
     if any(p.has_penalties for p in params):
         _add_penalties(pack, seqs, vocab_size)
     _add_sparse(pack, seqs, eos_token_ids)
+    has_conflict = _add_grammar(pack, seqs, vocab_size, eos_token_ids)
     views = pack.to(device)
-    return SamplingBatch(is_plain_greedy=False, **base, **_assemble(views))
+    return SamplingBatch(is_plain_greedy=False, **base, **_assemble(views), has_grammar_conflict=has_conflict)
 
 
 def _add_filters(pack: _HostPack, params, vocab_size: int) -> None:
@@ -128,6 +135,17 @@ def _add_sparse(pack: _HostPack, seqs: list[Sequence], eos_token_ids: tuple[int,
         pack.add("allowed_rows", [s.params.allowed_token_ids is not None for s in seqs], torch.bool)
 
 
+def _add_grammar(pack: _HostPack, seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...]) -> bool:
+    """The grammar rows' masks; returns whether another filter of some grammar row could empty it."""
+    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    if not rows:
+        return False
+    pack.add("grammar_rows", rows, torch.int64)
+    pack.add_tensor("grammar_bitmask", fill_bitmask([seqs[row].grammar for row in rows], vocab_size))
+    return any(seqs[row].params.allowed_token_ids is not None or _banned_tokens(seqs[row], eos_token_ids)
+               for row in rows)
+
+
 def _banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
     """Bad words whose prefix ends the output, and the stop tokens while min_tokens is not reached."""
     p, output = seq.params, seq.output_token_ids
@@ -144,7 +162,8 @@ def _padded(rows: list[list[int]], pad: int) -> list[list[int]]:
 
 
 def _assemble(views: dict[str, torch.Tensor]) -> dict:
-    fields = {k: views.get(k) for k in ("temperature", "top_k", "top_p", "min_p", "allowed_rows")}
+    fields = {k: views.get(k) for k in ("temperature", "top_k", "top_p", "min_p", "allowed_rows", "grammar_rows",
+                                        "grammar_bitmask")}
     if "output_tokens" in views:
         fields["penalties"] = Penalties(views["output_tokens"], views["seen_tokens"], views["presence"],
                                         views["frequency"], views["repetition"])
@@ -165,7 +184,10 @@ class _HostPack:
         self._num_bytes = 0
 
     def add(self, name: str, values: list, dtype: torch.dtype) -> None:
-        host = torch.tensor(values, dtype=dtype)
+        self.add_tensor(name, torch.tensor(values, dtype=dtype))
+
+    def add_tensor(self, name: str, host: torch.Tensor) -> None:
+        dtype = host.dtype
         raw = host.reshape(-1).view(torch.uint8)
         self._regions[name] = (self._num_bytes, dtype, host.shape)
         pad = -raw.numel() % _ALIGN

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kubelora.engine.structured.spec import StructuredOutput
+
 MAX_LOGPROBS = 20  # top log-probabilities per position (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one logit_bias value
 
@@ -26,6 +28,8 @@ class SamplingParams:
     `logprobs` (None: off) returns the sampled token's log-probability and the `logprobs` most likely ones per
     generated token; `prompt_logprobs` the same for each prompt token after the first. Log-probabilities are
     of the model's distribution (log_softmax of the raw logits, before any processing), as vLLM's default.
+    `structured` (engine/structured/) masks every step to the tokens its grammar allows, beside
+    `allowed_token_ids`; EOS is allowed only where the grammar may end, and the request stops when it has.
     """
 
     max_tokens: int | None = 16
@@ -49,6 +53,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     return_logits: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -106,7 +111,7 @@ class SamplingParams:
     def has_processing(self) -> bool:
         """Some logits processor changes this request's logits (min_tokens counts: it may ban EOS)."""
         return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
-                or bool(self.bad_words_token_ids) or self.min_tokens > 0)
+                or bool(self.bad_words_token_ids) or self.min_tokens > 0 or self.structured is not None)
 
     def token_ids_used(self) -> tuple[int, ...]:
         """Every token id the settings name (checked against the vocabulary when a request is added)."""

@@ -43,6 +43,7 @@ class Sequence:
     max_tokens: int  # params.max_tokens clipped to the room left by max_model_len
     arrival_time: float
     generator: torch.Generator | None = None
+    grammar: object | None = None  # with params.structured: its matcher (engine/structured/matcher.py)
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

@@ -110,6 +110,11 @@ class AsyncEngine:
             raise
         return RequestGroup(self, added, queue)
 
+    @property
+    def grammars(self):
+        """The engine's grammar compiler (structured output); its pool compiles at admission, off the loop."""
+        return self._engine.grammars
+
     def snapshot(self) -> EngineSnapshot:
         return self._engine.snapshot()
 

@@ -17,6 +17,7 @@ from kubelora.engine.server.fields import decode_json_object
 from kubelora.engine.server.protocol import CompletionRequest, parse_chat, parse_completion
 from kubelora.engine.server.responses import Envelope
 from kubelora.engine.server.serving import Serving
+from kubelora.engine.server.structured import attach_grammar
 
 
 class OpenAIRoutes:
@@ -38,6 +39,7 @@ class OpenAIRoutes:
             serving.check_length(len(tokens), req.sampling.max_tokens, "prompt")
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model, is_chat=False)
         params = req.sampling.to_params(await serving.prompts.encode_words(req.sampling.bad_words))
+        params = await attach_grammar(serving.engine, params)  # compiled on the engine's grammar pool
         plan = ChoicePlan(prompts, params, req.choices, await _echo_texts(serving, req, prompts), req.is_stream,
                           req.include_usage)
         return await _serve(request, serving, envelope, plan, adapter)
@@ -51,6 +53,7 @@ class OpenAIRoutes:
         serving.check_length(len(tokens), req.sampling.max_tokens, "messages")
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model, is_chat=True)
         params = req.sampling.to_params(await serving.prompts.encode_words(req.sampling.bad_words))
+        params = await attach_grammar(serving.engine, params)  # compiled on the engine's grammar pool
         tools = req.template.tools.reader() if req.template.tools is not None else None
         plan = ChoicePlan([tokens], params, req.choices, [""], req.is_stream, req.include_usage, tools)
         return await _serve(request, serving, envelope, plan, adapter)

@@ -14,6 +14,8 @@ from kubelora.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, Sampli
 from kubelora.engine.server.config import ADAPTER_NAME_RE
 from kubelora.engine.server.chat_template import TemplateOptions, take_template_options
 from kubelora.engine.server.fields import Fields
+from kubelora.engine.server.structured import take_structured
+from kubelora.engine.structured import StructuredOutput
 from kubelora.engine.server.tools import take_message_tool_fields, take_tools
 
 MAX_STOP_STRINGS = 16
@@ -50,6 +52,7 @@ class Sampling:
     bad_words: tuple[str, ...] = ()  # tokenized by the handler (`to_params`'s bad_words_token_ids)
     logprobs: int | None = None  # top log-probabilities per generated token (None: no logprobs)
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None  # response_format / structured_outputs / guided_* (structured.py)
 
     def to_params(self, bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -60,7 +63,7 @@ class Sampling:
                               repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
                               min_tokens=self.min_tokens, allowed_token_ids=self.allowed_token_ids,
                               bad_words_token_ids=bad_words_token_ids, logprobs=self.logprobs,
-                              prompt_logprobs=self.prompt_logprobs)
+                              prompt_logprobs=self.prompt_logprobs, structured=self.structured)
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     sampling = replace(sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     choices = _take_choices(f, len(prompts), continuous, echo)
     f.take_unsupported("suffix", "")
+    sampling = replace(sampling, structured=take_structured(f))
     f.finish()
     return CompletionRequest(model, prompts, sampling, is_stream, include_usage, choices)
 
@@ -350,7 +354,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     sampling = replace(sampling, logprobs=_take_chat_logprobs(f))
     choices = _take_choices(f, 1, continuous)
     tools = take_tools(f)
-    f.take_unsupported("response_format", {"type": "text"})
+    sampling = replace(sampling, structured=take_structured(f))
     add_generation_prompt, template = take_template_options(f, tools, messages)
     f.finish()
     return ChatRequest(model, messages, sampling, is_stream, include_usage, add_generation_prompt, choices,
