@@ -11,12 +11,12 @@ import hashlib
 import json
 import logging
 import re
-import struct
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
+from kubelora.engine.adapters.safetensors_header import WEIGHTS_FILE, json_excerpt, read_header
 from kubelora.engine.adapters.spec import AdapterLimits, AdapterSpec, HostAdapter
 from kubelora.engine.errors import (
     AdapterChanged,
@@ -34,8 +34,8 @@ from kubelora.engine.model.config import LORA_MODULES, MODULE_PARENT, ModelConfi
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 ALLOWED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+MAX_CONFIG_BYTES = 1 << 20  # PEFT writes a few KiB
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\."
     r"(?P<module>\w+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
@@ -48,17 +48,18 @@ def read_adapter_spec(name: str, path: str | Path, model: ModelConfig, limits: A
     root = Path(path)
     if not root.is_dir():
         raise AdapterNotFound(name, "path", f"{str(root)!r} is not a directory", limit="an adapter directory")
-    config_bytes = _read_file(name, root / CONFIG_FILE)
+    config_bytes = _read_config(name, root / CONFIG_FILE)
     config = _parse_config(name, config_bytes)
     weights_file = root / WEIGHTS_FILE
-    header = _read_header(name, weights_file)
+    header, num_weight_bytes = read_header(name, weights_file)
     _check_config(name, config, limits)
     tensor_names, shapes = _index_tensors(name, header, model)
     ranks = _module_ranks(name, tensor_names, shapes, model, limits)
     return AdapterSpec(
         name=name,
         path=str(root),
-        revision=_revision(config_bytes, weights_file),
+        revision=_revision(name, config_bytes, weights_file, num_weight_bytes),
+        num_weight_bytes=num_weight_bytes,
         ranks=ranks,
         scales=_module_scales(name, config, tensor_names, shapes),
         tensor_names=tensor_names,
@@ -70,9 +71,10 @@ def read_adapter_spec(name: str, path: str | Path, model: ModelConfig, limits: A
 def read_adapter_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dtype, pin: bool) -> HostAdapter:
     """Read the tensors (one file read), check they still hash to spec.revision, lay them out per module."""
     root = Path(spec.path)
-    config_bytes = _read_file(spec.name, root / CONFIG_FILE)
-    data = _read_file(spec.name, root / WEIGHTS_FILE)
-    if _revision_of_bytes(config_bytes, data) != spec.revision:
+    config_bytes = _read_config(spec.name, root / CONFIG_FILE)
+    # Never more than the registered size: bytes appended since registration are not read.
+    data = _read_file(spec.name, root / WEIGHTS_FILE, spec.num_weight_bytes + 1)
+    if len(data) != spec.num_weight_bytes or _revision_of_bytes(config_bytes, data) != spec.revision:
         raise AdapterChanged(spec.name, f"files under {spec.path} changed since revision {spec.revision} was "
                                         "registered; load it again with load_inplace")
     try:
@@ -94,9 +96,19 @@ def read_adapter_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dty
     return HostAdapter(a=a, b=b)
 
 
-def _read_file(name: str, path: Path) -> bytes:
+def _read_config(name: str, path: Path) -> bytes:
+    data = _read_file(name, path, MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise InvalidAdapter(name, CONFIG_FILE, f"is larger than {MAX_CONFIG_BYTES} bytes",
+                             limit=f"<= {MAX_CONFIG_BYTES} bytes")
+    return data
+
+
+def _read_file(name: str, path: Path, max_bytes: int) -> bytes:
+    """At most `max_bytes` of the file."""
     try:
-        return path.read_bytes()
+        with path.open("rb") as f:
+            return f.read(max_bytes)
     except FileNotFoundError:
         raise AdapterNotFound(name, path.name, f"{str(path)!r} does not exist", limit="a readable file") from None
     except OSError as exc:
@@ -112,47 +124,6 @@ def _parse_config(name: str, raw: bytes) -> dict:
         raise AdapterCorrupt(name, CONFIG_FILE, f"must be a JSON object, got {type(config).__name__}",
                              limit="a JSON object")
     return config
-
-
-def _read_header(name: str, path: Path) -> dict:
-    """The safetensors JSON header, checked for consistency with the file size, without reading tensors."""
-    def corrupt(why: str) -> AdapterCorrupt:
-        return AdapterCorrupt(name, WEIGHTS_FILE, f"is corrupt: {why}", limit="a safetensors file")
-
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise corrupt(f"{size} bytes is shorter than the 8-byte header length")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(size - 8, 100 << 20):
-                raise corrupt(f"header length {header_len} exceeds the file ({size} bytes)")
-            header = json.loads(f.read(header_len))
-    except FileNotFoundError:
-        raise AdapterNotFound(name, WEIGHTS_FILE, f"{str(path)!r} does not exist", limit="a readable file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise corrupt(f"header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise corrupt("header is not a JSON object")
-    header.pop("__metadata__", None)
-    data_len = size - 8 - header_len
-    for key, entry in header.items():
-        _check_header_entry(key, entry, data_len, corrupt)
-    return header
-
-
-def _check_header_entry(key: str, entry: object, data_len: int, corrupt) -> None:
-    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-        raise corrupt(f"tensor {key!r} has no dtype/shape/data_offsets")
-    begin, end = entry["data_offsets"]
-    itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1}.get(entry["dtype"], 1)
-    numel = 1
-    for dim in entry["shape"]:
-        numel *= dim
-    if not 0 <= begin <= end <= data_len or end - begin != numel * itemsize:
-        raise corrupt(f"tensor {key!r} data_offsets {entry['data_offsets']} do not fit the data ({data_len} bytes)")
 
 
 def _check_config(name: str, config: dict, limits: AdapterLimits) -> None:
@@ -175,16 +146,34 @@ def _check_config(name: str, config: dict, limits: AdapterLimits) -> None:
     if not isinstance(config.get("lora_alpha", 8), (int, float)):
         raise InvalidAdapter(name, "lora_alpha", f"must be a number, got {config['lora_alpha']!r}", limit="a number")
     _check_targets(name, config.get("target_modules"))
+    _check_alpha_pattern(name, config.get("alpha_pattern") or {})
     _check_base_model(name, str(config.get("base_model_name_or_path") or ""), limits)
 
 
 def _check_targets(name: str, targets: object) -> None:
     if not isinstance(targets, (list, tuple)):
         return  # a regex (or all-linear already resolved by PEFT): the tensor names are checked instead
+    if not all(isinstance(t, str) for t in targets):
+        raise InvalidAdapter(name, "target_modules", f"must be module names, got {json_excerpt(targets)}",
+                             limit="an array of strings")
     unknown = sorted(set(targets) - set(LORA_MODULES))
     if unknown:
         raise AdapterTargetUnsupported(name, "target_modules", f"{unknown} are not adaptable modules of this "
                                        f"model", limit=sorted(LORA_MODULES))
+
+
+def _check_alpha_pattern(name: str, patterns: object) -> None:
+    if not isinstance(patterns, dict):
+        raise InvalidAdapter(name, "alpha_pattern", f"must be an object, got {json_excerpt(patterns)}",
+                             limit="{pattern: number}")
+    for key, value in patterns.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidAdapter(name, "alpha_pattern", f"{key!r} maps to {json_excerpt(value)}", limit="a number")
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise InvalidAdapter(name, "alpha_pattern", f"{key!r} is not a regular expression ({exc})",
+                                 limit="a regular expression") from None
 
 
 def _check_base_model(name: str, base_model: str, limits: AdapterLimits) -> None:
@@ -274,11 +263,16 @@ def _pattern_value(patterns: dict, layer: int, module: str, default):
     return default
 
 
-def _revision(config_bytes: bytes, weights_file: Path) -> str:
+def _revision(name: str, config_bytes: bytes, weights_file: Path, num_weight_bytes: int) -> str:
+    """Hashes the weights as the header sized them; a file that grew or shrank since is refused."""
     digest = hashlib.sha256(config_bytes)
+    left = num_weight_bytes
     with weights_file.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        while left > 0 and (block := f.read(min(left, 1 << 20))):
             digest.update(block)
+            left -= len(block)
+        if left or f.read(1):
+            raise AdapterCorrupt(name, WEIGHTS_FILE, "changed size while being read", limit="a stable file")
     return digest.hexdigest()[:12]
 
 

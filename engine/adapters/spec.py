@@ -24,6 +24,7 @@ class AdapterSpec:
     name: str
     path: str
     revision: str  # short sha256 of adapter_config.json + adapter_model.safetensors
+    num_weight_bytes: int  # adapter_model.safetensors' size, as its header accounts for every byte
     ranks: dict[str, int]  # PEFT module (q_proj, ...) -> rank (max over layers; smaller layers zero-padded)
     scales: dict[str, float]  # module -> alpha / r (or alpha / sqrt(r) with rsLoRA)
     tensor_names: dict[tuple[int, str], tuple[str, str]]  # (layer, module) -> (lora_A key, lora_B key)

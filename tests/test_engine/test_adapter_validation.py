@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,65 @@ def _rank_pattern_too_high(tmp: Path, llama) -> Path:
     return _edit_tensors(path, widen_q)
 
 
+def _edit_header(path: Path, key_part: str, **changes) -> Path:
+    """Rewrite the safetensors header entry whose key contains `key_part`; the data stays as it is."""
+    weights = path / "adapter_model.safetensors"
+    blob = weights.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    key = next(k for k in header if key_part in k)
+    header[key] = {**header[key], **changes}
+    raw = json.dumps(header).encode()
+    weights.write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n:])
+    return path
+
+
+def _crafted(name: str, **changes):
+    def make(tmp: Path, llama) -> Path:
+        return _edit_header(_copy(llama.adapters[GOOD], tmp / name), "q_proj.lora_A", **changes)
+
+    make.__name__ = f"_{name}"
+    return make
+
+
+def _trailing_bytes(tmp: Path, llama) -> Path:
+    path = _copy(llama.adapters[GOOD], tmp / "trailing")
+    with (path / "adapter_model.safetensors").open("ab") as f:
+        f.write(b"\0" * 4096)
+    return path
+
+
+def _gap_between_tensors(tmp: Path, llama) -> Path:
+    path = _copy(llama.adapters[GOOD], tmp / "gap")
+    weights = path / "adapter_model.safetensors"
+    blob = weights.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    first = min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    begin, end = header[first]["data_offsets"]
+    header[first]["data_offsets"] = [begin + 4, end + 4]  # overlaps the next tensor, leaves 4 bytes unused
+    raw = json.dumps(header).encode()
+    weights.write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n:])
+    return path
+
+
+def _targets_not_strings(tmp: Path, llama) -> Path:
+    return _edit_config(_copy(llama.adapters[GOOD], tmp / "nested-targets"), target_modules=[["q_proj"]])
+
+
+def _alpha_pattern_a_list(tmp: Path, llama) -> Path:
+    return _edit_config(_copy(llama.adapters[GOOD], tmp / "alpha-list"), alpha_pattern=["q_proj"])
+
+
+def _alpha_pattern_bad_regex(tmp: Path, llama) -> Path:
+    return _edit_config(_copy(llama.adapters[GOOD], tmp / "alpha-regex"), alpha_pattern={"q_proj(": 16})
+
+
+def _config_too_large(tmp: Path, llama) -> Path:
+    return _edit_config(_copy(llama.adapters[GOOD], tmp / "huge-config"), padding="x" * (2 << 20))
+
+
+WEIGHTS = "adapter_model.safetensors"
 # (case, expected exception, field, text the message must contain: the limit or what was expected)
 CASES = [
     (_rank_too_high, errors.AdapterRankTooLarge, "r", "max_lora_rank 32"),
@@ -144,6 +205,19 @@ CASES = [
     (_missing_dir, errors.AdapterNotFound, "path", "not a directory"),
     (_dora, errors.InvalidAdapter, "use_dora", "not supported"),
     (_int_tensors, errors.InvalidAdapter, "dtype", "I32"),
+    (_crafted("offsets-scalar", data_offsets=0), errors.AdapterCorrupt, WEIGHTS, "data_offsets"),
+    (_crafted("offsets-three", data_offsets=[0, 1024, 2048]), errors.AdapterCorrupt, WEIGHTS, "data_offsets"),
+    (_crafted("dtype-list", dtype=["F32"]), errors.AdapterCorrupt, WEIGHTS, "dtype must be a string"),
+    (_crafted("shape-int", shape=8), errors.AdapterCorrupt, WEIGHTS, "shape must be an array"),
+    (_crafted("shape-bools", shape=[True, True]), errors.AdapterCorrupt, WEIGHTS, "shape must be an array"),
+    (_crafted("shape-huge", shape=[2**40, 2**40]), errors.AdapterCorrupt, WEIGHTS, "do not hold"),
+    (_crafted("no-dtype", dtype=None), errors.AdapterCorrupt, WEIGHTS, "dtype must be a string"),
+    (_trailing_bytes, errors.AdapterCorrupt, WEIGHTS, "4096 trailing bytes"),
+    (_gap_between_tensors, errors.AdapterCorrupt, WEIGHTS, "without gaps or overlaps"),
+    (_targets_not_strings, errors.InvalidAdapter, "target_modules", "must be module names"),
+    (_alpha_pattern_a_list, errors.InvalidAdapter, "alpha_pattern", "must be an object"),
+    (_alpha_pattern_bad_regex, errors.InvalidAdapter, "alpha_pattern", "not a regular expression"),
+    (_config_too_large, errors.InvalidAdapter, "adapter_config.json", "larger than 1048576 bytes"),
 ]
 
 
@@ -187,3 +261,34 @@ def test_adapter_larger_than_the_pool_is_refused(llama):
         llm.load_adapter("big", llama.adapters["r32-attn"])
     assert info.value.field == "max_lora_pool_bytes"
     llm.load_adapter("small", llama.adapters["r4-qv"])
+
+
+def test_trailing_gigabyte_is_refused_without_reading_it(llama_llm, llama, tmp_path):
+    """A valid header followed by 1 GiB (sparse) is refused from the header and the file size alone."""
+    path = _copy(llama.adapters[GOOD], tmp_path / "gigabyte")
+    weights = path / "adapter_model.safetensors"
+    valid_size = weights.stat().st_size
+    with weights.open("r+b") as f:
+        f.truncate(valid_size + (1 << 30))
+    started = time.monotonic()
+    for preload in (True, False):
+        with pytest.raises(errors.AdapterCorrupt) as info:
+            llama_llm.load_adapter("gigabyte", path, preload=preload)
+        assert f"{1 << 30} trailing bytes" in str(info.value)
+    assert time.monotonic() - started < 0.5  # hashing or reading 1 GiB twice takes seconds
+    assert llama_llm.engine.adapters.get("gigabyte") is None
+
+
+def test_bytes_appended_after_registration_fail_the_on_demand_load(llama, tmp_path, prompt_ids):
+    path = _copy(llama.adapters[GOOD], tmp_path / "grows")
+    llm = LLM(llama.model_dir, max_loras=1, max_lora_rank=32)
+    try:
+        assert llm.load_adapter("grows", path, preload=False).tier == "known"
+        weights = path / "adapter_model.safetensors"
+        with weights.open("r+b") as f:
+            f.truncate(weights.stat().st_size + (1 << 30))
+        [result] = llm.generate([prompt_ids(0, 5)], SamplingParams(max_tokens=2), adapters="grows")
+        assert result.finish_reason == "error" and "changed since revision" in result.error
+        assert llm.engine.adapters.stats().host_bytes == 0
+    finally:
+        llm.close()
