@@ -53,9 +53,11 @@ class PromptTooLong(ServiceError, ValueError):
 
     type = "prompt_too_long"
 
-    def __init__(self, num_prompt_tokens: int, max_model_len: int, *, param: str = "prompt") -> None:
-        super().__init__(f"'{param}' has {num_prompt_tokens} tokens; max_model_len is {max_model_len}, so it may "
-                         f"have at most {max_model_len - 1} tokens", param=param)
+    def __init__(self, num_prompt_tokens: int | None, max_model_len: int, *, param: str = "prompt",
+                 message: str | None = None) -> None:
+        """num_prompt_tokens: None when the prompt was refused before tokenizing (`message` says why)."""
+        super().__init__(message or f"'{param}' has {num_prompt_tokens} tokens; max_model_len is {max_model_len}, "
+                         f"so it may have at most {max_model_len - 1} tokens", param=param)
         self.num_prompt_tokens = num_prompt_tokens
         self.max_model_len = max_model_len
 

@@ -8,6 +8,7 @@ Both admin endpoints are idempotent, and take `Authorization: Bearer <token>` wh
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -18,9 +19,10 @@ from aiohttp import web
 
 from kubelora.engine.common.errors import InvalidRequest, ModelNotFound, Unauthorized
 from kubelora.engine.common.logs import log_event
-from kubelora.engine.server.fields import decode_json_object
+from kubelora.engine.server.fields import parse_body
 from kubelora.engine.server.protocol import LoadAdapterRequest, parse_load_adapter, parse_unload_adapter
 from kubelora.engine.server.serving import Serving
+from kubelora.engine.server.source_text import redact_source, source_digest
 from kubelora.engine.server.sources import resolve_source
 
 if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
@@ -29,12 +31,16 @@ if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
 log = logging.getLogger("kubelora.engine.server")
 
 
-def model_card(serving: Serving, info: AdapterInfo) -> dict:
+def model_card(serving: Serving, info: AdapterInfo, *, is_admin: bool) -> dict:
+    """The adapter's card. Without the admin token, its source is redacted (no credentials, no query string)
+    and the local directory the engine reads is not shown; `source_digest` identifies the full source for
+    every caller, so the operator can compare sources without the token."""
     requested = serving.requested_sources.get((info.name, info.revision))
     source, sha256 = (requested.lora_path, requested.sha256) if requested else (info.path, None)
+    shown = source if is_admin else redact_source(source)
     return {"id": info.name, "object": "model", "created": int(info.loaded_at), "owned_by": "kubelora",
-            "root": info.path, "source": source, "sha256": sha256, "parent": serving.model_name,
-            "revision": info.revision,
+            "root": info.path if is_admin else shown, "source": shown, "source_digest": source_digest(source),
+            "sha256": sha256, "parent": serving.model_name, "revision": info.revision,
             "residency": info.tier, "rank": info.rank, "targets": list(info.targets),
             "is_loading": info.is_loading, "last_error": info.last_error}
 
@@ -65,17 +71,28 @@ class AdminRoutes:
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
 
     def _require_admin(self, request: web.Request) -> None:
-        if self._token is None:
-            return
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token.encode()):
+        if self._token is not None and not self._has_admin_token(request):
             raise Unauthorized("this endpoint needs 'Authorization: Bearer <admin token>'",
                                headers={"WWW-Authenticate": "Bearer"})
 
+    def _has_admin_token(self, request: web.Request) -> bool:
+        """The request carries the configured token; always False when none is configured."""
+        if self._token is None:
+            return False
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        try:
+            # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes.
+            given_bytes = given.strip().encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            return False
+        return scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, self._token.encode())
+
     def model_cards(self, request: web.Request, serving: Serving) -> list[dict]:
         """The cards of every served model as this caller may see them (both model routes show these)."""
+        is_admin = self._has_admin_token(request)
         cards = [base_card(serving)]
-        cards += [model_card(serving, info) for info in serving.adapters.list() if not info.is_unloading]
+        cards += [model_card(serving, info, is_admin=is_admin) for info in serving.adapters.list()
+                  if not info.is_unloading]
         return cards
 
     async def models(self, request: web.Request) -> web.Response:
@@ -93,39 +110,56 @@ class AdminRoutes:
     async def load(self, request: web.Request) -> web.Response:
         self._require_admin(request)
         serving = self._serving()
-        req = parse_load_adapter(decode_json_object(await request.read()))
+        req = await parse_body(request, parse_load_adapter)
         if req.lora_name == serving.model_name:
             raise InvalidRequest(f"'lora_name' {req.lora_name!r} is the base model's name", param="lora_name",
                                  code="invalid_value")
-        started = time.monotonic()
-        try:
-            info, is_same = await asyncio.get_running_loop().run_in_executor(serving.admin_pool, load_adapter,
-                                                                             serving, req)
-        except Exception as exc:
-            log_event(log, "adapter_load_failed", logging.WARNING, adapter=req.lora_name, source=req.lora_path,
-                      error=str(exc))
-            raise
-        seconds = time.monotonic() - started
-        serving.remember_source(req.lora_name, info.revision, req.lora_path, req.sha256)
-        if not is_same:
-            serving.metrics.observe_load(req.lora_name, seconds)
-        log_event(log, "adapter_loaded", adapter=req.lora_name, revision=info.revision, residency=info.tier,
-                  source=req.lora_path, is_inplace=req.is_inplace, was_loaded=is_same, seconds=round(seconds, 4))
+        task = serving.adapter_ops.load(req.lora_name, load_adapter, serving, req)
+        task.add_done_callback(functools.partial(_finish_load, serving, req, time.monotonic()))
+        info, is_same = await asyncio.shield(task)  # a client that leaves does not cancel the load
         verb = "was already loaded" if is_same else "added successfully"
         return web.json_response({"message": f"Success: LoRA adapter '{req.lora_name}' {verb}.",
-                                  "was_loaded": is_same, "adapter": model_card(serving, info)})
+                                  "was_loaded": is_same,
+                                  "adapter": model_card(serving, info, is_admin=self._has_admin_token(request))})
 
     async def unload(self, request: web.Request) -> web.Response:
         self._require_admin(request)
         serving = self._serving()
-        req = parse_unload_adapter(decode_json_object(await request.read()))
+        req = await parse_body(request, parse_unload_adapter)
         if req.lora_name == serving.model_name:
             raise InvalidRequest("the base model cannot be unloaded", param="lora_name", code="invalid_value")
-        # unload() waits for the name's lock, which a load of the same name holds while it reads files.
-        was_loaded = await asyncio.get_running_loop().run_in_executor(serving.admin_pool, serving.adapters.unload,
-                                                                      req.lora_name)
-        serving.forget_source(req.lora_name)
-        log_event(log, "adapter_unloaded", adapter=req.lora_name, was_loaded=was_loaded)
+        # unload() waits for the name's lock, which a load of the same name holds while it reads files: the
+        # operation waits for that load, and only for operations on this name.
+        task = serving.adapter_ops.unload(req.lora_name, serving.adapters.unload, req.lora_name)
+        task.add_done_callback(functools.partial(_finish_unload, serving, req.lora_name))
+        was_loaded = await asyncio.shield(task)
         verb = "removed successfully" if was_loaded else "was not loaded"
         return web.json_response({"message": f"Success: LoRA adapter '{req.lora_name}' {verb}.",
                                   "was_loaded": was_loaded})
+
+
+def _finish_load(serving: Serving, req: LoadAdapterRequest, started: float, task: asyncio.Task) -> None:
+    """On the loop, whether or not the client still waits: record the source, observe and log the outcome."""
+    source = {"source": redact_source(req.lora_path), "source_digest": source_digest(req.lora_path)}
+    seconds = round(time.monotonic() - started, 4)
+    error = None if task.cancelled() else task.exception()
+    if task.cancelled() or error is not None:
+        reason = "cancelled (server shutting down)" if task.cancelled() else f"{type(error).__name__}: {error}"
+        log_event(log, "adapter_load_failed", logging.WARNING, adapter=req.lora_name, **source, error=reason,
+                  seconds=seconds)
+        return
+    info, is_same = task.result()
+    serving.remember_source(req.lora_name, info.revision, req.lora_path, req.sha256)
+    if not is_same:
+        serving.metrics.observe_load(req.lora_name, seconds)
+    log_event(log, "adapter_loaded", adapter=req.lora_name, revision=info.revision, residency=info.tier, **source,
+              is_inplace=req.is_inplace, was_loaded=is_same, seconds=seconds)
+
+
+def _finish_unload(serving: Serving, name: str, task: asyncio.Task) -> None:
+    if task.cancelled() or task.exception() is not None:
+        reason = "cancelled" if task.cancelled() else f"{type(task.exception()).__name__}: {task.exception()}"
+        log_event(log, "adapter_unload_failed", logging.WARNING, adapter=name, error=reason)
+        return
+    serving.forget_source(name)
+    log_event(log, "adapter_unloaded", adapter=name, was_loaded=task.result())

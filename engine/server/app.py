@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
@@ -20,6 +19,7 @@ from kubelora.engine.common.errors import Unavailable
 from kubelora.engine.common.http_errors import error_middleware
 from kubelora.engine.common.logs import log_event
 from kubelora.engine.config import EngineConfig
+from kubelora.engine.server.adapter_ops import AdapterOps
 from kubelora.engine.server.admin_api import AdminRoutes
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.config import ServerConfig
@@ -27,12 +27,12 @@ from kubelora.engine.server.extra_api import ExtraRoutes
 from kubelora.engine.server.metrics import EngineView, ServerMetrics
 from kubelora.engine.server.openai_api import OpenAIRoutes
 from kubelora.engine.server.serving import Serving
+from kubelora.engine.server.source_text import redact_source, source_digest
 from kubelora.engine.server.sources import SourceConfig, resolve_source
 from kubelora.engine.server.tokenization import PromptTokenizer
 
 log = logging.getLogger("kubelora.engine.server")
 MAX_BODY_BYTES = 16 << 20
-NUM_ADMIN_THREADS = 4
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -45,7 +45,9 @@ def build_engine(config: EngineConfig):
 
 def source_config(config: ServerConfig) -> SourceConfig:
     return SourceConfig(roots=tuple(Path(r) for r in config.adapter_root), allowed_hosts=config.adapter_url_host,
-                        cache_dir=Path(config.adapter_cache_dir), max_bytes=config.max_adapter_bytes)
+                        cache_dir=Path(config.adapter_cache_dir), max_bytes=config.max_adapter_bytes,
+                        timeout_s=min(SourceConfig.timeout_s, config.adapter_download_timeout),
+                        deadline_s=config.adapter_download_timeout)
 
 
 class Lifecycle:
@@ -79,16 +81,15 @@ class Lifecycle:
         started = time.time()
         engine = await loop.run_in_executor(None, self._factory, self.config.engine)
         # Copied before the engine thread starts decoding with it.
-        prompts = await loop.run_in_executor(None, PromptTokenizer, engine.tokenizer)
+        prompts = await loop.run_in_executor(None, PromptTokenizer, engine.tokenizer, engine.max_model_len)
         metrics = ServerMetrics(engine.model_name, self.config.engine.max_loras)
         async_engine = AsyncEngine(engine, metrics.observe_finished)
         async_engine.start()
         serving = Serving(async_engine, engine.adapters, prompts, engine.model_name, engine.max_model_len, metrics,
-                          source_config(self.config), ThreadPoolExecutor(NUM_ADMIN_THREADS, "kubelora-admin"),
-                          started)
+                          source_config(self.config), AdapterOps(), started)
         try:
             for name, path in self.config.lora:
-                await loop.run_in_executor(serving.admin_pool, _load_startup_adapter, serving, name, path)
+                await serving.adapter_ops.load(name, _load_startup_adapter, serving, name, path)
         except BaseException:
             await self._stop(serving)
             raise
@@ -101,7 +102,7 @@ class Lifecycle:
     @staticmethod
     async def _stop(serving: Serving) -> None:
         await serving.engine.stop()
-        serving.admin_pool.shutdown(wait=False, cancel_futures=True)
+        serving.adapter_ops.shutdown()
         serving.prompts.close()
         serving.engine.close()
 
@@ -113,7 +114,8 @@ def _load_startup_adapter(serving: Serving, name: str, path: str) -> None:
     local = resolve_source(serving.sources, path).path if path.startswith(("http://", "https://")) else path
     info = serving.adapters.load(name, local)
     serving.remember_source(name, info.revision, path)  # before the loop serves any request
-    log_event(log, "adapter_loaded", adapter=name, revision=info.revision, residency=info.tier, source=path)
+    log_event(log, "adapter_loaded", adapter=name, revision=info.revision, residency=info.tier,
+              source=redact_source(path), source_digest=source_digest(path))
 
 
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)

@@ -1,7 +1,8 @@
 """Safe extraction of downloaded adapter archives (.tar, .tar.gz/.tgz, .zip).
 
 Only regular files and directories are extracted. A member with an absolute name, a `..` component, a link
-or a device refuses the whole archive, and so does content larger than `max_bytes` (an archive bomb).
+or a device refuses the whole archive, and so does content larger than `max_bytes` (an archive bomb) or more
+than `MAX_MEMBERS` entries (200k empty files would otherwise become 200k files in the cache).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import BinaryIO
 from kubelora.engine.common.errors import AdapterSourceError
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+MAX_MEMBERS = 1000  # a PEFT adapter is a handful of files
 
 
 def _refuse(message: str) -> AdapterSourceError:
@@ -56,18 +58,27 @@ class _Member:
 
 def _extract_tar(archive: Path, dest: Path, max_bytes: int) -> None:
     with tarfile.open(archive, mode="r:*") as tar:
-        _extract_members([_Member(m.name, m.isdir(), m.isfile() or m.isdir(), m.size,
-                                  lambda m=m: tar.extractfile(m)) for m in tar.getmembers()], dest, max_bytes)
+        members = []
+        for m in tar:  # one header at a time: getmembers() would read every header of a huge archive first
+            members.append(_Member(m.name, m.isdir(), m.isfile() or m.isdir(), m.size, lambda m=m: tar.extractfile(m)))
+            _check_count(len(members))
+        _extract_members(members, dest, max_bytes)
 
 
 def _extract_zip(archive: Path, dest: Path, max_bytes: int) -> None:
     with zipfile.ZipFile(archive) as zf:
+        _check_count(len(zf.infolist()))
         members = []
         for info in zf.infolist():
             kind = stat.S_IFMT(info.external_attr >> 16)  # 0 when the writer stored no Unix mode
             members.append(_Member(info.filename, info.is_dir(), kind in (0, stat.S_IFREG, stat.S_IFDIR),
                                    info.file_size, lambda info=info: zf.open(info)))
         _extract_members(members, dest, max_bytes)
+
+
+def _check_count(num_members: int) -> None:
+    if num_members > MAX_MEMBERS:
+        raise _refuse(f"the adapter archive has more than {MAX_MEMBERS} members")
 
 
 def _extract_members(members: list[_Member], dest: Path, max_bytes: int) -> None:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kubelora.engine.common.errors import Unavailable
+from kubelora.engine.common.errors import InvalidRequest, Unavailable
 from kubelora.engine.common.logs import log_event
 from kubelora.engine.sampling_params import SamplingParams
 
@@ -95,6 +95,10 @@ class AsyncEngine:
         """Add every request or none: an engine error (QueueFull, UnknownAdapter...) aborts the ones added."""
         if not self.is_running:
             raise Unavailable("the engine is not running", code="engine_not_ready")
+        max_waiting = self._engine.config.max_waiting
+        if len(requests) > max_waiting:  # a 429 would say "retry later", and no retry can ever succeed
+            raise InvalidRequest(f"'prompt' makes {len(requests)} sequences; the waiting queue holds at most "
+                                 f"{max_waiting} (--max-waiting-requests)", param="prompt", code="out_of_range")
         queue: asyncio.Queue = asyncio.Queue()
         added: list[str] = []
         try:

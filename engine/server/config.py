@@ -23,7 +23,13 @@ from kubelora.engine.config import EngineConfig
 ENV_PREFIX = "KUBELORA_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Adapter names appear in URLs, metric labels and Kubernetes status: keep them to a safe alphabet.
-ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+ADAPTER_NAME_RULE = f"{ADAPTER_NAME_RE.pattern}, with no empty, '.' or '..' segment between slashes"
+
+
+def is_valid_adapter_name(name: str) -> bool:
+    """ADAPTER_NAME_RULE: a name also ends up in URL paths, where `a/../../x` would name something else."""
+    return ADAPTER_NAME_RE.fullmatch(name) is not None and all(s not in ("", ".", "..") for s in name.split("/"))
 
 
 # Every row gets the server's prefix; the router binds its own.
@@ -60,6 +66,7 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--adapter-url-host", str, "host[:port] adapter URLs may name (repeatable)", is_list=True),
     _setting("--adapter-cache-dir", str, "where downloaded adapters are stored", default="/tmp/kubelora-adapters"),
     _setting("--max-adapter-bytes", int, "largest adapter download or archive content", default=2 << 30),
+    _setting("--adapter-download-timeout", float, "seconds one adapter's download may take in all", default=600.0),
     _setting("--log-level", str, "debug, info, warning or error", default="info"),
 )
 # Rows named like an EngineConfig field fill it (EngineConfig keeps their defaults and range checks); the rest
@@ -79,6 +86,7 @@ class ServerConfig:
     adapter_url_host: tuple[str, ...] = ()
     adapter_cache_dir: str = "/tmp/kubelora-adapters"
     max_adapter_bytes: int = 2 << 30
+    adapter_download_timeout: float = 600.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -89,6 +97,8 @@ class ServerConfig:
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {engine.device!r}")
         if self.max_adapter_bytes < 1:
             raise ValueError(f"max_adapter_bytes must be >= 1, got {self.max_adapter_bytes}")
+        if not self.adapter_download_timeout > 0:
+            raise ValueError(f"adapter_download_timeout must be > 0 seconds, got {self.adapter_download_timeout}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.log_level not in LOG_LEVELS:
@@ -97,8 +107,8 @@ class ServerConfig:
             raise ValueError("admin token must not be empty")
         names = [name for name, _ in self.lora]
         for name in names:
-            if not ADAPTER_NAME_RE.match(name) or name == engine.served_model_name:
-                raise ValueError(f"lora name {name!r} must match {ADAPTER_NAME_RE.pattern} and differ from the base")
+            if not is_valid_adapter_name(name) or name == engine.served_model_name:
+                raise ValueError(f"lora name {name!r} must match {ADAPTER_NAME_RULE} and differ from the base")
         if len(set(names)) != len(names):
             raise ValueError(f"lora names must be unique, got {names}")
 

@@ -6,22 +6,97 @@ A `Fields` wraps the decoded body; each `take_*` consumes one key; `finish()` re
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from aiohttp import web
 
 from kubelora.engine.common.errors import InvalidRequest
 
 _MISSING = object()
+T = TypeVar("T")
+MAX_INLINE_BODY_BYTES = 256 << 10  # larger bodies are decoded off the event loop
+# One thread for every large body. json.loads holds the GIL until it returns (~30 ms for a 15 MiB string), so
+# two at once would keep the event loop waiting behind both; after each body the thread rests as long as it
+# worked, up to MAX_REST_S, so that back-to-back bodies leave the loop whole stretches of GIL time.
+_LARGE_BODIES = ThreadPoolExecutor(1, "kubelora-json")
+MAX_REST_S = 0.05
 
 
-def decode_json_object(raw: bytes) -> dict[str, Any]:
+def decode_json_object(raw: bytes, *, is_large: bool = False) -> dict[str, Any]:
+    """is_large: decode through the Python hooks of `_YIELDING_HOOKS` (on a worker thread)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_refuse_constant, **(_YIELDING_HOOKS if is_large else {}))
+    except InvalidRequest:
+        raise
+    except RecursionError:
+        # The C decoder's recursion guard: ~1000 levels of arrays or objects.
+        raise InvalidRequest("request body is not valid JSON here: arrays and objects are nested too deeply",
+                             param=None, code="invalid_json") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more than 4300 digits
         raise InvalidRequest(f"request body is not valid JSON: {exc}", param=None, code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"request body must be a JSON object, got {_kind(body)}", param=None, code="invalid_json")
     return body
+
+
+async def parse_body(request: web.Request, parse: Callable[[dict[str, Any]], T]) -> T:
+    """`parse(decode_json_object(body))`; a large body is decoded and parsed on a worker thread, where the
+    Python-level checks of a long token array hand the GIL back to the event loop every few milliseconds."""
+    raw = await request.read()
+    if len(raw) <= MAX_INLINE_BODY_BYTES:
+        return parse(decode_json_object(raw))
+    return await asyncio.get_running_loop().run_in_executor(_LARGE_BODIES, _parse_large, raw, parse)
+
+
+def _parse_large(raw: bytes, parse: Callable[[dict[str, Any]], T]) -> T:
+    started = time.monotonic()
+    try:
+        return parse(decode_json_object(raw, is_large=True))
+    finally:
+        time.sleep(min(time.monotonic() - started, MAX_REST_S))
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(pairs)
+
+
+# json's C decoder holds the GIL from start to end: 15 MiB of token ids take ~0.35 s, all of it stalling the
+# event loop. Hooks written in Python take it through the interpreter at every number and object, where the GIL
+# goes to a waiting thread every 5 ms (the decode takes ~2.5x longer, off the loop). A long string is one C call
+# (~30 ms for 15 MiB); arrays of millions of short strings, nulls or empty arrays have no hook and still hold it.
+_YIELDING_HOOKS = {"parse_int": _int, "parse_float": _float, "object_pairs_hook": _object}
+
+
+def _refuse_constant(name: str) -> Any:
+    # Python's json accepts NaN, Infinity and -Infinity; JSON (and OpenAI) does not.
+    raise InvalidRequest(f"request body is not valid JSON: {name} is not a JSON number", param=None,
+                         code="invalid_json")
+
+
+def check_text(value: str, field: str) -> str:
+    """`value`, or 400 when it holds a lone surrogate (JSON's "\\ud800" escapes decode to one): such a string
+    has no UTF-8 form, so neither the tokenizer nor a response could carry it."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"'{field}' holds a lone UTF-16 surrogate at character {exc.start}; text must be "
+                             "valid Unicode", param=field, code="invalid_value") from None
+    return value
 
 
 def _kind(value: Any) -> str:
@@ -65,7 +140,7 @@ class Fields:
             return default
         if not isinstance(value, str):
             raise _type_error(self.name(key), "a string", value)
-        return value
+        return check_text(value, self.name(key))
 
     def take_bool(self, key: str, default: bool) -> bool:
         value = self._raw(key, False)
@@ -94,7 +169,7 @@ class Fields:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _type_error(self.name(key), "a number", value)
-        if value > high or value < low or (low_open and value == low):
+        if not low <= value <= high or (low_open and value == low):  # NaN fails every comparison
             interval = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
             raise _range_error(self.name(key), interval, value)
         return float(value)
@@ -118,7 +193,7 @@ class Fields:
     def take_unsupported(self, key: str, *allowed: Any) -> None:
         """An OpenAI argument we accept only at its neutral value (e.g. n=1, echo=false)."""
         value = self._raw(key, False)
-        if value is _MISSING or value is None or any(value == a and type(value) is type(a) for a in allowed):
+        if value is _MISSING or value is None or any(_is_same_value(value, a) for a in allowed):
             return
         shown = " or ".join(json.dumps(a) for a in allowed)
         raise InvalidRequest(f"'{self.name(key)}' is not supported by this server (only {shown} or null), "
@@ -129,6 +204,13 @@ class Fields:
         if unknown:
             field = self.name(unknown[0])
             raise InvalidRequest(f"unknown field '{field}'", param=field, code="unknown_field")
+
+
+def _is_same_value(value: Any, allowed: Any) -> bool:
+    """Equal and of the same JSON type; an integral number (1.0) stands for an integer (1), as in take_int."""
+    if isinstance(allowed, int) and not isinstance(allowed, bool) and isinstance(value, float):
+        return value == allowed
+    return value == allowed and type(value) is type(allowed)
 
 
 def _bounds(low: int | None, high: int | None) -> str:

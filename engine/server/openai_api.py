@@ -13,7 +13,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from kubelora.engine.server.choices import ChoicePlan, stream, truncate_prompt, whole
-from kubelora.engine.server.fields import decode_json_object
+from kubelora.engine.server.fields import parse_body
 from kubelora.engine.server.protocol import CompletionRequest, parse_chat, parse_completion
 from kubelora.engine.server.responses import Envelope
 from kubelora.engine.server.serving import Serving
@@ -30,7 +30,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         serving = self._serving()
-        req = parse_completion(decode_json_object(await request.read()))
+        req = await parse_body(request, parse_completion)
         adapter = serving.resolve_model(req.model)
         prompts = await serving.prompts.encode(req.prompts)
         keep = req.choices.truncate_prompt_tokens
@@ -46,7 +46,7 @@ class OpenAIRoutes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         serving = self._serving()
-        req = parse_chat(decode_json_object(await request.read()))
+        req = await parse_body(request, parse_chat)
         adapter = serving.resolve_model(req.model)
         tokens = await serving.prompts.render_chat(req.messages, req.add_generation_prompt, req.template)
         tokens = truncate_prompt(tokens, req.choices.truncate_prompt_tokens, serving.max_model_len)

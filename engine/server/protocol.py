@@ -11,9 +11,9 @@ from typing import Any
 
 from kubelora.engine.common.errors import InvalidRequest
 from kubelora.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
-from kubelora.engine.server.config import ADAPTER_NAME_RE
+from kubelora.engine.server.config import ADAPTER_NAME_RULE, is_valid_adapter_name
 from kubelora.engine.server.chat_template import TemplateOptions, take_template_options
-from kubelora.engine.server.fields import Fields
+from kubelora.engine.server.fields import Fields, check_text
 from kubelora.engine.server.structured import take_structured
 from kubelora.engine.structured import StructuredOutput
 from kubelora.engine.server.tools import take_message_tool_fields, take_tools
@@ -271,7 +271,7 @@ def _parse_prompts(value: Any) -> tuple[Prompt, ...]:
     parsed: list[Prompt] = []
     for p in prompts:
         if isinstance(p, str) and p:
-            parsed.append(p)
+            parsed.append(check_text(p, "prompt"))
         elif isinstance(p, list) and p and all(_is_token(t) for t in p):
             parsed.append(tuple(p))
         else:
@@ -307,7 +307,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
 
 def _parse_content(value: Any, field: str) -> str:
     if isinstance(value, str):
-        return value
+        return check_text(value, field)
     if value is None:
         return ""
     if isinstance(value, list):
@@ -316,7 +316,7 @@ def _parse_content(value: Any, field: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"'{field}[{i}]' must be {{\"type\": \"text\", \"text\": string}}; only text "
                                      "content is supported", param=f"{field}[{i}]", code="invalid_type")
-            texts.append(part["text"])
+            texts.append(check_text(part["text"], f"{field}[{i}].text"))
         return "".join(texts)
     raise InvalidRequest(f"'{field}' must be a string or an array of text parts", param=field, code="invalid_type")
 
@@ -372,8 +372,8 @@ def _take_chat_logprobs(f: Fields) -> int | None:
 
 def _take_adapter_name(f: Fields) -> str:
     name = f.take_str("lora_name", required=True)
-    if not ADAPTER_NAME_RE.match(name):
-        raise InvalidRequest(f"'lora_name' must match {ADAPTER_NAME_RE.pattern}, got {name!r}", param="lora_name",
+    if not is_valid_adapter_name(name):
+        raise InvalidRequest(f"'lora_name' must match {ADAPTER_NAME_RULE}, got {name!r}", param="lora_name",
                              code="invalid_value")
     return name
 

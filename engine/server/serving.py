@@ -6,11 +6,11 @@ A `Serving` exists only after the engine has started; until then every engine-ba
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kubelora.engine.common.errors import ContextLengthExceeded, ModelNotFound, PromptTooLong
+from kubelora.engine.server.adapter_ops import AdapterOps
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.metrics import ServerMetrics
 from kubelora.engine.server.sources import SourceConfig
@@ -29,13 +29,13 @@ class RequestedSource:
 @dataclass(frozen=True)
 class Serving:
     engine: AsyncEngine
-    adapters: AdapterManager  # the engine's (thread-safe); loads and unloads run in admin_pool
+    adapters: AdapterManager  # the engine's (thread-safe); loads and unloads run through adapter_ops
     prompts: PromptTokenizer
     model_name: str  # the base model's served name
     max_model_len: int
     metrics: ServerMetrics
     sources: SourceConfig
-    admin_pool: ThreadPoolExecutor  # adapter fetch + load: blocking I/O, never on the loop
+    adapter_ops: AdapterOps  # adapter fetch + load, unload: blocking I/O, never on the loop
     started_at: float
     # (adapter name, revision) -> the lora_path it was loaded from, as the caller wrote it (a URL stays a URL),
     # and the sha256 it was checked against: the operator compares both with the source it wants.

@@ -13,7 +13,9 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,13 +33,15 @@ class SourceConfig:
     allowed_hosts: tuple[str, ...] = ()
     cache_dir: Path = Path("/tmp/kubelora-adapters")
     max_bytes: int = 2 << 30
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0  # per socket read
+    deadline_s: float = 600.0  # per adapter: every file, redirect and read of its download
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name in ("timeout_s", "deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -137,13 +141,22 @@ def fetch_url(config: SourceConfig, url: str, sha256: str | None, auth_token: st
     if not host_allowed(config.allowed_hosts, url):
         raise _refuse(f"host {parts.netloc!r} is not an allowed adapter host (--adapter-url-host)",
                       "url_not_allowed")
-    url_dir = config.cache_dir / hashlib.sha256(url.encode()).hexdigest()[:24]
-    url_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".download-", dir=url_dir))
+    # The staging directory is shared by every URL, so that a failed download leaves nothing behind.
+    staging_root = config.cache_dir / ".staging"
+    staging_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="download-", dir=staging_root))
+    deadline_at = time.monotonic() + config.deadline_s  # for the whole adapter: one file or two, redirects too
+
+    def get(file_url: str, dest: Path) -> str:
+        return download(file_url, dest, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
+                        deadline_s=deadline_at - time.monotonic(), total_deadline_s=config.deadline_s,
+                        is_allowed=lambda target: host_allowed(config.allowed_hosts, target), auth_token=auth_token)
+
     try:
         is_archive = parts.path.lower().endswith(ARCHIVE_SUFFIXES)
-        fetch = _fetch_archive if is_archive else _fetch_files
-        digest = fetch(config, url, staging, sha256, auth_token)
+        digest = (_fetch_archive if is_archive else _fetch_files)(config, url, staging, sha256, get)
+        url_dir = config.cache_dir / hashlib.sha256(url.encode()).hexdigest()[:24]
+        url_dir.mkdir(exist_ok=True)
         final = url_dir / digest[:32]
         try:
             os.rename(staging / "content", final)
@@ -155,27 +168,25 @@ def fetch_url(config: SourceConfig, url: str, sha256: str | None, auth_token: st
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _download(config: SourceConfig, url: str, dest: Path, auth_token: str | None) -> str:
-    return download(url, dest, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
-                    is_allowed=lambda target: host_allowed(config.allowed_hosts, target), auth_token=auth_token)
+Get = Callable[[str, Path], str]  # (url, destination file) -> the sha256 of what was written
 
 
-def _fetch_archive(config: SourceConfig, url: str, staging: Path, sha256: str | None, auth_token: str | None) -> str:
+def _fetch_archive(config: SourceConfig, url: str, staging: Path, sha256: str | None, get: Get) -> str:
     archive = staging / "archive"
-    digest = _download(config, url, archive, auth_token)
+    digest = get(url, archive)
     if sha256 is not None:
         _check_digest(digest, sha256, "archive")
     extract_archive(archive, urllib.parse.urlsplit(url).path, staging / "content", max_bytes=config.max_bytes)
     return digest
 
 
-def _fetch_files(config: SourceConfig, url: str, staging: Path, sha256: str | None, auth_token: str | None) -> str:
+def _fetch_files(config: SourceConfig, url: str, staging: Path, sha256: str | None, get: Get) -> str:
     content = staging / "content"
     content.mkdir()
     base = url.rstrip("/") + "/"
     combined = hashlib.sha256()
     for name in ADAPTER_FILES:
-        digest = _download(config, base + name, content / name, auth_token)
+        digest = get(base + name, content / name)
         if name == WEIGHTS_FILE and sha256 is not None:
             _check_digest(digest, sha256, WEIGHTS_FILE)
         combined.update(digest.encode())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socketserver
 import threading
 import time
 import urllib.error
@@ -247,3 +248,85 @@ def reference(material):
 
     yield run
     llm.close()
+
+
+@pytest.fixture
+def start_app(aiohttp_client):
+    """`await start_app(config, engine_factory=build_engine)` -> an aiohttp test client of a started server."""
+    from kubelora.engine.server.app import LIFECYCLE, build_app, build_engine
+
+    async def start(config: ServerConfig, engine_factory=build_engine):
+        app = build_app(config, engine_factory)
+        client = await aiohttp_client(app)
+        await asyncio.wait_for(app[LIFECYCLE].done.wait(), 60)
+        assert app[LIFECYCLE].failure is None, app[LIFECYCLE].failure
+        return client
+
+    return start
+
+
+async def expect_error(response, status: int, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI-shaped error body of `response`, checked; returns its `error` object."""
+    body = await response.json()
+    assert response.status == status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == type_, body
+    assert "Traceback" not in error["message"]
+    if param is not None:
+        assert error["param"] == param, body
+    if code is not None:
+        assert error["code"] == code, body
+    return error
+
+
+@pytest.fixture(scope="session")
+def api_error():
+    """`await api_error(response, status, type, param=None, code=None)`: see `expect_error`."""
+    return expect_error
+
+
+class _MisbehavingSource(socketserver.BaseRequestHandler):
+    """By path: `/trickle/<s>/...` a declared 1000-byte body, one byte every s seconds; `/trickle-close/<s>/...`
+    the same without Content-Length (the body ends when the connection does); `/slow-headers/<s>/...` one byte of
+    headers every s seconds; `/short/...` declares 1000 bytes, sends 10 and closes."""
+
+    def handle(self) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = self.request.recv(4096)
+            if not chunk:
+                return
+            head += chunk
+        kind, *rest = head.split(b" ", 2)[1].decode().strip("/").split("/")
+        try:
+            if kind == "short":
+                self.request.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+            elif kind in ("trickle", "trickle-close", "slow-headers"):
+                interval = float(rest[0])
+                length = b"Content-Length: 1000\r\n" if kind == "trickle" else b""
+                status = b"HTTP/1.0 200 OK\r\n" + length + b"\r\n"
+                self._drip(status if kind == "slow-headers" else b"", interval)
+                self.request.sendall(b"" if kind == "slow-headers" else status)
+                self._drip(b"x" * 1000, interval)
+        except OSError:
+            pass  # the engine gave up on us: what the test wants
+
+    def _drip(self, data: bytes, interval: float) -> None:
+        for i in range(len(data)):
+            self.request.sendall(data[i:i + 1])
+            time.sleep(interval)
+
+
+class _ThreadingServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+@pytest.fixture
+def misbehaving_source():
+    """`host:port` of a local HTTP source that trickles, stalls or cuts its bodies short (see _MisbehavingSource)."""
+    server = _ThreadingServer(("127.0.0.1", 0), _MisbehavingSource)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()

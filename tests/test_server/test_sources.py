@@ -244,3 +244,22 @@ def test_bearer_token_for_the_source_host_only(tmp_path, http_root):
     finally:
         other.shutdown()
         other.server_close()
+
+
+@pytest.mark.parametrize("name", ["many.tar.gz", "many.zip"])
+def test_archive_member_count_is_capped(tmp_path, http_root, name):
+    """5000 empty members besides the adapter's files: refused after the first 1001 headers, nothing written."""
+    import time
+
+    from kubelora.engine.server.archives import MAX_MEMBERS
+
+    members = {**FILES, **{f"junk/{i}": b"" for i in range(5000)}}
+    served, host = http_root
+    (served / name).write_bytes(_zip_bytes(members) if name.endswith(".zip") else _tar_bytes(members))
+    config = _config(tmp_path, host)
+    started = time.monotonic()
+    error = _refused(resolve_source, config, f"http://{host}/{name}", code="unsafe_archive")
+    assert f"more than {MAX_MEMBERS} members" in error.message and time.monotonic() - started < 2
+    assert [f for _, _, files in os.walk(tmp_path / "cache") for f in files] == []
+    (served / "few.tar.gz").write_bytes(_tar_bytes({**FILES, **{f"junk/{i}": b"" for i in range(MAX_MEMBERS - 2)}}))
+    assert (resolve_source(config, f"http://{host}/few.tar.gz").path / "adapter_config.json").exists()

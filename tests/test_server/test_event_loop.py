@@ -1,0 +1,141 @@
+"""The event loop never does unbounded work (issue 16): a huge prompt is refused by a character bound before
+any tokenizing while `/health` keeps answering within 100 ms, and memory is not retained afterwards.
+
+The live server runs in a thread of this process; the clients run in other threads, with their bodies built
+before the clock starts.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+BIG_BYTES = 15 << 20  # under the 16 MiB body limit
+MAX_HEALTH_S = 0.1
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict, float]:
+    started = time.monotonic()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            status, payload = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, payload = exc.code, exc.read()
+    return status, json.loads(payload), time.monotonic() - started
+
+
+# Polls /health every 10 ms until stdin closes, then prints every latency: in its own process, so that what it
+# measures is the server, not the GIL of the process that also runs the test's clients.
+PROBE = """
+import json, sys, threading, time, urllib.request
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+latencies = []
+while not stop.is_set():
+    started = time.monotonic()
+    with urllib.request.urlopen(sys.argv[1] + "/health", timeout=60) as response:
+        assert response.status == 200
+    latencies.append(time.monotonic() - started)
+    time.sleep(0.01)
+print(json.dumps(latencies))
+"""
+
+
+class HealthProbe:
+    """`/health` polled from another process while the block runs; `worst_s` is the slowest answer."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self.latencies: list[float] = []
+
+    def __enter__(self) -> HealthProbe:
+        self._process = subprocess.Popen([sys.executable, "-c", PROBE, self._url], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # the interpreter starts and the first probes go out
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.1)
+        out, _ = self._process.communicate("", timeout=60)
+        self.latencies = json.loads(out)
+
+    @property
+    def worst_s(self) -> float:
+        assert len(self.latencies) >= 5, self.latencies
+        return max(self.latencies)
+
+
+def _big_bodies(model: str) -> dict[str, bytes]:
+    text = "hello world " * (BIG_BYTES // 12)
+    return {
+        "completion": json.dumps({"model": model, "prompt": text, "max_tokens": 4}).encode(),
+        "completion-batch": json.dumps({"model": model, "prompt": [text[: BIG_BYTES // 64]] * 63,
+                                        "max_tokens": 4}).encode(),
+        "completion-token-ids": json.dumps({"model": model, "prompt": [1] * (BIG_BYTES // 3)}).encode(),
+        "chat": json.dumps({"model": model, "messages": [{"role": "user", "content": text}]}).encode(),
+        "chat-many": json.dumps({"model": model, "messages": [{"role": "user", "content": text[:20_000]}] * 750}
+                                ).encode(),
+    }
+
+
+@pytest.mark.parametrize("kind", ["completion", "completion-batch", "completion-token-ids", "chat", "chat-many"])
+def test_huge_prompt_refused_while_health_answers(live_server, kind):
+    server = live_server()
+    base = server.serving.model_name
+    body = _big_bodies(base)[kind]
+    assert len(body) > 14 << 20
+    path = "/v1/chat/completions" if kind.startswith("chat") else "/v1/completions"
+    with HealthProbe(server.url) as probe, ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: _post(server.url + path, body), range(3)))  # three at once
+    for status, answer, seconds in results:
+        assert status == 413 and answer["error"]["type"] == "prompt_too_long", answer
+        # Text is refused by its length in characters, before tokenizing. Token ids are counted once decoded,
+        # which takes seconds for five million of them, on one worker thread in turn.
+        if kind.endswith("ids"):
+            assert "5242880 tokens" in answer["error"]["message"] and seconds < 30
+        else:
+            assert "characters" in answer["error"]["message"] and seconds < 5
+    assert probe.worst_s < MAX_HEALTH_S, sorted(probe.latencies)[-5:]
+    ok = server.client().completions.create(model=base, prompt="Hello", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_huge_prompts_leave_no_memory_behind(live_server):
+    server = live_server()
+    bodies = _big_bodies(server.serving.model_name)
+    _post(server.url + "/v1/completions", bodies["completion"])  # first-use allocations out of the way
+    gc.collect()
+    before = _rss_bytes()
+    for _ in range(3):
+        for kind, body in bodies.items():
+            path = "/v1/chat/completions" if kind.startswith("chat") else "/v1/completions"
+            assert _post(server.url + path, body)[0] == 413
+    gc.collect()
+    assert _rss_bytes() - before < 200 << 20, f"{(_rss_bytes() - before) >> 20} MiB more resident"
+
+
+def test_prompt_under_the_bound_is_tokenized_off_the_loop(live_server):
+    """A prompt just under the character bound is tokenized on the worker thread: /health stays fast, and
+    the answer is the token-count 413."""
+    server = live_server()
+    max_chars = server.serving.prompts.max_chars
+    body = json.dumps({"model": server.serving.model_name, "prompt": "x" * max_chars}).encode()
+    with HealthProbe(server.url) as probe:
+        status, answer, _ = _post(server.url + "/v1/completions", body)
+    assert status == 413 and "tokens" in answer["error"]["message"], answer
+    assert probe.worst_s < MAX_HEALTH_S
