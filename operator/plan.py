@@ -10,6 +10,7 @@ engine that lost its adapters or a hand-made load all produce the same kind of p
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -26,13 +27,20 @@ class ObservedAdapter:
     residency: str
     loaded_at: float | None = None
     last_error: str | None = None
+    # "sha256:<hex>" of the full lora_path: the engine redacts `source` (query strings, credentials) for callers
+    # without its admin token, and shows this to every caller.
+    source_digest: str | None = None
 
     @classmethod
     def from_card(cls, card: dict) -> ObservedAdapter:
         return cls(name=card["id"], source=card.get("source"), sha256=card.get("sha256"),
                    content_revision=card.get("revision"),
                    residency=card.get("residency", "known"), loaded_at=card.get("created"),
-                   last_error=card.get("last_error"))
+                   last_error=card.get("last_error"), source_digest=card.get("source_digest"))
+
+    def has_source(self, lora_path: str) -> bool:
+        digest = "sha256:" + hashlib.sha256(lora_path.encode()).hexdigest()
+        return self.source == lora_path or (self.source_digest is not None and self.source_digest == digest)
 
     @property
     def is_resident(self) -> bool:
@@ -68,7 +76,7 @@ Action = Load | Unload
 def is_current(observed: ObservedAdapter | None, desired: DesiredAdapter, served_revision: str | None) -> bool:
     """The pod has the desired source and sha256 (the engine's card echoes both, so this holds across operator
     restarts); `served_revision` (what the operator last loaded there, if known) must match too."""
-    if observed is None or observed.source != desired.lora_path or observed.sha256 != desired.sha256:
+    if observed is None or not observed.has_source(desired.lora_path) or observed.sha256 != desired.sha256:
         return False
     return served_revision is None or served_revision == desired.source_revision
 

@@ -61,3 +61,19 @@ def test_a_changed_sha256_under_the_same_path_is_reloaded_even_without_memory_of
 def test_adapter_cards_echo_sha256():
     card = {"id": "a", "source": "/adapters/a", "sha256": "ab" * 32, "revision": "abc", "residency": "known"}
     assert ObservedAdapter.from_card(card).sha256 == "ab" * 32
+
+
+def test_a_redacted_source_is_compared_by_its_digest():
+    """Without the engine's admin token the card's source has no query string; its digest is of the full URL."""
+    import hashlib
+
+    url = "https://models.example.com/a.tar.gz?X-Amz-Signature=s3cret"
+    want = DesiredAdapter("a", url, None, "rev-a")
+    card = {"id": "a", "source": "https://models.example.com/a.tar.gz?<redacted>", "revision": "abc",
+            "residency": "host", "source_digest": "sha256:" + hashlib.sha256(url.encode()).hexdigest()}
+    assert plan_pod("p", {"a": want}, {"a"}, {"a": ObservedAdapter.from_card(card)}, {}) == []
+    other = {**card, "source_digest": "sha256:" + hashlib.sha256(b"https://models.example.com/b.tar.gz").hexdigest()}
+    assert plan_pod("p", {"a": want}, {"a"}, {"a": ObservedAdapter.from_card(other)}, {}) == [
+        Load("p", want, is_preload=True, is_inplace=True)]
+    full = {k: v for k, v in card.items() if k != "source_digest"} | {"source": url}  # with the token, or older engines
+    assert plan_pod("p", {"a": want}, {"a"}, {"a": ObservedAdapter.from_card(full)}, {}) == []
