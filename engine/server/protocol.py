@@ -177,7 +177,7 @@ def _take_words(f: Fields, key: str) -> tuple[str, ...]:
     if len(words) > MAX_BAD_WORDS:
         raise InvalidRequest(f"'{key}' has {len(words)} strings; at most {MAX_BAD_WORDS} are allowed", param=key,
                              code="out_of_range")
-    return tuple(words)
+    return tuple(check_text(w, key) for w in words)
 
 
 def _take_processing(f: Fields, sampling: Sampling) -> Sampling:

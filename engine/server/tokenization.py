@@ -21,7 +21,7 @@ import copy
 from concurrent.futures import ThreadPoolExecutor
 
 from kubelora.engine.common.errors import InvalidRequest, PromptTooLong
-from kubelora.engine.server.chat_template import TemplateOptions, render_text
+from kubelora.engine.server.chat_template import TemplateOptions, num_template_chars, render_text
 from kubelora.engine.server.protocol import ChatMessage, Prompt
 
 MAX_CHARS_SLACK = 4
@@ -52,8 +52,8 @@ class PromptTokenizer:
                           ) -> list[int]:
         """The chat template's text, tokenized; a template that refuses the messages is the caller's error.
         add_special_tokens: the tokenizer's own (BOS) on top of the template's (vLLM's /tokenize option)."""
-        # The template writes every message into its text, plus its own markup.
-        self._check_chars(sum(len(m.content) for m in messages), "messages")
+        # The template writes every message (and the tools, the kwargs) into its text, plus its own markup.
+        self._check_chars(num_template_chars(messages, options), "messages")
         return await self._run(self._render_chat, messages, add_generation_prompt, options, add_special_tokens)
 
     def _check_chars(self, num_chars: int, param: str) -> None:
