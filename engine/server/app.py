@@ -8,6 +8,7 @@ the model is loaded, the startup adapters are loaded and the engine thread runs.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -93,6 +94,11 @@ class Lifecycle:
         except BaseException:
             await self._stop(serving)
             raise
+        # What start-up made (the model's modules, tokenizers, imported libraries: a million objects and more)
+        # lives as long as the process; frozen, full garbage collections no longer walk it, so one that starts on
+        # the event loop takes milliseconds instead of a few hundred (seen: 0.27 s during a 15 MiB body).
+        gc.collect()
+        gc.freeze()
         return serving
 
     async def stop(self) -> None:
