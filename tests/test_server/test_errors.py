@@ -28,19 +28,6 @@ async def api(aiohttp_client, config_for, material):
     return client
 
 
-async def _error(response, status: int, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    body = await response.json()
-    assert response.status == status, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == type_, body
-    assert "Traceback" not in error["message"]
-    if param is not None:
-        assert error["param"] == param, body
-    if code is not None:
-        assert error["code"] == code, body
-    return error
-
-
 COMPLETION = {"model": "a0", "prompt": "Hello", "max_tokens": 4}
 
 BAD_COMPLETIONS = [
@@ -59,27 +46,27 @@ BAD_COMPLETIONS = [
 
 
 @pytest.mark.parametrize("body, status, type_, param, code", BAD_COMPLETIONS)
-async def test_bad_completion_requests(api, body, status, type_, param, code):
+async def test_bad_completion_requests(api, body, status, type_, param, code, api_error):
     kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
-    await _error(await api.post("/v1/completions", **kwargs), status, type_, param, code)
+    await api_error(await api.post("/v1/completions", **kwargs), status, type_, param, code)
     ok = await api.post("/v1/completions", json=COMPLETION)
     assert ok.status == 200 and (await ok.json())["usage"]["completion_tokens"] == 4
 
 
-async def test_bad_chat_requests(api):
-    await _error(await api.post("/v1/chat/completions", json={"model": "a0", "messages": []}), 400,
+async def test_bad_chat_requests(api, api_error):
+    await api_error(await api.post("/v1/chat/completions", json={"model": "a0", "messages": []}), 400,
                  "invalid_request_error", "messages")
-    await _error(await api.post("/v1/chat/completions", json={"model": "a0", "messages": [{"role": "user"}]}), 400,
+    await api_error(await api.post("/v1/chat/completions", json={"model": "a0", "messages": [{"role": "user"}]}), 400,
                  "invalid_request_error", "messages[0].content", "missing_field")
     big = {"model": "a0", "messages": [{"role": "user", "content": "word " * 600}]}
-    await _error(await api.post("/v1/chat/completions", json=big), 413, "prompt_too_long", "messages")
+    await api_error(await api.post("/v1/chat/completions", json=big), 413, "prompt_too_long", "messages")
 
 
 def _load(name: str, path) -> dict:
     return {"lora_name": name, "lora_path": str(path)}
 
 
-async def test_bad_adapter_loads(api, material):
+async def test_bad_adapter_loads(api, material, api_error):
     root = material.adapter_root
     if not (root / "escape").exists():
         os.symlink(material.model_dir, root / "escape")
@@ -100,26 +87,26 @@ async def test_bad_adapter_loads(api, material):
         (_load("a0", material.adapters["a1"]), 409, "conflict_error", "lora_name", "adapter_exists"),
     ]
     for body, status, type_, param, code in cases:
-        await _error(await api.post("/v1/load_lora_adapter", json=body), status, type_, param, code)
+        await api_error(await api.post("/v1/load_lora_adapter", json=body), status, type_, param, code)
     models = await (await api.get("/v1/models")).json()
     assert [m["id"] for m in models["data"]] == ["model", "a0"]  # nothing half-registered
     assert (await api.post("/v1/completions", json=COMPLETION)).status == 200
 
 
-async def test_unknown_routes_and_methods(api):
-    await _error(await api.get("/v1/nothing"), 404, "not_found_error")
-    await _error(await api.get("/v1/completions"), 405, "invalid_request_error")
+async def test_unknown_routes_and_methods(api, api_error):
+    await api_error(await api.get("/v1/nothing"), 404, "not_found_error")
+    await api_error(await api.get("/v1/completions"), 405, "invalid_request_error")
     response = await api.post("/v1/unload_lora_adapter", json={"lora_name": "never-loaded"})
     assert response.status == 200 and not (await response.json())["was_loaded"]
 
 
-async def test_failed_on_demand_load_fails_only_its_requests(api, material):
+async def test_failed_on_demand_load_fails_only_its_requests(api, material, api_error):
     path = material.root / "adapters" / "ondemand"
     shutil.copytree(material.adapters["a5"], path, dirs_exist_ok=True)
     response = await api.post("/v1/load_lora_adapter", json={**_load("ondemand", path), "preload": False})
     assert (await response.json())["adapter"]["residency"] == "known"
     (path / "adapter_model.safetensors").write_bytes(b"garbage now")
-    await _error(await api.post("/v1/completions", json={**COMPLETION, "model": "ondemand"}), 503,
+    await api_error(await api.post("/v1/completions", json={**COMPLETION, "model": "ondemand"}), 503,
                  "adapter_unavailable", "model")
     stream = await api.post("/v1/completions", json={**COMPLETION, "model": "ondemand", "stream": True})
     text = await stream.text()
@@ -130,7 +117,7 @@ async def test_failed_on_demand_load_fails_only_its_requests(api, material):
     assert card["last_error"] and card["residency"] == "known"
 
 
-async def test_queue_full_gives_429_with_retry_after(aiohttp_client, config_for, slow_engine_factory):
+async def test_queue_full_gives_429_with_retry_after(aiohttp_client, config_for, slow_engine_factory, api_error):
     # One running, one waiting, the rest refused: 64 steps of >= 5 ms keep the first one running meanwhile.
     config = config_for(max_num_seqs=1, max_waiting=1)
     client = await _start(aiohttp_client, config, slow_engine_factory(0.005))
@@ -141,11 +128,11 @@ async def test_queue_full_gives_429_with_retry_after(aiohttp_client, config_for,
     for response in responses:
         if response.status == 429:
             assert int(response.headers["Retry-After"]) >= 1
-            await _error(response, 429, "rate_limit_error", code="queue_full")
+            await api_error(response, 429, "rate_limit_error", code="queue_full")
     assert (await client.post("/v1/completions", json=body)).status == 200
 
 
-async def test_not_ready_gives_503_and_health_is_up(aiohttp_client, config_for):
+async def test_not_ready_gives_503_and_health_is_up(aiohttp_client, config_for, api_error):
     release = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -157,7 +144,7 @@ async def test_not_ready_gives_503_and_health_is_up(aiohttp_client, config_for):
     client = await aiohttp_client(app)
     assert (await client.get("/health")).status == 200
     assert (await client.get("/ready")).status == 503
-    await _error(await client.post("/v1/completions", json=COMPLETION), 503, "service_unavailable",
+    await api_error(await client.post("/v1/completions", json=COMPLETION), 503, "service_unavailable",
                  code="engine_not_ready")
     release.set()
     await asyncio.wait_for(app[LIFECYCLE].done.wait(), 60)
@@ -186,9 +173,9 @@ class _BrokenEngine:
         return self._engine.add_request(request_id, prompt_token_ids, *args, **kwargs)
 
 
-async def test_bug_gives_500_without_details(aiohttp_client, config_for):
+async def test_bug_gives_500_without_details(aiohttp_client, config_for, api_error):
     client = await _start(aiohttp_client, config_for(), lambda c: _BrokenEngine(build_engine(c)))
-    error = await _error(await client.post("/v1/completions", json={"model": "model", "prompt": [7]}), 500,
+    error = await api_error(await client.post("/v1/completions", json={"model": "model", "prompt": [7]}), 500,
                          "server_error")
     assert "secret" not in error["message"]
     assert (await client.post("/v1/completions", json={"model": "model", "prompt": [8], "max_tokens": 2})).status == 200
@@ -214,11 +201,11 @@ def served_archive(material, tmp_path):
     server.server_close()
 
 
-async def test_load_from_url(aiohttp_client, config_for, material, served_archive, tmp_path):
+async def test_load_from_url(aiohttp_client, config_for, material, served_archive, tmp_path, api_error):
     url, digest = served_archive
     client = await _start(aiohttp_client, config_for(adapter_url_host=("127.0.0.1",),
                                                      adapter_cache_dir=str(tmp_path / "cache")))
-    await _error(await client.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": "0" * 64}), 400,
+    await api_error(await client.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": "0" * 64}), 400,
                  "adapter_source_error", "sha256", "sha256_mismatch")
     response = await client.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": digest})
     card = (await response.json())["adapter"]
@@ -231,14 +218,14 @@ async def test_load_from_url(aiohttp_client, config_for, material, served_archiv
     assert ok.status == 200
 
 
-async def test_engine_step_bug_fails_open_requests_and_health(aiohttp_client, config_for):
+async def test_engine_step_bug_fails_open_requests_and_health(aiohttp_client, config_for, api_error):
     engines = []
     client = await _start(aiohttp_client, config_for(), lambda c: engines.append(_BrokenEngine(build_engine(c)))
                           or engines[-1])
     assert (await client.get("/health")).status == 200
     engines[0].is_step_broken = True
     body = {"model": "model", "prompt": [8], "max_tokens": 2}
-    await _error(await client.post("/v1/completions", json=body), 503, "service_unavailable", code="engine_stopped")
+    await api_error(await client.post("/v1/completions", json=body), 503, "service_unavailable", code="engine_stopped")
     assert (await client.get("/health")).status == 503 and (await client.get("/ready")).status == 503
-    await _error(await client.post("/v1/completions", json=body), 503, "service_unavailable",
+    await api_error(await client.post("/v1/completions", json=body), 503, "service_unavailable",
                  code="engine_not_ready")
