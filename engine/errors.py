@@ -4,7 +4,7 @@ The classes with an answer of their own are defined once in `kubelora.engine.com
 router raise some of them too) and re-exported here. Request errors are raised by `LLMEngine.add_request`;
 adapter errors by `AdapterManager.load` (and carried in `RequestOutput.error` when an on-demand load fails).
 The adapter validation failures below share `AdapterError`'s answer. Messages name the adapter, the field and
-the limit.
+the limit. All but AdapterNotFound are permanent (`is_transient` False): the same files fail the same way.
 """
 
 from __future__ import annotations
@@ -41,9 +41,12 @@ class InvalidAdapter(AdapterError, ValueError):
 
 
 class AdapterNotFound(InvalidAdapter):
-    """The adapter directory, its adapter_config.json or its adapter_model.safetensors is missing."""
+    """The adapter directory, its adapter_config.json or its adapter_model.safetensors is missing.
+
+    Transient: the files may still be on their way (a manifest applied before its artifact is copied)."""
 
     type = "adapter_not_found"
+    is_transient = True
 
 
 class AdapterCorrupt(InvalidAdapter):

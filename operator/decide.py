@@ -58,6 +58,7 @@ class AdapterSet:
     invalid: dict[str, Failure] = field(default_factory=dict)  # static validation: unloaded, not placed
     frozen: dict[str, Failure] = field(default_factory=dict)  # engine refused this revision: left as is
     blocked: dict[str, Failure] = field(default_factory=dict)  # waiting on its source Secret: left as is
+    retry_requests: dict[str, str] = field(default_factory=dict)  # adapter -> its kubelora.io/retry annotation
 
     def left_alone(self) -> dict[str, Failure]:
         """Adapters no call touches this pass: what the pods hold of them stays."""
@@ -105,7 +106,9 @@ def plan_pass(view: PoolView, memory: ReconcileMemory, now: float) -> tuple[Pass
     if previous is None and view.stored is not None:  # hysteresis across operator restarts
         previous, published = view.stored.pods_by_adapter, Published(view.stored.revision, "")
     placement = place(adapters.requests, observation.urls, view.pool.engine.max_cpu_loras, previous)
-    memory = replace(memory, served=_on_pods(memory.served, known), retries=_on_pods(memory.retries, known),
+    retries = {key: retry for key, retry in _on_pods(memory.retries, known).items()
+               if retry.retry_request == adapters.retry_requests.get(key[1], retry.retry_request)}
+    memory = replace(memory, served=_on_pods(memory.served, known), retries=retries,
                      previous=placement.pods_by_adapter, published=published)
     actions = _plan_calls(adapters, placement, observation, memory.served)
     due = tuple(a for a in actions if _retry_at(memory, (a.pod, adapter_name(a))) <= now)
@@ -131,9 +134,11 @@ def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterS
     invalid: dict[str, Failure] = {}
     frozen: dict[str, Failure] = {}
     blocked: dict[str, Failure] = {}
+    retry_requests: dict[str, str] = {}
     for name, body in view.bodies.items():
         if body["metadata"].get("deletionTimestamp"):
             continue
+        retry_requests[name] = names.retry_request(body)
         try:
             spec = AdapterSpec.from_body(body)
             validate_adapter(spec, view.pool)
@@ -149,7 +154,8 @@ def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterS
         revision = spec.source.revision
         for pod, served_revision in served_by_status(body):
             served.setdefault((pod, name), served_revision)
-        refusal = standing_refusal(body, revision, view.pool.fingerprint, refusals.pop(name, None))
+        refusal = standing_refusal(body, revision, view.pool.fingerprint, refusals.pop(name, None),
+                                   retry_requests[name])
         if refusal is not None:
             refusals[name] = refusal
             frozen[name] = refusal.failure
@@ -157,7 +163,7 @@ def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterS
         desired[name] = DesiredAdapter(name, spec.source.lora_path, spec.source.sha256, revision,
                                        auth_token=view.tokens.get(name))
         requests.append(PlacementRequest(name, spec.replicas))
-    adapters = AdapterSet(desired, tuple(requests), invalid, frozen, blocked)
+    adapters = AdapterSet(desired, tuple(requests), invalid, frozen, blocked, retry_requests)
     return adapters, replace(memory, served=served, refusals=refusals)
 
 
@@ -167,19 +173,22 @@ def served_by_status(body: dict) -> list[tuple[str, str]]:
             if entry.get("revision") and entry.get("state") == ReplicaState.LOADED.value]
 
 
-def standing_refusal(body: dict, revision: str, pool_fingerprint: str, remembered: Refusal | None) -> Refusal | None:
-    """The refusal that holds for this revision under this pool spec, if any (None: try it)."""
+def standing_refusal(body: dict, revision: str, pool_fingerprint: str, remembered: Refusal | None,
+                     retry_request: str = "") -> Refusal | None:
+    """The refusal that holds for this revision under this pool spec and retry request, if any (None: try it)."""
     if remembered is not None:
-        return remembered if remembered.holds_for(revision, pool_fingerprint) else None
+        return remembered if remembered.holds_for(revision, pool_fingerprint, retry_request) else None
     status = body.get("status") or {}
     # After an operator restart the status tells; a status written before failedPoolSpec existed counts as the
-    # current pool's.
+    # current pool's. A retry request made while the operator was away differs from the one the status answers.
     failed_pool = status.get("failedPoolSpec", pool_fingerprint)
-    if status.get("failedRevision") != revision or failed_pool != pool_fingerprint:
+    if (status.get("failedRevision") != revision or failed_pool != pool_fingerprint
+            or (status.get("retryRequest") or "") != retry_request):
         return None
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
     return Refusal(revision, pool_fingerprint,
-                   Failure(ready.get("reason", "LoadFailed"), ready.get("message", "the engine refused it")))
+                   Failure(ready.get("reason", "LoadFailed"), ready.get("message", "the engine refused it")),
+                   retry_request)
 
 
 def record_result(memory: ReconcileMemory, result: CallResult, plan: PassPlan, now: float,
@@ -206,15 +215,16 @@ def _record_failure(memory: ReconcileMemory, action: Action, error: EngineError,
                     backoff_s: Callable[[int], float]) -> tuple[ReconcileMemory, list[Event]]:
     # A refusal is the adapter's own fault only on a pod made from the current pool spec; an older pod is being
     # replaced (say maxLoraRank was just raised): back off and try again, on the new pod.
+    name = adapter_name(action)
+    retry_request = plan.adapters.retry_requests.get(name, "")
     if isinstance(action, Load) and error.is_permanent and action.pod not in plan.stale_pods:
         failure = Failure(error.reason, f"pod {action.pod}: {error}")
-        refusal = Refusal(action.adapter.source_revision, plan.pool_fingerprint, failure)
+        refusal = Refusal(action.adapter.source_revision, plan.pool_fingerprint, failure, retry_request)
         return (replace(memory, refusals={**memory.refusals, action.adapter.name: refusal}),
                 [Event(action.adapter.name, True, "LoadFailed", f"{failure.reason}: {failure.message}")])
-    name = adapter_name(action)
     previous = memory.retries.get((action.pod, name))
     num_failures = 1 if previous is None else previous.num_failures + 1
-    retry = Retry(num_failures, now + backoff_s(num_failures), str(error))
+    retry = Retry(num_failures, now + backoff_s(num_failures), str(error), retry_request)
     memory = replace(memory, retries={**memory.retries, (action.pod, name): retry})
     if num_failures > 1:
         return memory, []  # the first failure of a series makes the event
@@ -225,7 +235,8 @@ def _record_failure(memory: ReconcileMemory, action: Action, error: EngineError,
 def freeze_new_failures(adapters: AdapterSet, refusals: Mapping[str, Refusal], pool_fingerprint: str) -> AdapterSet:
     """Adapters the engine refused during this pass report Failed now, not one pass later."""
     refused = {name: refusals[name].failure for name, want in adapters.desired.items()
-               if name in refusals and refusals[name].holds_for(want.source_revision, pool_fingerprint)}
+               if name in refusals and refusals[name].holds_for(want.source_revision, pool_fingerprint,
+                                                                adapters.retry_requests.get(name, ""))}
     if not refused:
         return adapters
     return replace(adapters, desired={n: w for n, w in adapters.desired.items() if n not in refused},

@@ -11,17 +11,24 @@ from kubelora.operator.plan import DesiredAdapter, ObservedAdapter
 
 
 class EngineError(Exception):
-    """A failed engine call. `is_permanent`: a 4xx about the adapter itself (retrying cannot help)."""
+    """A failed engine call. `is_permanent`: a 400 about the adapter itself that retrying cannot help.
 
-    def __init__(self, status: int | None, code: str | None, message: str) -> None:
+    `is_retryable`: the engine's own word on a failed load (the error body's `retryable`, None when absent): a
+    source that is not there yet, a network failure or HTTP 404/5xx from the source is retryable; corrupt files,
+    a shape or rank mismatch, a refused path or host are not.
+    """
+
+    def __init__(self, status: int | None, code: str | None, message: str, is_retryable: bool | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.is_retryable = is_retryable
 
     @property
     def is_permanent(self) -> bool:
-        # 401 (token), 404/409 (races with unload or another revision) and 429 heal on retry.
-        return self.status == 400
+        # 401 (token), 404/409 (races with unload or another revision), 429 and 5xx heal on retry; so does a 400
+        # the engine calls retryable. An engine too old to say counts its 400s as permanent.
+        return self.status == 400 and self.is_retryable is not True
 
     @property
     def reason(self) -> str:
@@ -69,8 +76,10 @@ class EngineClient:
                 body = await response.json(content_type=None)
                 if response.status >= 400:
                     error = (body or {}).get("error") or {}
+                    retryable = error.get("retryable")
                     raise EngineError(response.status, error.get("code") or error.get("type"),
-                                      error.get("message") or f"HTTP {response.status}")
+                                      error.get("message") or f"HTTP {response.status}",
+                                      retryable if isinstance(retryable, bool) else None)
                 return body or {}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise EngineError(None, None, f"{method} {url}: {type(exc).__name__}: {exc}") from exc

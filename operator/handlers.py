@@ -18,7 +18,7 @@ import kopf
 
 from kubelora.operator import names
 from kubelora.operator.builders import build_owner_reference, build_pool_manifests, build_router_manifest_keys
-from kubelora.operator.conditions import build_status_patch, make_condition, merge_conditions
+from kubelora.operator.conditions import build_status_patch, merge_conditions
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube, KubeError, load_connection
 from kubelora.operator.observe import is_pod_ready, pod_url
@@ -26,7 +26,7 @@ from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.cli import settings_from_env
 from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
-from kubelora.operator.status import Failure, build_adapter_status
+from kubelora.operator.status import Failure, build_adapter_status, pool_conditions
 
 FINALIZER = "kubelora.io/finalizer"
 UNLOAD_ON_DELETE_TIMEOUT_S = 5.0
@@ -79,9 +79,9 @@ async def on_pool_spec(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
 
 async def _write_pool_invalid(runtime: Runtime, body: kopf.Body, exc: InvalidSpec) -> None:
     generation = int(body["metadata"].get("generation") or 0)
-    condition = make_condition("Ready", False, exc.reason, str(exc), generation)
+    conditions = pool_conditions(generation, False, Failure(exc.reason, str(exc)), is_stalled=True)
     old = (body.get("status") or {}).get("conditions")
-    status = {"observedGeneration": generation, "conditions": merge_conditions(old, [condition])}
+    status = {"observedGeneration": generation, "conditions": merge_conditions(old, conditions)}
     await runtime.kube.patch_status(names.POOL_PLURAL, body["metadata"]["namespace"], body["metadata"]["name"],
                                     status)
 
@@ -127,11 +127,14 @@ async def on_pool_event(body: kopf.Body, event: dict, memo: kopf.Memo, **_: Any)
 
 @kopf.on.event(names.GROUP, names.VERSION, names.ADAPTER_PLURAL)
 async def on_adapter_event(body: kopf.Body, event: dict, memo: kopf.Memo, **_: Any) -> None:
-    """Spec changes, creations and deletions reach the pool's reconcile at once; status writes do not."""
+    """Spec changes, creations, deletions and a new retry request (annotation kubelora.io/retry) reach the pool's
+    reconcile at once; status writes do not."""
     runtime: Runtime = memo.runtime
     meta, status = body["metadata"], body.get("status") or {}
     pool = (body.get("spec") or {}).get("pool", "")
-    is_settled = status.get("observedGeneration") == meta.get("generation") and not meta.get("deletionTimestamp")
+    is_answered = (status.get("retryRequest") or "") == names.retry_request(body)
+    is_settled = (status.get("observedGeneration") == meta.get("generation") and not meta.get("deletionTimestamp")
+                  and is_answered)
     if event.get("type") not in (None, "ADDED", "DELETED") and is_settled:
         return
     if runtime.has_pool(meta["namespace"], pool):

@@ -17,24 +17,29 @@ PodAdapter = tuple[str, str]  # (pod, adapter)
 
 @dataclass(frozen=True)
 class Retry:
-    """A (pod, adapter) call that failed transiently: not tried again before `retry_at`."""
+    """A (pod, adapter) call that failed transiently: not tried again before `retry_at`, unless the adapter's
+    retry request (annotation kubelora.io/retry) changes."""
     num_failures: int
-    retry_at: float  # time.monotonic() seconds
+    retry_at: float  # time.time() seconds (the status shows it)
     message: str
+    retry_request: str = ""
 
 
 @dataclass(frozen=True)
 class Refusal:
     """The engine refused one source revision of an adapter under one pool spec (`specs.pool_fingerprint`).
 
-    It holds while both stay the same; a new revision or a changed pool (say a raised maxLoraRank) tries once more.
+    It holds while both stay the same, and the adapter's retry request (annotation kubelora.io/retry) too; a new
+    revision, a changed pool (say a raised maxLoraRank) or a new retry request tries once more.
     """
     revision: str
     pool_fingerprint: str
     failure: Failure
+    retry_request: str = ""
 
-    def holds_for(self, revision: str, pool_fingerprint: str) -> bool:
-        return (self.revision, self.pool_fingerprint) == (revision, pool_fingerprint)
+    def holds_for(self, revision: str, pool_fingerprint: str, retry_request: str = "") -> bool:
+        return (self.revision, self.pool_fingerprint, self.retry_request) == (revision, pool_fingerprint,
+                                                                             retry_request)
 
 
 @dataclass(frozen=True)

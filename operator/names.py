@@ -20,6 +20,13 @@ MANAGED_BY = "kubelora-operator"
 # On engine pods: the digest of the pool spec they were made from (specs.pool_fingerprint). A refusal by a pod
 # made from an older spec is not permanent: a rollout is replacing that pod.
 ANNOTATION_POOL_SPEC = "kubelora.io/pool-spec"
+# On LoRAAdapters, set by users: a new value retries a Failed adapter once and cuts short a transient backoff.
+ANNOTATION_RETRY = "kubelora.io/retry"
+
+
+def retry_request(body: dict) -> str:
+    """The adapter's kubelora.io/retry annotation ("" when absent)."""
+    return str((body["metadata"].get("annotations") or {}).get(ANNOTATION_RETRY, ""))
 
 
 def engine_name(pool: str) -> str:

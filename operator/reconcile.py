@@ -51,7 +51,7 @@ class PoolReconciler:
             await self._patch_pool(body, invalid_pool_status(self.name, body, Failure(exc.reason, str(exc))))
             return
         view, client = await self._fetch(body, pool)
-        plan, self._memory = plan_pass(view, self._memory, time.monotonic())
+        plan, self._memory = plan_pass(view, self._memory, time.time())
         results = await self._execute(plan, client, view)
         report = build_report(view, plan, results, self._memory)
         await self._publish(pool, body, report)
@@ -103,7 +103,7 @@ class PoolReconciler:
         async def run(action: Action) -> None:
             async with limit:
                 result = await _call(client, view.observation.urls[action.pod], action)
-                self._memory, events = record_result(self._memory, result, plan, time.monotonic(),
+                self._memory, events = record_result(self._memory, result, plan, time.time(),
                                                      self._settings.backoff_s)
                 results.append(result)
                 await self._post(view.bodies, events)

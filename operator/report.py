@@ -18,8 +18,8 @@ from kubelora.operator.observe import Observation
 from kubelora.operator.placement import Placement
 from kubelora.operator.plan import DesiredAdapter, ObservedAdapter, Unload, is_current
 from kubelora.operator.specs import AdapterSpec, InvalidSpec
-from kubelora.operator.status import (Failure, Phase, ReplicaState, ReplicaStatus, build_adapter_status,
-                                      build_pool_status)
+from kubelora.operator.status import (INSUFFICIENT_CAPACITY, Failure, Phase, ReplicaState, ReplicaStatus,
+                                      build_adapter_status, build_pool_status)
 
 HeldByPod = Mapping[str, Mapping[str, ObservedAdapter]]  # pod -> adapter -> what the pod reports
 
@@ -50,8 +50,9 @@ class Holdings:
             served = self.memory.served.get((pod, name)) or (want.source_revision if want is not None else None)
             return ReplicaStatus(pod, ReplicaState.LOADED, revision=served, content_revision=have.content_revision,
                                  residency=have.residency, loaded_at=have.loaded_at, last_error=error)
-        state = ReplicaState.LOADING if retry is None else ReplicaState.PENDING
-        return ReplicaStatus(pod, state, last_error=error)
+        if retry is None:
+            return ReplicaStatus(pod, ReplicaState.LOADING, last_error=error)
+        return ReplicaStatus(pod, ReplicaState.PENDING, last_error=error, next_retry_at=retry.retry_at)
 
     def _serves(self, pod: str, name: str, want: DesiredAdapter | None) -> bool:
         have = self.held.get(pod, {}).get(name)
@@ -110,18 +111,19 @@ def adapter_status(name: str, body: dict, adapters: AdapterSet, plan: PassPlan, 
         revision = AdapterSpec.from_body(body).source.revision
     except InvalidSpec:
         revision = ""
+    retry_request = adapters.retry_requests.get(name)
     failure = adapters.invalid.get(name) or adapters.left_alone().get(name)
     if failure is not None:
         replicas = [holdings.replica(name, pod, None) for pod in holdings.holders(name, sorted(holdings.held), None)]
         return build_adapter_status(generation=generation, revision=revision, wanted=0, replicas=replicas,
                                     failure=failure, failed_revision=revision if name in adapters.frozen else None,
-                                    failed_pool_spec=plan.pool_fingerprint)
+                                    failed_pool_spec=plan.pool_fingerprint, retry_request=retry_request)
     want = adapters.desired[name]
     replicas = [holdings.replica(name, pod, want) for pod in plan.placement.pods_of(name)]
     pending = None if has_ready_pod else Failure("NoReadyReplicas", "no engine replica of the pool is ready")
     return build_adapter_status(generation=generation, revision=revision,
                                 wanted=plan.placement.wanted_by_adapter.get(name, 0), replicas=replicas,
-                                pending=pending)
+                                pending=pending, retry_request=retry_request)
 
 
 def pool_status(pool_name: str, body: dict, observation: Observation, held: HeldByPod, placement: Placement | None,
@@ -153,5 +155,7 @@ def phase_event(name: str, old: dict, patch: dict) -> Event | None:
     if old.get("phase") == patch["phase"]:
         return None
     ready = next(c for c in patch["conditions"] if c["type"] == "Ready")
-    return Event(name, patch["phase"] in (Phase.FAILED.value, Phase.DEGRADED.value), patch["phase"],
-                 f"{ready['reason']}: {ready['message']}")
+    # Failed, Degraded and a Pending that waits for capacity someone must add are warnings.
+    is_warning = (patch["phase"] in (Phase.FAILED.value, Phase.DEGRADED.value)
+                  or (patch["phase"] == Phase.PENDING.value and ready["reason"] == INSUFFICIENT_CAPACITY))
+    return Event(name, is_warning, patch["phase"], f"{ready['reason']}: {ready['message']}")

@@ -13,17 +13,25 @@ from collections.abc import Mapping
 
 
 class ServiceError(Exception):
-    """Base of every error raised on purpose. `message` names the field and the limit."""
+    """Base of every error raised on purpose. `message` names the field and the limit.
+
+    `is_transient`: the same request may succeed later without any change to it (a source not there yet, a
+    network failure); False: it fails the same way until the request or the files change. A class says what its
+    failures usually are; an instance may say otherwise (a download's HTTP 404 is transient, its size limit not).
+    """
 
     type = "service_error"
+    is_transient = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, is_transient: bool | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        if is_transient is not None:
+            self.is_transient = is_transient
 
 
 # ---- the request as sent ----
@@ -75,7 +83,8 @@ class Unauthorized(ServiceError):
 
 
 class AdapterSourceError(ServiceError):
-    """An adapter path or URL refused (outside the roots, host not allowed) or unreadable."""
+    """An adapter path or URL refused (outside the roots, host not allowed: permanent) or unreadable (a missing
+    path, a failed download: transient, see `ServiceError.is_transient`)."""
 
     type = "adapter_source_error"
 

@@ -2,7 +2,10 @@
 
 Body: `{"error": {"message", "type", "param", "code"}}`. `type` is OpenAI's error type (clients and tests switch
 on it); `code` refines it (the exception's own code, else the rule's, else the exception's stable `type`), so
-clients can tell e.g. adapter_rank_too_large from adapter_shape_mismatch. No tracebacks leave the process: any
+clients can tell e.g. adapter_rank_too_large from adapter_shape_mismatch. Adapter load errors (adapter_load_error,
+adapter_source_error) add `retryable`: true when the same load may succeed later unchanged (a source not there
+yet, a network failure, HTTP 404/5xx), false when it fails the same way until the request or the files change
+(corrupt files, shape or rank mismatch, a refused path or host); the operator retries only the former. No tracebacks leave the process: any
 other exception is a bug, answered 500 with its traceback in the log only. The server and the router both use it.
 """
 
@@ -35,9 +38,13 @@ class HttpError:
     param: str | None = None
     code: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    is_retryable: bool | None = None  # adapter load errors only (None: the body has no `retryable`)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.is_retryable is not None:
+            error["retryable"] = self.is_retryable
+        return {"error": error}
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,9 @@ def to_http(exc: BaseException) -> HttpError | None:
     rule = next(RULES[cls] for cls in type(exc).__mro__ if cls in RULES)
     headers = {**(rule.headers(exc) if rule.headers else {}), **exc.headers}
     param = exc.param if exc.param is not None else rule.param
-    return HttpError(rule.status, rule.type, exc.message, param, exc.code or rule.code or exc.type, headers)
+    is_load_error = isinstance(exc, (AdapterError, AdapterSourceError))
+    return HttpError(rule.status, rule.type, exc.message, param, exc.code or rule.code or exc.type, headers,
+                     is_retryable=exc.is_transient if is_load_error else None)
 
 
 def error_response(error: HttpError) -> web.Response:

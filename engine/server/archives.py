@@ -119,4 +119,5 @@ def find_adapter_dir(root: Path) -> Path:
     if len(subdirs) == 1 and (subdirs[0] / "adapter_config.json").is_file():
         return subdirs[0]
     raise AdapterSourceError("the downloaded adapter has no adapter_config.json at its root or in a single "
-                             "top-level folder", param="lora_path", code="adapter_not_found")
+                             "top-level folder", param="lora_path", code="adapter_not_found",
+                             is_transient=False)  # the archive's bytes were read: the same bytes, the same failure

@@ -103,9 +103,19 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
         return super().do_open(self._deadline.wrap(http_class), req, **kwargs)
 
 
-def _fail(url: str, why: str) -> AdapterSourceError:
+# HTTP answers that say "not now" rather than "never": not there yet, timeout, rate limit, server trouble.
+TRANSIENT_HTTP = frozenset({404, 408, 425, 429})
+
+
+def _fail(url: str, why: str, *, is_transient: bool) -> AdapterSourceError:
+    """is_transient: a network failure, a deadline, a cut body or a transient HTTP status; False: the size limit,
+    an HTTP status that will not change by itself (401, 403, 410, ...)."""
     return AdapterSourceError(f"cannot download {redact_source(url)}: {why}", param="lora_path",
-                              code="download_failed")
+                              code="download_failed", is_transient=is_transient)
+
+
+def is_transient_http(status: int) -> bool:
+    return status in TRANSIENT_HTTP or status >= 500
 
 
 def download(url: str, dest: Path, *, max_bytes: int, timeout_s: float, deadline_s: float,
@@ -117,7 +127,7 @@ def download(url: str, dest: Path, *, max_bytes: int, timeout_s: float, deadline
     adapter's, when this is one of its files)."""
     late = f"it did not finish within the {total_deadline_s or deadline_s:g} s deadline of the adapter download"
     if deadline_s <= 0:
-        raise _fail(url, late)
+        raise _fail(url, late, is_transient=True)
     deadline = _Deadline(deadline_s)
     opener = urllib.request.build_opener(_CheckedRedirects(is_allowed), _HTTPHandler(deadline),
                                          _HTTPSHandler(deadline))
@@ -129,17 +139,17 @@ def download(url: str, dest: Path, *, max_bytes: int, timeout_s: float, deadline
         with opener.open(request, timeout=min(timeout_s, deadline_s)) as response:
             digest = _copy(url, response, dest, max_bytes)
     except urllib.error.HTTPError as exc:
-        raise _fail(url, f"HTTP {exc.code} {exc.reason}") from None
+        raise _fail(url, f"HTTP {exc.code} {exc.reason}", is_transient=is_transient_http(exc.code)) from None
     except (AdapterSourceError, urllib.error.URLError, http.client.HTTPException, OSError) as exc:
         if deadline.is_expired:
-            raise _fail(url, late) from None
+            raise _fail(url, late, is_transient=True) from None
         if isinstance(exc, AdapterSourceError):
             raise
-        raise _fail(url, str(getattr(exc, "reason", exc)) or type(exc).__name__) from None
+        raise _fail(url, str(getattr(exc, "reason", exc)) or type(exc).__name__, is_transient=True) from None
     finally:
         deadline.cancel()
     if deadline.is_expired:  # the shut-down socket reads as the end of a body that has no length
-        raise _fail(url, late)
+        raise _fail(url, late, is_transient=True)
     return digest
 
 
@@ -147,16 +157,17 @@ def _copy(url: str, response: http.client.HTTPResponse, dest: Path, max_bytes: i
     declared = response.headers.get("Content-Length")
     length = int(declared) if declared is not None and declared.isdigit() else None
     if length is not None and length > max_bytes:
-        raise _fail(url, f"{length} bytes is more than the limit of {max_bytes}")
+        raise _fail(url, f"{length} bytes is more than the limit of {max_bytes}", is_transient=False)
     digest = hashlib.sha256()
     written = 0
     with open(dest, "wb") as out:
         while block := response.read(CHUNK_BYTES):
             written += len(block)
             if written > max_bytes:
-                raise _fail(url, f"more than the limit of {max_bytes} bytes")
+                raise _fail(url, f"more than the limit of {max_bytes} bytes", is_transient=False)
             digest.update(block)
             out.write(block)
     if length is not None and written != length:
-        raise _fail(url, f"the body ended after {written} of the {length} bytes its Content-Length announced")
+        raise _fail(url, f"the body ended after {written} of the {length} bytes its Content-Length announced",
+                    is_transient=True)
     return digest.hexdigest()

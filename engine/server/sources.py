@@ -51,8 +51,12 @@ class ResolvedSource:
     sha256: str | None  # the digest that was verified, when one was given
 
 
+# A path that is not there (yet) may be copied later; every other refusal stands until the request changes.
+TRANSIENT_CODES = frozenset({"path_not_found"})
+
+
 def _refuse(message: str, code: str = "path_not_allowed") -> AdapterSourceError:
-    return AdapterSourceError(message, param="lora_path", code=code)
+    return AdapterSourceError(message, param="lora_path", code=code, is_transient=code in TRANSIENT_CODES)
 
 
 def resolve_source(config: SourceConfig, source: str, sha256: str | None = None, *,

@@ -220,3 +220,57 @@ def test_a_failed_unload_is_retried_with_its_own_event():
     refused = CallResult(Unload("e0", "old"), error=EngineError(400, "bad", "no"))
     after, _ = record_result(ReconcileMemory(), refused, plan_for(), now=0.0, backoff_s=backoff_s)
     assert after.refusals == {} and set(after.retries) == {("e0", "old")}
+
+
+# ---- transient load failures heal; a retry can be asked for ----
+
+def test_a_400_the_engine_calls_retryable_backs_off_instead_of_failing():
+    missing = EngineError(400, "path_not_found", "lora_path '/adapters/a' is not a directory", is_retryable=True)
+    corrupt = EngineError(400, "adapter_corrupt", "cannot parse", is_retryable=False)
+    legacy = EngineError(400, "adapter_corrupt", "cannot parse")  # an engine that does not say
+    assert not missing.is_permanent and corrupt.is_permanent and legacy.is_permanent
+    result = CallResult(Load("e0", A, is_preload=True, is_inplace=False), error=missing)
+    after, events = record_result(ReconcileMemory(), result, plan_for(), now=0.0, backoff_s=backoff_s)
+    assert after.refusals == {} and after.retries == {("e0", "a"): Retry(1, 10.0, str(missing))}
+    assert [(e.is_warning, e.reason) for e in events] == [(True, "LoadFailed")]
+    # The file shows up: the next try after the backoff loads it and clears the retry.
+    plan, memory = plan_pass(view(adapter("a")), after, now=10.0)
+    assert [a.pod for a in plan.actions if isinstance(a, Load) and a.is_preload] == ["e0"]
+    ok = CallResult(next(a for a in plan.actions if a.pod == "e0"), card={"revision": "c0ffee"})
+    healed, _ = record_result(memory, ok, plan, now=10.0, backoff_s=backoff_s)
+    assert healed.retries == {}
+
+
+def _retried(body: dict) -> dict:
+    return {**body, "metadata": {**body["metadata"], "annotations": {"kubelora.io/retry": "1"}}}
+
+
+def test_a_new_retry_request_lifts_a_refusal_once():
+    body = adapter("big")
+    refusal = Refusal(revision_of(body), POOL.fingerprint, REFUSED)
+    adapters, _ = classify_adapters(view(_retried(body)), ReconcileMemory(refusals={"big": refusal}))
+    assert "big" in adapters.desired and adapters.retry_requests == {"big": "1"}
+    # The retry is refused again: that refusal holds while the annotation stays "1".
+    error = EngineError(400, "adapter_rank_too_large", "too big", is_retryable=False)
+    plan, memory = plan_pass(view(_retried(body)), ReconcileMemory(refusals={"big": refusal}), now=0.0)
+    load = next(a for a in plan.actions if isinstance(a, Load) and a.is_preload)
+    memory, _ = record_result(memory, CallResult(load, error=error), plan, now=0.0, backoff_s=backoff_s)
+    assert memory.refusals["big"].retry_request == "1"
+    again, _ = classify_adapters(view(_retried(body)), memory)
+    assert "big" in again.frozen and "big" not in again.desired
+
+
+def test_after_a_restart_the_status_tells_which_retry_request_was_answered():
+    ready = {"type": "Ready", "status": "False", "reason": "AdapterCorrupt", "message": "m"}
+    status = {"failedRevision": "r1", "failedPoolSpec": "fp1", "retryRequest": "1", "conditions": [ready]}
+    assert standing_refusal({"status": status}, "r1", "fp1", None, "1") is not None
+    assert standing_refusal({"status": status}, "r1", "fp1", None, "2") is None
+    assert standing_refusal({"status": status}, "r1", "fp1", None, "") is None
+
+
+def test_a_new_retry_request_cuts_a_backoff_short():
+    memory = ReconcileMemory(retries={("e0", "a"): Retry(5, 500.0, "HTTP 404")})
+    waiting, _ = plan_pass(view(adapter("a", replicas="all")), memory, now=1.0)
+    assert [a.pod for a in waiting.actions] == ["e1"]
+    asked, after = plan_pass(view(_retried(adapter("a", replicas="all"))), memory, now=1.0)
+    assert sorted(a.pod for a in asked.actions) == ["e0", "e1"] and after.retries == {}

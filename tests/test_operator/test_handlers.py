@@ -77,6 +77,8 @@ async def test_invalid_pool_is_permanent_and_transient_failures_retry(runtime_fo
                                     memo=kopf.Memo(runtime=runtime_for(kube)), logger=LOG)
     (_, _, status), = kube.statuses
     assert status["conditions"][0]["reason"] == "InvalidSpec" and status["observedGeneration"] == 4
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {"Ready": "False", "Reconciling": "False",
+                                                                      "Stalled": "True"}
     with pytest.raises(kopf.TemporaryError):
         await handlers.on_pool_spec(body=pool_body(), memo=kopf.Memo(runtime=runtime_for(FakeKube(fail_apply=True))),
                                     logger=LOG)
@@ -103,6 +105,20 @@ async def test_adapter_events_trigger_only_on_spec_changes(runtime_for):
     changed = {**settled, "metadata": {**settled["metadata"], "generation": 3}}
     await handlers.on_adapter_event(body=changed, event={"type": "MODIFIED"}, memo=kopf.Memo(runtime=runtime))
     assert wake.is_set()
+
+
+async def test_a_new_retry_request_triggers_until_the_status_answers_it(runtime_for):
+    runtime = runtime_for(FakeKube())
+    wake = runtime.trigger_for("ns", "p")
+    asked = {"metadata": {"name": "a", "namespace": "ns", "generation": 2,
+                          "annotations": {"kubelora.io/retry": "2026-12-01T23:00"}},
+             "spec": {"pool": "p"}, "status": {"observedGeneration": 2}}
+    await handlers.on_adapter_event(body=asked, event={"type": "MODIFIED"}, memo=kopf.Memo(runtime=runtime))
+    assert wake.is_set()
+    wake.clear()
+    answered = {**asked, "status": {"observedGeneration": 2, "retryRequest": "2026-12-01T23:00"}}
+    await handlers.on_adapter_event(body=answered, event={"type": "MODIFIED"}, memo=kopf.Memo(runtime=runtime))
+    assert not wake.is_set()
 
 
 async def test_adapter_of_a_missing_pool_is_pending(runtime_for):

@@ -99,9 +99,13 @@ def test_replicas_backing_off_are_pending_with_their_error_others_loading():
     memory, _ = record_result(memory, failed, plan, 0.0, backoff_s)
     report = build_report(pool_view, plan, [failed], memory)
     replicas = {r["pod"]: r for r in report.adapter_statuses["a"]["replicas"]}
-    assert replicas["e0"] == {"pod": "e0", "state": "Pending", "lastError": "boom"}
+    assert replicas["e0"] == {"pod": "e0", "state": "Pending", "lastError": "boom",
+                              "nextRetryAt": "1970-01-01T00:00:10Z"}  # now 0.0 + backoff_s(1)
     assert replicas["e1"] == {"pod": "e1", "state": "Loading"}
-    assert report.adapter_statuses["a"]["phase"] == "Loading"
+    status = report.adapter_statuses["a"]
+    ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+    assert status["phase"] == "Loading" and ready["reason"] == "LoadRetrying"
+    assert "e0: boom" in ready["message"] and "next retry at 1970-01-01T00:00:10Z" in ready["message"]
 
 
 def test_no_ready_replica_is_pending():
