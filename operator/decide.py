@@ -18,10 +18,10 @@ from kubelora.operator.engine_client import EngineError
 from kubelora.operator.memory import PodAdapter, Published, ReconcileMemory, Refusal, Retry
 from kubelora.operator.observe import Observation
 from kubelora.operator.placement import Placement, PlacementRequest, place
-from kubelora.operator.plan import Action, DesiredAdapter, Load, Unload, plan_pod
+from kubelora.operator.plan import Action, DesiredAdapter, Load, ObservedAdapter, Unload, is_current, plan_pod
 from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
 from kubelora.operator.status import Failure, ReplicaState
-from kubelora.operator.validation import validate_adapter
+from kubelora.operator.validation import DECLARED_MISMATCHES, check_declared, validate_adapter
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,12 @@ class AdapterSet:
     frozen: dict[str, Failure] = field(default_factory=dict)  # engine refused this revision: left as is
     blocked: dict[str, Failure] = field(default_factory=dict)  # waiting on its source Secret: left as is
     retry_requests: dict[str, str] = field(default_factory=dict)  # adapter -> its kubelora.io/retry annotation
+    # Refused because the files contradict spec.rank or spec.targets: unloaded everywhere, like invalid ones.
+    mismatched: dict[str, Failure] = field(default_factory=dict)
+
+    def refused(self) -> dict[str, Failure]:
+        """Adapters whose current revision stands refused (their status keeps failedRevision)."""
+        return {**self.frozen, **self.mismatched}
 
     def left_alone(self) -> dict[str, Failure]:
         """Adapters no call touches this pass: what the pods hold of them stays."""
@@ -134,6 +140,7 @@ def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterS
     invalid: dict[str, Failure] = {}
     frozen: dict[str, Failure] = {}
     blocked: dict[str, Failure] = {}
+    mismatched: dict[str, Failure] = {}
     retry_requests: dict[str, str] = {}
     for name, body in view.bodies.items():
         if body["metadata"].get("deletionTimestamp"):
@@ -154,17 +161,36 @@ def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterS
         revision = spec.source.revision
         for pod, served_revision in served_by_status(body):
             served.setdefault((pod, name), served_revision)
+        want = DesiredAdapter(name, spec.source.lora_path, spec.source.sha256, revision,
+                              auth_token=view.tokens.get(name), declared_rank=spec.rank,
+                              declared_targets=spec.targets, generation=spec.generation)
         refusal = standing_refusal(body, revision, view.pool.fingerprint, refusals.pop(name, None),
                                    retry_requests[name])
+        if refusal is None:
+            mismatch = observed_mismatch(want, view.observation)
+            if mismatch is not None:
+                refusal = Refusal(revision, view.pool.fingerprint, mismatch, retry_requests[name], spec.generation)
         if refusal is not None:
             refusals[name] = refusal
-            frozen[name] = refusal.failure
+            is_mismatch = refusal.failure.reason in DECLARED_MISMATCHES
+            (mismatched if is_mismatch else frozen)[name] = refusal.failure
             continue
-        desired[name] = DesiredAdapter(name, spec.source.lora_path, spec.source.sha256, revision,
-                                       auth_token=view.tokens.get(name))
+        desired[name] = want
         requests.append(PlacementRequest(name, spec.replicas))
-    adapters = AdapterSet(desired, tuple(requests), invalid, frozen, blocked, retry_requests)
+    adapters = AdapterSet(desired, tuple(requests), invalid, frozen, blocked, retry_requests, mismatched)
     return adapters, replace(memory, served=served, refusals=refusals)
+
+
+def observed_mismatch(want: DesiredAdapter, observation: Observation) -> Failure | None:
+    """What a pod holding `want`'s source reports that contradicts its declared rank or targets, if anything."""
+    for pod in sorted(observation.adapters):
+        have = observation.adapters[pod].get(want.name)
+        if have is not None and is_current(have, want, None):
+            failure = check_declared(want.name, want.declared_rank, want.declared_targets, have.rank, have.targets,
+                                     f"pod {pod}")
+            if failure is not None:
+                return failure
+    return None
 
 
 def served_by_status(body: dict) -> list[tuple[str, str]]:
@@ -176,8 +202,11 @@ def served_by_status(body: dict) -> list[tuple[str, str]]:
 def standing_refusal(body: dict, revision: str, pool_fingerprint: str, remembered: Refusal | None,
                      retry_request: str = "") -> Refusal | None:
     """The refusal that holds for this revision under this pool spec and retry request, if any (None: try it)."""
+    generation = int(body.get("metadata", {}).get("generation") or 0)
     if remembered is not None:
-        return remembered if remembered.holds_for(revision, pool_fingerprint, retry_request) else None
+        is_same_declaration = remembered.generation in (None, generation)
+        return remembered if remembered.holds_for(revision, pool_fingerprint, retry_request) and \
+            is_same_declaration else None
     status = body.get("status") or {}
     # After an operator restart the status tells; a status written before failedPoolSpec existed counts as the
     # current pool's. A retry request made while the operator was away differs from the one the status answers.
@@ -186,9 +215,12 @@ def standing_refusal(body: dict, revision: str, pool_fingerprint: str, remembere
             or (status.get("retryRequest") or "") != retry_request):
         return None
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
-    return Refusal(revision, pool_fingerprint,
-                   Failure(ready.get("reason", "LoadFailed"), ready.get("message", "the engine refused it")),
-                   retry_request)
+    failure = Failure(ready.get("reason", "LoadFailed"), ready.get("message", "the engine refused it"))
+    if failure.reason not in DECLARED_MISMATCHES:
+        return Refusal(revision, pool_fingerprint, failure, retry_request)
+    if status.get("observedGeneration") != generation:
+        return None  # spec.rank or spec.targets changed since: check the files again
+    return Refusal(revision, pool_fingerprint, failure, retry_request, generation)
 
 
 def record_result(memory: ReconcileMemory, result: CallResult, plan: PassPlan, now: float,
@@ -203,6 +235,15 @@ def record_result(memory: ReconcileMemory, result: CallResult, plan: PassPlan, n
                 [Event(name, False, "Unloaded", f"unloaded from pod {action.pod}")])
     memory = replace(memory, served={**memory.served, key: action.adapter.source_revision},
                      retries=_without(memory.retries, key))
+    card = ObservedAdapter.from_card({**(result.card or {}), "id": name})
+    want = action.adapter
+    mismatch = check_declared(name, want.declared_rank, want.declared_targets, card.rank, card.targets,
+                              f"pod {action.pod}")
+    if mismatch is not None:  # the next pass unloads it everywhere (AdapterSet.mismatched)
+        refusal = Refusal(want.source_revision, plan.pool_fingerprint, mismatch,
+                          plan.adapters.retry_requests.get(name, ""), want.generation)
+        return (replace(memory, refusals={**memory.refusals, name: refusal}),
+                [Event(name, True, "LoadFailed", f"{mismatch.reason}: {mismatch.message}")])
     if not (action.is_preload or action.is_inplace):
         return memory, []  # registrations with preload: false make no events
     verb = "Reloaded" if action.is_inplace else "Loaded"
@@ -239,8 +280,10 @@ def freeze_new_failures(adapters: AdapterSet, refusals: Mapping[str, Refusal], p
                                                                 adapters.retry_requests.get(name, ""))}
     if not refused:
         return adapters
+    mismatched = {n: f for n, f in refused.items() if f.reason in DECLARED_MISMATCHES}
     return replace(adapters, desired={n: w for n, w in adapters.desired.items() if n not in refused},
-                   frozen={**adapters.frozen, **refused})
+                   frozen={**adapters.frozen, **{n: f for n, f in refused.items() if n not in mismatched}},
+                   mismatched={**adapters.mismatched, **mismatched})
 
 
 def _retry_at(memory: ReconcileMemory, key: PodAdapter) -> float:

@@ -36,6 +36,9 @@ class Refusal:
     pool_fingerprint: str
     failure: Failure
     retry_request: str = ""
+    # Refusals because the files contradict spec.rank/spec.targets also end with the adapter's generation (a
+    # corrected declaration is checked afresh); None: any generation.
+    generation: int | None = None
 
     def holds_for(self, revision: str, pool_fingerprint: str, retry_request: str = "") -> bool:
         return (self.revision, self.pool_fingerprint, self.retry_request) == (revision, pool_fingerprint,

@@ -30,13 +30,18 @@ class ObservedAdapter:
     # "sha256:<hex>" of the full lora_path: the engine redacts `source` (query strings, credentials) for callers
     # without its admin token, and shows this to every caller.
     source_digest: str | None = None
+    rank: int | None = None  # what the files say (max over modules); None: not reported
+    targets: tuple[str, ...] | None = None  # modules the files adapt
 
     @classmethod
     def from_card(cls, card: dict) -> ObservedAdapter:
+        targets = card.get("targets")
         return cls(name=card["id"], source=card.get("source"), sha256=card.get("sha256"),
                    content_revision=card.get("revision"),
                    residency=card.get("residency", "known"), loaded_at=card.get("created"),
-                   last_error=card.get("last_error"), source_digest=card.get("source_digest"))
+                   last_error=card.get("last_error"), source_digest=card.get("source_digest"),
+                   rank=card.get("rank") if isinstance(card.get("rank"), int) else None,
+                   targets=tuple(targets) if isinstance(targets, list) else None)
 
     def has_source(self, lora_path: str) -> bool:
         digest = "sha256:" + hashlib.sha256(lora_path.encode()).hexdigest()
@@ -54,6 +59,9 @@ class DesiredAdapter:
     sha256: str | None
     source_revision: str
     auth_token: str | None = field(default=None, repr=False, compare=False)  # from spec.source.authSecretRef
+    declared_rank: int | None = field(default=None, compare=False)  # spec.rank, checked against the files
+    declared_targets: tuple[str, ...] = field(default=(), compare=False)  # spec.targets, likewise
+    generation: int = field(default=0, compare=False)  # the LoRAAdapter's metadata.generation
 
 
 @dataclass(frozen=True)

@@ -112,11 +112,12 @@ def adapter_status(name: str, body: dict, adapters: AdapterSet, plan: PassPlan, 
     except InvalidSpec:
         revision = ""
     retry_request = adapters.retry_requests.get(name)
-    failure = adapters.invalid.get(name) or adapters.left_alone().get(name)
+    failure = adapters.invalid.get(name) or adapters.mismatched.get(name) or adapters.left_alone().get(name)
     if failure is not None:
         replicas = [holdings.replica(name, pod, None) for pod in holdings.holders(name, sorted(holdings.held), None)]
+        is_refused = name in adapters.refused()
         return build_adapter_status(generation=generation, revision=revision, wanted=0, replicas=replicas,
-                                    failure=failure, failed_revision=revision if name in adapters.frozen else None,
+                                    failure=failure, failed_revision=revision if is_refused else None,
                                     failed_pool_spec=plan.pool_fingerprint, retry_request=retry_request)
     want = adapters.desired[name]
     replicas = [holdings.replica(name, pod, want) for pod in plan.placement.pods_of(name)]

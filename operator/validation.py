@@ -11,6 +11,7 @@ import posixpath
 from urllib.parse import urlsplit
 
 from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
+from kubelora.operator.status import Failure
 
 SUPPORTED_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
@@ -28,6 +29,25 @@ def validate_adapter(adapter: AdapterSpec, pool: PoolSpec) -> None:
         check_path_allowed(adapter.source.path, pool.adapter_roots)
     else:
         check_url_allowed(adapter.source.url or "", pool.adapter_url_hosts)
+
+
+RANK_MISMATCH, TARGETS_MISMATCH = "RankMismatch", "TargetsMismatch"
+DECLARED_MISMATCHES = frozenset({RANK_MISMATCH, TARGETS_MISMATCH})
+
+
+def check_declared(name: str, declared_rank: int | None, declared_targets: tuple[str, ...], rank: int | None,
+                   targets: tuple[str, ...] | None, where: str) -> Failure | None:
+    """A declared spec.rank or spec.targets that the adapter files (as the engine read them) contradict.
+
+    The engine reports each adapter's rank (its largest module rank) and the modules it adapts; what it does not
+    report is not checked. `where` names the pod that reported it."""
+    if declared_rank is not None and rank is not None and declared_rank != rank:
+        return Failure(RANK_MISMATCH, f"spec.rank is {declared_rank} but the files of {name!r} have rank {rank} "
+                                      f"({where})")
+    if declared_targets and targets is not None and set(declared_targets) != set(targets):
+        return Failure(TARGETS_MISMATCH, f"spec.targets is {sorted(declared_targets)} but the files of {name!r} "
+                                         f"adapt {sorted(targets)} ({where})")
+    return None
 
 
 def check_path_allowed(path: str, roots: tuple[str, ...]) -> None:

@@ -274,3 +274,62 @@ def test_a_new_retry_request_cuts_a_backoff_short():
     assert [a.pod for a in waiting.actions] == ["e1"]
     asked, after = plan_pass(view(_retried(adapter("a", replicas="all"))), memory, now=1.0)
     assert sorted(a.pod for a in asked.actions) == ["e0", "e1"] and after.retries == {}
+
+
+# ---- declared rank and targets against the files ----
+
+def _declared(rank=None, targets=()):
+    return DesiredAdapter("a", "/adapters/a", None, "rev-a", declared_rank=rank, declared_targets=tuple(targets))
+
+
+def test_a_load_whose_files_contradict_spec_rank_is_refused_and_unloaded_next_pass():
+    body = adapter("a", rank=8)
+    plan, memory = plan_pass(view(body), ReconcileMemory(), now=0.0)
+    load = next(a for a in plan.actions if isinstance(a, Load) and a.is_preload)
+    assert load.adapter.declared_rank == 8
+    card_ = {"revision": "c0ffee", "residency": "host", "rank": 4, "targets": ["q_proj", "v_proj"]}
+    memory, events = record_result(memory, CallResult(load, card=card_), plan, now=0.0, backoff_s=backoff_s)
+    refusal = memory.refusals["a"]
+    assert refusal.failure.reason == "RankMismatch" and "spec.rank is 8" in refusal.failure.message
+    assert "rank 4" in refusal.failure.message and [e.reason for e in events] == ["LoadFailed"]
+    assert freeze_new_failures(plan.adapters, memory.refusals, POOL.fingerprint).mismatched == {"a": refusal.failure}
+    held = {"e0": {"a": card("a", "/adapters/a")}, "e1": {"a": card("a", "/adapters/a", "known")}}
+    after, _ = plan_pass(view(body, held=held), memory, now=1.0)
+    assert sorted(after.actions, key=str) == [Unload("e0", "a"), Unload("e1", "a")]
+    assert after.adapters.mismatched == {"a": refusal.failure} and after.adapters.frozen == {}
+
+
+def test_declared_targets_are_compared_as_sets_and_matching_declarations_pass():
+    from kubelora.operator.validation import check_declared
+
+    assert check_declared("a", 4, ("v_proj", "q_proj"), 4, ("q_proj", "v_proj"), "pod e0") is None
+    assert check_declared("a", None, (), 4, ("q_proj",), "pod e0") is None  # nothing declared, nothing checked
+    assert check_declared("a", 4, ("q_proj",), None, None, "pod e0") is None  # nothing reported
+    wrong = check_declared("a", None, ("q_proj", "k_proj"), 4, ("q_proj", "v_proj"), "pod e0")
+    assert wrong.reason == "TargetsMismatch" and "['k_proj', 'q_proj']" in wrong.message
+
+
+def test_an_observed_copy_that_contradicts_the_spec_is_refused_without_any_call():
+    from kubelora.operator.plan import ObservedAdapter
+
+    body = adapter("a", targets=["q_proj", "k_proj"])
+    have = ObservedAdapter("a", "/adapters/a", None, "c0ffee", "host", rank=4, targets=("q_proj", "v_proj"))
+    adapters, memory = classify_adapters(view(body, held={"e0": {"a": have}, "e1": {}}), ReconcileMemory())
+    assert adapters.mismatched["a"].reason == "TargetsMismatch" and "a" not in adapters.desired
+    assert memory.refusals["a"].failure == adapters.mismatched["a"]
+    # After an operator restart the status (failedRevision, Ready reason) keeps it refused, and unloaded.
+    ready = {"type": "Ready", "status": "False", "reason": "TargetsMismatch", "message": "m"}
+    status = {"failedRevision": revision_of(body), "failedPoolSpec": POOL.fingerprint, "conditions": [ready],
+              "observedGeneration": 1}
+    restarted, _ = classify_adapters(view(adapter("a", targets=["q_proj", "k_proj"], status=status)),
+                                     ReconcileMemory())
+    assert set(restarted.mismatched) == {"a"} and not restarted.frozen
+    # A corrected spec (a new generation, same source) is checked afresh against what the pods hold, whether the
+    # refusal is remembered or read back from the status.
+    fixed_body = adapter("a", targets=["q_proj", "v_proj"], status=status)
+    fixed_body["metadata"]["generation"] = 2
+    for remembered in (memory, ReconcileMemory()):
+        fixed, _ = classify_adapters(view(fixed_body, held={"e0": {"a": have}, "e1": {}}), remembered)
+        assert "a" in fixed.desired and not fixed.mismatched
+    unchanged = adapter("a", targets=["q_proj", "k_proj"], status=status)
+    assert set(classify_adapters(view(unchanged), memory)[0].mismatched) == {"a"}  # no new call needed
