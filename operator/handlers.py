@@ -24,6 +24,7 @@ from kubelora.operator.kube import Kube, KubeError, load_connection
 from kubelora.operator.observe import is_pod_ready, pod_url
 from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.runtime import Runtime
+from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.cli import settings_from_env
 from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
 from kubelora.operator.status import Failure, build_adapter_status, pool_conditions
@@ -90,7 +91,8 @@ async def _write_pool_invalid(runtime: Runtime, body: kopf.Body, exc: InvalidSpe
 async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
                       logger: logging.Logger, **_: Any) -> None:
     runtime: Runtime = memo.runtime
-    reconciler = PoolReconciler(runtime.kube, runtime.engine_session, runtime.settings, namespace, name)
+    reconciler = PoolReconciler(runtime.kube, runtime.engine_session, runtime.settings, namespace, name,
+                                on_released=lambda adapters: runtime.mark_released(namespace, name, adapters))
     wake = runtime.trigger_for(namespace, name)
     try:
         while not stopped:
@@ -161,11 +163,20 @@ async def _write_pool_not_found(runtime: Runtime, body: kopf.Body, pool: str) ->
 
 @kopf.on.delete(names.GROUP, names.VERSION, names.ADAPTER_PLURAL)
 async def on_adapter_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Best effort: unload from every ready pod now; pods that are gone or unreachable are skipped
-    (a pod that comes back is cleaned up by the pool's reconcile, which unloads what no adapter names)."""
+    """The pool's reconcile unloads it (an adapter being deleted is never placed, and unloaded wherever it is
+    observed); this waits for that pass, bounded, so the finalizer goes only once the pods let it go. Adapters
+    deleted together share passes, and each (pod, adapter) gets one unload. Without a running reconcile (its pool is
+    gone or not yet handled here) it unloads from the ready pods itself, best effort. Pods that are gone or
+    unreachable are skipped either way: one that comes back is cleaned up by the reconcile, which unloads what no
+    adapter names."""
     runtime: Runtime = memo.runtime
     meta, pool_name = body["metadata"], (body.get("spec") or {}).get("pool", "")
     namespace = meta["namespace"]
+    if runtime.has_pool(namespace, pool_name):
+        if not await runtime.wait_released(namespace, pool_name, meta["name"], release_timeout_s(runtime.settings)):
+            logger.warning("deleting %s: its pool's reconcile did not unload it in time; the next pass will",
+                           meta["name"])
+        return
     try:
         token = await _pool_admin_token(runtime, namespace, pool_name)
         selector = names.selector_string(names.engine_selector(pool_name))
@@ -179,6 +190,12 @@ async def on_adapter_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Lo
         if isinstance(result, EngineError):
             logger.warning("unload from %s failed (ignored): %s", pod["metadata"]["name"], result)
     runtime.trigger(namespace, pool_name)
+
+
+def release_timeout_s(settings: OperatorSettings) -> float:
+    """How long a deletion waits for the reconcile: one resync (a pass that started before the deletion finishes
+    first), plus the engine calls of one pass."""
+    return settings.resync_s + settings.engine_timeout_s / 4
 
 
 async def _pool_admin_token(runtime: Runtime, namespace: str, pool_name: str) -> str | None:

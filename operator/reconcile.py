@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 
@@ -36,9 +36,11 @@ STATUS_WRITES_IN_FLIGHT = 8  # adapter status patches per pool at once (hundreds
 
 class PoolReconciler:
     def __init__(self, kube: Kube, session: aiohttp.ClientSession, settings: OperatorSettings,
-                 namespace: str, name: str) -> None:
+                 namespace: str, name: str, on_released: Callable[[frozenset[str]], None] | None = None) -> None:
+        """on_released: told after each pass which adapters being deleted no observed pod holds any more."""
         self._kube, self._session, self._settings = kube, session, settings
         self.namespace, self.name = namespace, name
+        self._on_released = on_released
         self._memory = ReconcileMemory()
 
     async def reconcile(self) -> None:
@@ -56,6 +58,8 @@ class PoolReconciler:
         report = build_report(view, plan, results, self._memory)
         await self._publish(pool, body, report)
         self._memory = report.memory  # only once the placement it records is written
+        if self._on_released is not None and report.released:
+            self._on_released(report.released)
         await self._patch_adapters(view.bodies, report)
         await self._patch_pool(body, report.pool_status)
 

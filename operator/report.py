@@ -30,6 +30,7 @@ class Report:
     pool_status: dict
     placement: dict | None  # the payload to publish, with its new revision; None: unchanged
     memory: ReconcileMemory  # to keep once the placement is published
+    released: frozenset[str] = frozenset()  # adapters being deleted that no observed pod holds any more
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,9 @@ def build_report(view: PoolView, plan: PassPlan, results: Iterable[CallResult], 
     pool = pool_status(view.pool.name, view.pool_body, view.observation, holdings.held, plan.placement,
                        capacity=view.pool.engine.max_cpu_loras, revision=published.revision,
                        num_adapters=len(view.bodies))
-    return Report(statuses, pool, update, replace(memory, published=published))
+    released = frozenset(name for name, body in view.bodies.items() if body["metadata"].get("deletionTimestamp")
+                         and not any(name in adapters_here for adapters_here in holdings.held.values()))
+    return Report(statuses, pool, update, replace(memory, published=published), released)
 
 
 def held_after(held: HeldByPod, results: Iterable[CallResult]) -> dict[str, dict[str, ObservedAdapter]]:

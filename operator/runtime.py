@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -18,6 +19,8 @@ class Runtime:
     kube_session: aiohttp.ClientSession
     engine_session: aiohttp.ClientSession
     triggers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    # (namespace, pool, adapter) -> set once a reconcile pass left no observed pod holding the deleted adapter
+    releases: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
 
     def trigger_for(self, namespace: str, pool: str) -> asyncio.Event:
         return self.triggers.setdefault((namespace, pool), asyncio.Event())
@@ -33,6 +36,31 @@ class Runtime:
 
     def forget(self, namespace: str, pool: str) -> None:
         self.triggers.pop((namespace, pool), None)
+        for key in [k for k in self.releases if k[:2] == (namespace, pool)]:
+            self.releases.pop(key).set()  # no daemon will unload them: deletion goes on
+
+    async def wait_released(self, namespace: str, pool: str, adapter: str, timeout_s: float) -> bool:
+        """Trigger the pool's reconcile and wait until a pass has unloaded `adapter` (being deleted) from every pod
+        it observed; False after `timeout_s` or when the pool has no daemon. The unloads are the reconcile's, so
+        one pass serves every adapter deleted together, and no call is made twice."""
+        if not self.has_pool(namespace, pool):
+            return False
+        released = self.releases.setdefault((namespace, pool, adapter), asyncio.Event())
+        self.trigger(namespace, pool)
+        try:
+            await asyncio.wait_for(released.wait(), timeout=timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if self.releases.get((namespace, pool, adapter)) is released:
+                del self.releases[(namespace, pool, adapter)]
+
+    def mark_released(self, namespace: str, pool: str, adapters: Iterable[str]) -> None:
+        for adapter in adapters:
+            event = self.releases.get((namespace, pool, adapter))
+            if event is not None:
+                event.set()
 
     async def close(self) -> None:
         await self.kube_session.close()
