@@ -1,0 +1,140 @@
+"""Status on a real API server (issue 18): transient failures heal, kstatus conditions, declared rank checked.
+
+- an adapter applied before its files exist is Loading (LoadRetrying) with the last error and the next retry
+  time, and becomes Ready once the files are copied, without any spec edit;
+- `kubectl wait --for=condition=Ready` works on both kinds, and the kstatus reading of sigs.k8s.io/cli-utils
+  (the Go reader Flux uses, built through the Go module proxy) is Current;
+- a spec.rank the files contradict is Failed (RankMismatch), Stalled, and not served;
+- an engine refusal stays Failed until the annotation kubelora.io/retry asks for one more try.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pytest_cluster import wait_for
+
+from .test_operator_lifecycle import POOL, ready_engine_pods, served_adapters
+
+ADAPTER = """
+apiVersion: kubelora.io/v1alpha1
+kind: LoRAAdapter
+metadata: {{name: {name}}}
+spec: {{pool: pool1, source: {{path: {path}}}{extra}}}
+"""
+
+
+def apply_adapter(env, name: str, path: str, extra: str = "") -> None:
+    env.cluster.apply(ADAPTER.format(name=name, path=path, extra=extra), namespace=env.namespace)
+
+
+def get(env, kind: str, name: str) -> dict:
+    return env.cluster.get_json(kind, name, "-n", env.namespace)
+
+
+def conditions(body: dict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in (body.get("status") or {}).get("conditions") or []}
+
+
+def kubectl_wait(env, target: str, condition: str, timeout_s: int = 90) -> None:
+    env.cluster.kubectl("wait", "-n", env.namespace, target, f"--for=condition={condition}", f"--timeout={timeout_s}s",
+                        timeout_s=timeout_s + 10)
+
+
+KSTATUS_SOURCE = Path(__file__).resolve().parents[2] / "e2e" / "kstatus"
+
+
+@pytest.fixture(scope="module")
+def kstatus_reader():
+    """`kstatus_reader(body) -> "Current" | "InProgress" | "Failed" | ...`: e2e/kstatus, a few lines over
+    sigs.k8s.io/cli-utils' kstatus, built with the Go toolchain through the module proxy (pinned by its go.sum)
+    and cached by the digest of its sources."""
+    digest = hashlib.sha256(b"".join((KSTATUS_SOURCE / name).read_bytes()
+                                     for name in ("go.mod", "go.sum", "main.go"))).hexdigest()[:16]
+    binary = Path.home() / ".cache" / "kubelora" / "kstatus" / digest / "kstatus"
+    if not binary.exists():
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["go", "build", "-o", str(binary), "."], cwd=KSTATUS_SOURCE, check=True, timeout=900,
+                       env={**os.environ, "CGO_ENABLED": "0"})
+
+    def read(body: dict) -> str:
+        result = subprocess.run([str(binary)], input=json.dumps(body), capture_output=True, text=True, check=True,
+                                timeout=30)
+        return result.stdout.split("\t", 1)[0]
+
+    return read
+
+
+@pytest.fixture(scope="module")
+def late_dir(material):
+    """An adapter directory under the pool's hostPath that does not exist when the test starts."""
+    path = material.adapters_dir / "late-status-e2e"
+    shutil.rmtree(path, ignore_errors=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_status_tells_the_truth(operator_env, material, adapter_server, late_dir, kstatus_reader) -> None:
+    env = operator_env
+    env.cluster.kubectl("create", "secret", "generic", "engine-admin", "-n", env.namespace,
+                        "--from-literal=token=e2e-admin-token")
+    env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir,
+                                  url_host=adapter_server.split(":")[0]), namespace=env.namespace)
+    apply_adapter(env, "a1", "/adapters/a1")
+    apply_adapter(env, "late", f"/adapters/{late_dir.name}")
+    apply_adapter(env, "liar", "/adapters/a1", ", rank: 8")  # a1's files have rank 4
+    apply_adapter(env, "big", "/adapters/big")  # rank 16 > the pool's maxLoraRank 8: the engine refuses it
+
+    # kstatus: Ready (with observedGeneration) for kubectl wait and Flux, on both kinds.
+    kubectl_wait(env, "lorapool/pool1", "Ready", timeout_s=120)
+    kubectl_wait(env, "loraadapter/a1", "Ready")
+    for kind, name in (("lorapool", "pool1"), ("loraadapter", "a1")):
+        body = get(env, kind, name)
+        assert body["status"]["observedGeneration"] == body["metadata"]["generation"]
+        assert conditions(body)["Reconciling"][0] == conditions(body)["Stalled"][0] == "False"
+        assert kstatus_reader(body) == "Current", body["status"]
+
+    # A source that is not there yet is retried with backoff, shown as Loading with the error and next retry.
+    def retrying() -> dict | None:
+        body = get(env, "loraadapter", "late")
+        replicas = (body.get("status") or {}).get("replicas") or []
+        is_retrying = body["status"].get("phase") == "Loading" and any(r.get("nextRetryAt") for r in replicas)
+        return body if is_retrying else None
+
+    late = wait_for("late adapter retrying", retrying, timeout_s=60)
+    assert conditions(late)["Ready"] == ("False", "LoadRetrying")
+    assert conditions(late)["Reconciling"] == ("True", "LoadRetrying")
+    assert "not a directory" in late["status"]["replicas"][0]["lastError"]
+    assert kstatus_reader(late) == "InProgress"
+    shutil.copytree(material.adapters_dir / "a2", late_dir)  # the artifact arrives after its manifest
+    kubectl_wait(env, "loraadapter/late", "Ready", timeout_s=30)  # backoff is capped at 4 s in this test's operator
+    assert get(env, "loraadapter", "late")["metadata"]["generation"] == 1  # healed without any spec edit
+
+    # A declared rank the files contradict: Failed with a reason, Stalled, not served.
+    kubectl_wait(env, "loraadapter/liar", "Stalled")
+    liar = get(env, "loraadapter", "liar")
+    assert liar["status"]["phase"] == "Failed" and conditions(liar)["Ready"] == ("False", "RankMismatch")
+    assert "spec.rank is 8" in {c["type"]: c for c in liar["status"]["conditions"]}["Ready"]["message"]
+    assert kstatus_reader(liar) == "Failed"
+    (pod, ip), = ready_engine_pods(env).items()
+    wait_for("liar unloaded", lambda: "liar" not in served_adapters(ip), timeout_s=30)
+    assert {"a1", "late"} <= set(served_adapters(ip))
+
+    # An engine refusal stands; kubelora.io/retry with a new value asks for one more try.
+    kubectl_wait(env, "loraadapter/big", "Stalled")
+    big = get(env, "loraadapter", "big")
+    assert conditions(big)["Ready"] == ("False", "AdapterRankTooLarge") and "retryRequest" not in big["status"]
+    env.cluster.kubectl("annotate", "-n", env.namespace, "loraadapter/big", "kubelora.io/retry=first", "--overwrite")
+    retried = wait_for("retry answered",
+                       lambda: (b := get(env, "loraadapter", "big"))["status"].get("retryRequest") == "first" and b,
+                       timeout_s=30)
+    assert retried["status"]["phase"] == "Failed" and conditions(retried)["Ready"][1] == "AdapterRankTooLarge"
+    events = env.cluster.get_json("events", "-n", env.namespace, "--field-selector",
+                                  "involvedObject.name=big,reason=LoadFailed")["items"]
+    assert sum(e.get("count") or 1 for e in events) == 2, json.dumps(events)[:2000]  # the first try and the retry
