@@ -78,6 +78,7 @@ class PassPlan:
     actions: tuple[Action, ...]
     stale_pods: frozenset[str]  # pods made from an older pool spec (being rolled out)
     pool_fingerprint: str
+    sizes: Mapping[str, int] = field(default_factory=dict)  # adapter -> device pool bytes (known ones)
 
 
 @dataclass(frozen=True)
@@ -111,14 +112,28 @@ def plan_pass(view: PoolView, memory: ReconcileMemory, now: float) -> tuple[Pass
     previous, published = memory.previous, memory.published
     if previous is None and view.stored is not None:  # hysteresis across operator restarts
         previous, published = view.stored.pods_by_adapter, Published(view.stored.revision, "")
-    placement = place(adapters.requests, observation.urls, view.pool.engine.max_cpu_loras, previous)
+    sizes = adapter_sizes(adapters, observation)
+    placement = place(adapters.requests, observation.urls, view.pool.engine.max_cpu_loras, previous,
+                      sizes=sizes, budgets=observation.budgets)
     retries = {key: retry for key, retry in _on_pods(memory.retries, known).items()
                if retry.retry_request == adapters.retry_requests.get(key[1], retry.retry_request)}
     memory = replace(memory, served=_on_pods(memory.served, known), retries=retries,
                      previous=placement.pods_by_adapter, published=published)
     actions = _plan_calls(adapters, placement, observation, memory.served)
     due = tuple(a for a in actions if _retry_at(memory, (a.pod, adapter_name(a))) <= now)
-    return PassPlan(adapters, placement, due, stale, fingerprint), memory
+    return PassPlan(adapters, placement, due, stale, fingerprint, sizes), memory
+
+
+def adapter_sizes(adapters: AdapterSet, observation: Observation) -> dict[str, int]:
+    """adapter -> device pool bytes at its own rank, as a pod holding its source reports them. An adapter no pod
+    has registered yet counts 0 for one pass: the pass registers it everywhere, and the next places it by size."""
+    sizes: dict[str, int] = {}
+    for held in observation.adapters.values():
+        for name, have in held.items():
+            want = adapters.desired.get(name)
+            if want is not None and have.num_bytes is not None and have.has_source(want.lora_path):
+                sizes[name] = max(sizes.get(name, 0), have.num_bytes)
+    return sizes
 
 
 def _plan_calls(adapters: AdapterSet, placement: Placement, observation: Observation,

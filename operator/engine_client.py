@@ -51,9 +51,15 @@ class EngineClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def list_adapters(self, base_url: str) -> dict[str, ObservedAdapter]:
+        return (await self.list_models(base_url))[0]
+
+    async def list_models(self, base_url: str) -> tuple[dict[str, ObservedAdapter], int | None]:
+        """The pod's adapters, and its device adapter pool budget in bytes (None: the engine does not say)."""
         body = await self._call("GET", f"{base_url}/v1/models", None)
-        return {card["id"]: ObservedAdapter.from_card(card) for card in body.get("data", [])
-                if card.get("parent") is not None}
+        cards = body.get("data", [])
+        budget = next((c.get("adapter_pool_bytes") for c in cards if c.get("parent") is None), None)
+        adapters = {card["id"]: ObservedAdapter.from_card(card) for card in cards if card.get("parent") is not None}
+        return adapters, budget if isinstance(budget, int) and budget > 0 else None
 
     async def load(self, base_url: str, adapter: DesiredAdapter, *, is_preload: bool, is_inplace: bool) -> LoadResult:
         payload = {"lora_name": adapter.name, "lora_path": adapter.lora_path, "load_inplace": is_inplace,

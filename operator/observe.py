@@ -31,6 +31,7 @@ class Observation:
     urls: dict[str, str] = field(default_factory=dict)  # ready pods that answered GET /v1/models
     adapters: dict[str, dict[str, ObservedAdapter]] = field(default_factory=dict)
     all_urls: dict[str, str] = field(default_factory=dict)  # every pod with an IP, ready or not
+    budgets: dict[str, int] = field(default_factory=dict)  # observed pod -> device adapter pool bytes
 
 
 async def observe_pool(kube: Kube, client: EngineClient, namespace: str, pool: str) -> Observation:
@@ -40,7 +41,7 @@ async def observe_pool(kube: Kube, client: EngineClient, namespace: str, pool: s
     observation = Observation(pods=pods, all_urls={p["metadata"]["name"]: pod_url(p) for p in pods
                                                    if (p.get("status") or {}).get("podIP")})
     ready = [p for p in pods if is_pod_ready(p)]
-    results = await asyncio.gather(*(client.list_adapters(pod_url(p)) for p in ready), return_exceptions=True)
+    results = await asyncio.gather(*(client.list_models(pod_url(p)) for p in ready), return_exceptions=True)
     for pod, result in zip(ready, results):
         name = pod["metadata"]["name"]
         if isinstance(result, EngineError):
@@ -49,5 +50,7 @@ async def observe_pool(kube: Kube, client: EngineClient, namespace: str, pool: s
         if isinstance(result, BaseException):
             raise result
         observation.urls[name] = pod_url(pod)
-        observation.adapters[name] = result
+        observation.adapters[name], budget = result
+        if budget is not None:
+            observation.budgets[name] = budget
     return observation

@@ -8,9 +8,11 @@ published last time; it gets back the new placement. Properties the tests pin do
   highest), so new pods take traffic instead of idling (a DESIGN.md failure mode);
 - new copies go to the pods with the highest rendezvous score for the adapter (stable, spread evenly),
   pods under the balance bound first;
-- no pod holds more than `capacity` placed adapters, except `replicas: all` adapters, which are on every
-  pod by definition (they count towards the capacity of the others);
-- when capacity runs out an adapter gets fewer copies than asked (reported as a shortage), never more.
+- no pod holds more than `capacity` placed adapters (the engine's host tier, engine.maxCpuLoras), nor more
+  adapter bytes than its device adapter pool's budget (each adapter at its own rank, as the engine counts
+  them; both reported by the engine's `GET /v1/models`), except `replicas: all` adapters, which are on every
+  pod by definition (they count towards the room of the others);
+- when room runs out an adapter gets fewer copies than asked (reported as a shortage), never more.
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ BALANCE_FACTOR = 1.25  # a pod keeps its adapters up to this multiple of the mea
 class PlacementRequest:
     adapter: str
     replicas: int | None  # None: every pod
+
+
+@dataclass
+class Room:
+    """What each pod has left while placing: adapter slots and, where the pod reported a budget, bytes."""
+    slots: dict[str, int]  # pod -> placed adapters so far
+    capacity: int
+    used_bytes: dict[str, int]
+    budgets: Mapping[str, int]  # pod -> device adapter pool bytes; a pod missing here has no byte bound
+    sizes: Mapping[str, int]  # adapter -> bytes at its own rank; unknown (never registered yet): 0
+
+    def fits(self, adapter: str, pod: str, slot_bound: int) -> bool:
+        if self.slots[pod] >= slot_bound:
+            return False
+        budget = self.budgets.get(pod)
+        return budget is None or self.used_bytes[pod] + self.sizes.get(adapter, 0) <= budget
+
+    def take(self, adapter: str, pod: str) -> None:
+        self.slots[pod] += 1
+        self.used_bytes[pod] += self.sizes.get(adapter, 0)
 
 
 @dataclass(frozen=True)
@@ -56,31 +78,35 @@ def rank_pods(adapter: str, pods: Iterable[str]) -> list[str]:
 
 
 def place(requests: Iterable[PlacementRequest], pods: Iterable[str], capacity: int,
-          previous: Mapping[str, Iterable[str]] | None = None) -> Placement:
-    """Place every request on the given (ready) pods; `previous` maps adapter -> pods holding it now."""
+          previous: Mapping[str, Iterable[str]] | None = None, *, sizes: Mapping[str, int] | None = None,
+          budgets: Mapping[str, int] | None = None) -> Placement:
+    """Place every request on the given (ready) pods; `previous` maps adapter -> pods holding it now.
+
+    sizes: adapter -> device pool bytes at its own rank; budgets: pod -> its device adapter pool bytes."""
     pods = sorted(set(pods))
     requests = sorted(requests, key=lambda r: r.adapter)
     previous = previous or {}
-    load = dict.fromkeys(pods, 0)
+    room = Room(dict.fromkeys(pods, 0), capacity, dict.fromkeys(pods, 0), budgets or {}, sizes or {})
     chosen: dict[str, list[str]] = {}
     wanted = {r.adapter: len(pods) if r.replicas is None else min(r.replicas, len(pods)) for r in requests}
     for request in requests:
         if request.replicas is None:
             chosen[request.adapter] = list(pods)
             for pod in pods:
-                load[pod] += 1
+                room.take(request.adapter, pod)
     partial = [r for r in requests if r.replicas is not None]
     balance = _balance_bound(sum(wanted.values()), len(pods), capacity)
     for request in partial:
         chosen[request.adapter] = []
     for _, adapter, pod in _holder_pairs(partial, pods, previous):  # hysteresis, best-ranked holders first
-        if len(chosen[adapter]) < wanted[adapter] and load[pod] < balance:
+        if len(chosen[adapter]) < wanted[adapter] and room.fits(adapter, pod, balance):
             chosen[adapter].append(pod)
-            load[pod] += 1
+            room.take(adapter, pod)
     for request in partial:
         ranked = rank_pods(request.adapter, pods)
         for bound in (balance, capacity):  # pods under the balance bound first, then any with room
-            chosen[request.adapter] = _take(ranked, wanted[request.adapter], load, bound, chosen[request.adapter])
+            chosen[request.adapter] = _take(request.adapter, ranked, wanted[request.adapter], room, bound,
+                                            chosen[request.adapter])
     ordered = {a: tuple(rank_pods(a, p)) for a, p in chosen.items()}
     return Placement(pods_by_adapter=ordered, wanted_by_adapter=wanted)
 
@@ -104,13 +130,13 @@ def _holder_pairs(requests: list[PlacementRequest], pods: list[str],
     return sorted(pairs, key=lambda pair: (pair[0], -rendezvous_score(pair[1], pair[2]), pair[1]))
 
 
-def _take(candidates: list[str], wanted: int, load: dict[str, int], bound: int, taken: list[str]) -> list[str]:
+def _take(adapter: str, candidates: list[str], wanted: int, room: Room, bound: int, taken: list[str]) -> list[str]:
     taken = list(taken)
     for pod in candidates:
         if len(taken) >= wanted:
             break
-        if pod in taken or load[pod] >= bound:
+        if pod in taken or not room.fits(adapter, pod, bound):
             continue
         taken.append(pod)
-        load[pod] += 1
+        room.take(adapter, pod)
     return taken

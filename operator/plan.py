@@ -32,6 +32,7 @@ class ObservedAdapter:
     source_digest: str | None = None
     rank: int | None = None  # what the files say (max over modules); None: not reported
     targets: tuple[str, ...] | None = None  # modules the files adapt
+    num_bytes: int | None = None  # device adapter pool bytes at its own ranks
 
     @classmethod
     def from_card(cls, card: dict) -> ObservedAdapter:
@@ -41,7 +42,8 @@ class ObservedAdapter:
                    residency=card.get("residency", "known"), loaded_at=card.get("created"),
                    last_error=card.get("last_error"), source_digest=card.get("source_digest"),
                    rank=card.get("rank") if isinstance(card.get("rank"), int) else None,
-                   targets=tuple(targets) if isinstance(targets, list) else None)
+                   targets=tuple(targets) if isinstance(targets, list) else None,
+                   num_bytes=card.get("bytes") if isinstance(card.get("bytes"), int) else None)
 
     def has_source(self, lora_path: str) -> bool:
         digest = "sha256:" + hashlib.sha256(lora_path.encode()).hexdigest()

@@ -76,7 +76,7 @@ def build_report(view: PoolView, plan: PassPlan, results: Iterable[CallResult], 
                 for name, body in view.bodies.items() if not body["metadata"].get("deletionTimestamp")}
     pool = pool_status(view.pool.name, view.pool_body, view.observation, holdings.held, plan.placement,
                        capacity=view.pool.engine.max_cpu_loras, revision=published.revision,
-                       num_adapters=len(view.bodies))
+                       num_adapters=len(view.bodies), sizes=plan.sizes)
     released = frozenset(name for name, body in view.bodies.items() if body["metadata"].get("deletionTimestamp")
                          and not any(name in adapters_here for adapters_here in holdings.held.values()))
     return Report(statuses, pool, update, replace(memory, published=published), released)
@@ -125,27 +125,50 @@ def adapter_status(name: str, body: dict, adapters: AdapterSet, plan: PassPlan, 
     want = adapters.desired[name]
     replicas = [holdings.replica(name, pod, want) for pod in plan.placement.pods_of(name)]
     pending = None if has_ready_pod else Failure("NoReadyReplicas", "no engine replica of the pool is ready")
+    if pending is None and not replicas and plan.placement.wanted_by_adapter.get(name, 0) > 0:
+        size = plan.sizes.get(name)
+        needs = f"{size} bytes of device adapter pool and " if size else ""
+        pending = Failure(INSUFFICIENT_CAPACITY, f"no ready replica has room for it: it needs {needs}one adapter "
+                                                 "slot (engine.maxCpuLoras); the pool's status.capacityShortage says "
+                                                 "how much is missing in all; it is still registered everywhere "
+                                                 "and served on demand")
     return build_adapter_status(generation=generation, revision=revision,
                                 wanted=plan.placement.wanted_by_adapter.get(name, 0), replicas=replicas,
                                 pending=pending, retry_request=retry_request)
 
 
 def pool_status(pool_name: str, body: dict, observation: Observation, held: HeldByPod, placement: Placement | None,
-                *, capacity: int, revision: int, num_adapters: int, invalid: Failure | None = None) -> dict:
+                *, capacity: int, revision: int, num_adapters: int, invalid: Failure | None = None,
+                sizes: Mapping[str, int] | None = None) -> dict:
+    sizes = sizes or {}
     pods = []
     for pod in sorted(observation.pods, key=lambda p: p["metadata"]["name"]):
         name = pod["metadata"]["name"]
         placed = placement.adapters_on(name) if placement is not None else []
         here = held.get(name, {})
-        pods.append({"name": name, "ip": (pod.get("status") or {}).get("podIP") or "",
-                     "ready": name in observation.urls,
-                     "adapters": [a for a in placed if a in here and here[a].is_resident],
-                     "numRegistered": len(here), "freeSlots": max(capacity - len(placed), 0)})
-    return build_pool_status(
+        entry = {"name": name, "ip": (pod.get("status") or {}).get("podIP") or "", "ready": name in observation.urls,
+                 "adapters": [a for a in placed if a in here and here[a].is_resident],
+                 "numRegistered": len(here), "freeSlots": max(capacity - len(placed), 0)}
+        if name in observation.budgets:
+            budget = observation.budgets[name]
+            entry.update(adapterBudgetBytes=budget, freeBytes=max(budget - sum(sizes.get(a, 0) for a in placed), 0))
+        pods.append(entry)
+    status = build_pool_status(
         generation=int(body["metadata"].get("generation") or 0),
         spec_replicas=int((body.get("spec") or {}).get("replicas", 1)), num_pods=len(observation.pods), pods=pods,
         selector=names.selector_string(names.engine_selector(pool_name)), num_adapters=num_adapters,
         placement_revision=revision, invalid=invalid)
+    status["capacityShortage"] = capacity_shortage(placement, sizes)
+    return status
+
+
+def capacity_shortage(placement: Placement | None, sizes: Mapping[str, int]) -> dict:
+    """How much room the pool lacks for what was asked: copies placement could not place, the adapters short of
+    copies, and the bytes those copies need (adapters of unknown size count 0)."""
+    short = {a: placement.shortage(a) for a in placement.wanted_by_adapter} if placement is not None else {}
+    short = {a: n for a, n in short.items() if n > 0}
+    return {"numAdapters": len(short), "numCopies": sum(short.values()),
+            "bytes": sum(n * sizes.get(a, 0) for a, n in short.items())}
 
 
 def invalid_pool_status(pool_name: str, body: dict, invalid: Failure) -> dict:

@@ -41,13 +41,16 @@ def model_card(serving: Serving, info: AdapterInfo, *, is_admin: bool) -> dict:
     return {"id": info.name, "object": "model", "created": int(info.loaded_at), "owned_by": "kubelora",
             "root": info.path if is_admin else shown, "source": shown, "source_digest": source_digest(source),
             "sha256": sha256, "parent": serving.model_name, "revision": info.revision,
-            "residency": info.tier, "rank": info.rank, "targets": list(info.targets),
+            "residency": info.tier, "rank": info.rank, "targets": list(info.targets), "bytes": info.bytes,
             "is_loading": info.is_loading, "last_error": info.last_error}
 
 
 def base_card(serving: Serving) -> dict:
+    """The base model's card; `adapter_pool_bytes` is the device adapter pool's budget, against which each adapter
+    counts its `bytes` (at its own ranks): the operator places adapters by it."""
     return {"id": serving.model_name, "object": "model", "created": int(serving.started_at), "owned_by": "kubelora",
-            "root": serving.model_name, "parent": None, "max_model_len": serving.max_model_len}
+            "root": serving.model_name, "parent": None, "max_model_len": serving.max_model_len,
+            "adapter_pool_bytes": serving.adapters.stats().pool_total_bytes}
 
 
 def load_adapter(serving: Serving, req: LoadAdapterRequest) -> tuple[AdapterInfo, bool]:

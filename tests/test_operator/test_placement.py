@@ -82,3 +82,32 @@ def test_holders_over_capacity_are_trimmed_and_no_pods_places_nothing():
     placement = place(requests(5), ["pod-0"], capacity=3, previous=previous)
     assert sum(1 for i in range(5) if placement.pods_of(f"a{i}")) == 3
     assert place(requests(2), [], capacity=3).pods_by_adapter == {"a0": (), "a1": ()}
+
+
+# ---- room in bytes: each adapter at its own rank against each pod's device adapter pool budget ----
+
+def test_bytes_bound_each_pod_not_a_count():
+    # Budget 100 bytes per pod, plenty of slots: four 40-byte adapters fit two per pod, the fifth nowhere.
+    sizes = {f"a{i}": 40 for i in range(5)}
+    placement = place(requests(5), PODS[:2], capacity=10, sizes=sizes, budgets={p: 100 for p in PODS[:2]})
+    load = Counter(p for pods in placement.pods_by_adapter.values() for p in pods)
+    assert load == {"pod-0": 2, "pod-1": 2} and sum(placement.shortage(f"a{i}") for i in range(5)) == 1
+    # Small adapters fill the same budget many times over: rank, not count, is what takes room.
+    small = {f"a{i}": 10 for i in range(16)}
+    many = place(requests(16), PODS[:2], capacity=10, sizes=small, budgets={p: 100 for p in PODS[:2]})
+    assert all(many.shortage(f"a{i}") == 0 for i in range(16))
+
+
+def test_a_pod_without_a_reported_budget_is_bound_by_slots_only():
+    placement = place(requests(4), ["pod-0"], capacity=4, sizes={f"a{i}": 1000 for i in range(4)}, budgets={})
+    assert all(placement.shortage(f"a{i}") == 0 for i in range(4))
+
+
+def test_all_adapters_take_bytes_everywhere_and_holders_keep_only_what_fits():
+    sizes = {"big": 80, "x": 30, "y": 10}
+    budgets = {p: 100 for p in PODS[:2]}
+    placement = place([PlacementRequest("big", None), PlacementRequest("x", 1), PlacementRequest("y", 1)],
+                      PODS[:2], capacity=10, sizes=sizes, budgets=budgets, previous={"x": ["pod-0"]})
+    assert placement.pods_of("big") == tuple(rank_pods("big", PODS[:2]))
+    assert placement.pods_of("x") == () and placement.shortage("x") == 1  # 80 + 30 > 100 on both pods
+    assert len(placement.pods_of("y")) == 1

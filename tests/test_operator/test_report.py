@@ -167,3 +167,26 @@ def test_retries_show_as_the_replica_error_until_they_clear():
     _, report = run_pass(view(adapter("a", replicas="all")), memory, now=0.0)
     replicas = {r["pod"]: r["state"] for r in report.adapter_statuses["a"]["replicas"]}
     assert replicas == {"e0": "Pending", "e1": "Loaded"}  # e0's call waits for its backoff
+
+
+def test_an_adapter_no_pod_has_room_for_is_pending_and_the_pool_says_what_is_missing():
+    from kubelora.operator.plan import ObservedAdapter
+
+    def sized(name, num_bytes, residency="known"):
+        return ObservedAdapter(name, f"/adapters/{name}", None, "c0ffee", residency, num_bytes=num_bytes)
+
+    held = {"e0": {"a": sized("a", 60), "b": sized("b", 60)}, "e1": {"a": sized("a", 60), "b": sized("b", 60)}}
+    pool_view = view(adapter("a", replicas="all"), adapter("b"), held=held)
+    pool_view.observation.budgets.update({"e0": 100, "e1": 100})
+    plan, report = run_pass(pool_view)
+    assert plan.placement.pods_of("b") == () and plan.sizes == {"a": 60, "b": 60}
+    status = report.adapter_statuses["b"]
+    ready = {c["type"]: c for c in status["conditions"]}
+    assert status["phase"] == "Pending" and ready["Ready"]["reason"] == "InsufficientCapacity"
+    assert ready["Stalled"]["status"] == "True" and "60 bytes" in ready["Ready"]["message"]
+    assert report.pool_status["capacityShortage"] == {"numAdapters": 1, "numCopies": 1, "bytes": 60}
+    pods = {p["name"]: p for p in report.pool_status["pods"]}
+    assert pods["e0"]["adapterBudgetBytes"] == 100 and pods["e0"]["freeBytes"] == 40
+    # The phase change to Pending for lack of room is a Warning event.
+    event = phase_event("b", {"phase": "Loading"}, status)
+    assert event.is_warning and event.reason == "Pending"
