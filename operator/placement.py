@@ -2,10 +2,12 @@
 
 Pure: the reconcile hands in the ready pods, each adapter's wanted replica count and the placement it
 published last time; it gets back the new placement. Properties the tests pin down:
-- an adapter's current holders stay while they are ready, within capacity and not above the balance bound
-  (`BALANCE_FACTOR` x the mean copies per pod): another adapter coming or going moves nothing, and a
-  scale-out moves only the copies that overloaded pods shed (those pods keep the adapters that rank them
-  highest), so new pods take traffic instead of idling (a DESIGN.md failure mode);
+- an adapter's current holders stay while they are ready and within capacity; they are held to the balance
+  bound (`BALANCE_FACTOR` x the mean copies per pod) only when keeping them all would leave some pod
+  underloaded (below the mean / `BALANCE_FACTOR`): so another adapter coming or going, even a bulk delete that
+  lowers the mean, moves nothing, and a scale-out moves only the copies that overloaded pods shed (those pods
+  keep the adapters that rank them highest), so new pods take traffic instead of idling (a DESIGN.md failure
+  mode);
 - new copies go to the pods with the highest rendezvous score for the adapter (stable, spread evenly),
   pods under the balance bound first;
 - no pod holds more than `capacity` placed adapters (the engine's host tier, engine.maxCpuLoras), nor more
@@ -96,10 +98,15 @@ def place(requests: Iterable[PlacementRequest], pods: Iterable[str], capacity: i
                 room.take(request.adapter, pod)
     partial = [r for r in requests if r.replicas is not None]
     balance = _balance_bound(sum(wanted.values()), len(pods), capacity)
+    holders = _holder_pairs(partial, pods, previous)
+    if not _leaves_a_pod_underloaded(holders, wanted, room, capacity, len(pods)):
+        balance_for_holders = capacity
+    else:
+        balance_for_holders = balance
     for request in partial:
         chosen[request.adapter] = []
-    for _, adapter, pod in _holder_pairs(partial, pods, previous):  # hysteresis, best-ranked holders first
-        if len(chosen[adapter]) < wanted[adapter] and room.fits(adapter, pod, balance):
+    for _, adapter, pod in holders:  # hysteresis, best-ranked holders first
+        if len(chosen[adapter]) < wanted[adapter] and room.fits(adapter, pod, balance_for_holders):
             chosen[adapter].append(pod)
             room.take(adapter, pod)
     for request in partial:
@@ -109,6 +116,21 @@ def place(requests: Iterable[PlacementRequest], pods: Iterable[str], capacity: i
                                             chosen[request.adapter])
     ordered = {a: tuple(rank_pods(a, p)) for a, p in chosen.items()}
     return Placement(pods_by_adapter=ordered, wanted_by_adapter=wanted)
+
+
+def _leaves_a_pod_underloaded(holders: list[tuple[int, str, str]], wanted: Mapping[str, int], room: Room,
+                              capacity: int, num_pods: int) -> bool:
+    """Would keeping every holder (within its room) leave a pod below the mean / BALANCE_FACTOR copies?"""
+    if num_pods == 0:
+        return False
+    trial = Room(dict(room.slots), room.capacity, dict(room.used_bytes), room.budgets, room.sizes)
+    kept: dict[str, int] = {}
+    for _, adapter, pod in holders:
+        if kept.get(adapter, 0) < wanted[adapter] and trial.fits(adapter, pod, capacity):
+            kept[adapter] = kept.get(adapter, 0) + 1
+            trial.take(adapter, pod)
+    floor = sum(wanted.values()) / num_pods / BALANCE_FACTOR
+    return min(trial.slots.values()) < math.floor(floor)
 
 
 def _balance_bound(num_copies: int, num_pods: int, capacity: int) -> int:

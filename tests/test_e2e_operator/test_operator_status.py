@@ -138,3 +138,26 @@ def test_status_tells_the_truth(operator_env, material, adapter_server, late_dir
     events = env.cluster.get_json("events", "-n", env.namespace, "--field-selector",
                                   "involvedObject.name=big,reason=LoadFailed")["items"]
     assert sum(e.get("count") or 1 for e in events) == 2, json.dumps(events)[:2000]  # the first try and the retry
+
+    # A full pool: maxCpuLoras 4 adapter slots on the one pod (a1, late, x1, x2); x3 finds no room. It is Pending,
+    # not Loading, with a Warning event, and the pool says what is missing.
+    for name in ("x1", "x2", "x3"):
+        apply_adapter(env, name, "/adapters/a1")
+    kubectl_wait(env, "loraadapter/x3", "Stalled")
+    x3 = get(env, "loraadapter", "x3")
+    assert x3["status"]["phase"] == "Pending" and conditions(x3)["Ready"] == ("False", "InsufficientCapacity")
+    warnings = env.cluster.get_json("events", "-n", env.namespace, "--field-selector",
+                                    "involvedObject.name=x3,reason=Pending,type=Warning")["items"]
+    assert warnings and "InsufficientCapacity" in warnings[0]["message"]
+    shortage = wait_for("the pool's shortage, sized",
+                        lambda: (s := get(env, "lorapool", "pool1")["status"]["capacityShortage"])["bytes"] > 0 and s,
+                        timeout_s=30)
+    assert (shortage["numAdapters"], shortage["numCopies"]) == (1, 1)
+    assert get(env, "lorapool", "pool1")["status"]["pods"][0]["adapterBudgetBytes"] > 0
+    assert "x3" in served_adapters(ip)  # registered, served on demand
+
+    # Deleting two makes room: x3 is placed and Ready; the deleted ones leave the pod.
+    env.cluster.kubectl("delete", "loraadapter", "x1", "x2", "-n", env.namespace, "--timeout=60s", timeout_s=70)
+    kubectl_wait(env, "loraadapter/x3", "Ready", timeout_s=30)
+    assert not {"x1", "x2"} & set(served_adapters(ip))
+    assert get(env, "lorapool", "pool1")["status"]["capacityShortage"]["numCopies"] == 0

@@ -111,3 +111,21 @@ def test_all_adapters_take_bytes_everywhere_and_holders_keep_only_what_fits():
     assert placement.pods_of("big") == tuple(rank_pods("big", PODS[:2]))
     assert placement.pods_of("x") == () and placement.shortage("x") == 1  # 80 + 30 > 100 on both pods
     assert len(placement.pods_of("y")) == 1
+
+
+def test_a_bulk_delete_moves_no_survivor_unless_a_pod_would_idle():
+    # 4 pods x 200 adapters; deletes take 25 from pod-1 and 21 from pod-2. The mean drops, pod-0 is now above
+    # BALANCE_FACTOR x the mean, but no pod is below mean / BALANCE_FACTOR: nothing moves.
+    before = place(requests(200), PODS, capacity=1000)
+    on = {pod: [a for a, pods in before.pods_by_adapter.items() if pods == (pod,)] for pod in PODS}
+    gone = set(on["pod-1"][:25] + on["pod-2"][:21])
+    survivors = [r for r in requests(200) if r.adapter not in gone]
+    load = Counter(before.pods_of(r.adapter)[0] for r in survivors)
+    assert max(load.values()) > BALANCE_FACTOR * len(survivors) / 4  # the old bound would have shed
+    after = place(survivors, PODS, capacity=1000, previous=before.pods_by_adapter)
+    assert all(after.pods_of(r.adapter) == before.pods_of(r.adapter) for r in survivors)
+    # Deletes that leave a pod nearly idle do rebalance onto it (the scale-out rule).
+    idle = set(on["pod-3"][:35])
+    rest = [r for r in requests(200) if r.adapter not in idle]
+    moved = place(rest, PODS, capacity=1000, previous=before.pods_by_adapter)
+    assert sum(moved.pods_of(r.adapter) != before.pods_of(r.adapter) for r in rest) > 0
