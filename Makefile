@@ -22,14 +22,16 @@ k8s:
 	e2e/cluster build
 	e2e/helm/build.sh
 
-test: venv k8s
+# The e2e cluster's pods run the images (the local kubelet unpacks build/images/*.tar and runs them with runc).
+test: venv k8s images
 	$(PY) -P -m pytest $(PYTEST_ARGS)
 
-demo: venv k8s
+demo: venv k8s images
 	$(VENV)/bin/kubelora demo
 
 # The three container images (images/), built with podman from a Debian rootfs, no container registry needed;
-# archives in build/images/kubelora-{operator,router,engine}.tar. KUBELORA_IMAGES picks a subset. docs/chart.md.
+# archives in build/images/kubelora-{operator,router,engine}.tar, rebuilt only when their inputs change.
+# KUBELORA_IMAGES picks a subset. docs/chart.md.
 images:
 	images/build.sh
 

@@ -6,8 +6,10 @@
 #  3. podman save into build/images/<name>.tar (load with `podman load -i` or `docker load -i`).
 # Podman runs with vfs storage and the runc runtime (no overlay or fuse needed) and a private containers.conf
 # with `default_ulimits = []`: podman's default ulimits fail where the caller's hard limits are lower.
+# An image is rebuilt only when its inputs changed (images/inputs_digest.py: Dockerfile, build context, base).
 # Env: KUBELORA_IMAGES (names, default all three), KUBELORA_CACHE (default ~/.cache/kubelora),
-# KUBELORA_DEBIAN_MIRROR, KUBELORA_REBASE=1 (rebuild the base). docs/chart.md says more.
+# KUBELORA_DEBIAN_MIRROR, KUBELORA_REBASE=1 (rebuild the bases), KUBELORA_IMAGES_FORCE=1 (rebuild the images).
+# docs/chart.md says more.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="${KUBELORA_CACHE:-$HOME/.cache/kubelora}/podman"
@@ -15,6 +17,7 @@ out="$repo/build/images"
 mirror="${KUBELORA_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 read -r -a names <<<"${KUBELORA_IMAGES:-kubelora-operator kubelora-router kubelora-engine}"
 base=localhost/kubelora-base:bookworm
+engine_base=localhost/kubelora-base-engine:bookworm
 version="$(python3 -c 'import tomllib, sys; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' \
   "$repo/pyproject.toml")"
 revision="$(git -C "$repo" rev-parse HEAD 2>/dev/null || true)"
@@ -41,22 +44,43 @@ CONF
 export CONTAINERS_CONF="$cache/config/containers.conf"
 podman=(podman --storage-driver vfs --root "$cache/storage" --runroot "$cache/run" --runtime runc)
 
-if [[ "${KUBELORA_REBASE:-0}" == 1 ]] || ! "${podman[@]}" image exists "$base"; then
-  say "building the base rootfs from Debian packages ($mirror, bookworm)"
-  rootfs="$cache/base-bookworm.tar"
+# build_base TAG PACKAGES...: a Debian rootfs with python3 and PACKAGES, imported as TAG (once, then cached).
+build_base() {
+  local tag="$1"; shift
+  if [[ "${KUBELORA_REBASE:-0}" != 1 ]] && "${podman[@]}" image exists "$tag"; then
+    return
+  fi
+  say "building the base $tag from Debian packages ($mirror, bookworm)"
+  local rootfs="$cache/base-bookworm.tar" packages
+  packages="$(IFS=,; echo "python3,python3-venv,ca-certificates${*:+,$*}")"
   # Docs, man pages, locales and glibc's iconv modules (Python has its own codecs) are dropped at unpack time;
   # the essential variant has no apt, so no package lists or caches.
   # The merged-usr hook sets up bookworm's /usr layout itself, so the usrmerge package (and the 50 MB of perl
   # it depends on) stays out.
-  mmdebstrap --variant=essential --include=python3,python3-venv,ca-certificates \
+  mmdebstrap --variant=essential --include="$packages" \
     --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
     --dpkgopt='path-exclude=/usr/lib/x86_64-linux-gnu/gconv/*' \
     bookworm "$rootfs" "deb $mirror bookworm main" "deb $mirror bookworm-updates main" \
     "deb ${mirror%/debian}/debian-security bookworm-security main"
-  "${podman[@]}" import --change 'CMD ["/bin/sh"]' "$rootfs" "$base" >/dev/null
+  "${podman[@]}" import --change 'CMD ["/bin/sh"]' \
+    --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' "$rootfs" "$tag" >/dev/null
   rm -f "$rootfs"
+}
+
+build_base "$base"
+# The engine's base adds what torch and Triton load at run time: libstdc++ (torch's C++ libraries), and the C
+# compiler and Python headers Triton's CUDA driver builds its launcher with on first use (triton/runtime/build.py).
+if [[ " ${names[*]} " == *" kubelora-engine "* ]]; then
+  build_base "$engine_base" libstdc++6 gcc libc6-dev libpython3.11-dev
+fi
+
+# The base is an image of its own for the local cluster's own tests (a pod that needs python3 and a shell).
+if [[ ! -f "$out/kubelora-base.tar" ]] || [[ "${KUBELORA_REBASE:-0}" == 1 ]]; then
+  rm -f "$out/kubelora-base.tar"
+  "${podman[@]}" save --format docker-archive -o "$out/kubelora-base.tar.partial" "$base"
+  mv "$out/kubelora-base.tar.partial" "$out/kubelora-base.tar"
 fi
 
 # The host's CA bundle is mounted over the builder's for RUN steps only (volumes are never committed), so pip
@@ -67,14 +91,24 @@ ca_volume=()
 
 for name in "${names[@]}"; do
   tag="localhost/$name:$version"
+  name_base="$base"
+  [[ "$name" == kubelora-engine ]] && name_base="$engine_base"
+  # An archive built from the same Dockerfile, context and base is kept (KUBELORA_IMAGES_FORCE=1 rebuilds).
+  inputs="$(python3 "$repo/images/inputs_digest.py" "$name" "$("${podman[@]}" image inspect --format '{{.Id}}' "$name_base")")"
+  if [[ "${KUBELORA_IMAGES_FORCE:-0}" != 1 && -f "$out/$name.tar" && "$(cat "$out/$name.inputs" 2>/dev/null)" == "$inputs" ]]; then
+    say "$name: up to date ($out/$name.tar)"
+    continue
+  fi
   say "building $tag"
   start=$SECONDS
   # --network host: pip in the builder stage reaches the package index; nothing is pulled (--pull=never).
   "${podman[@]}" build --pull=never --network host --layers=false "${ca_volume[@]}" -f "$repo/images/$name/Dockerfile" \
-    --build-arg "BASE=$base" --build-arg "VERSION=$version" --build-arg "SOURCE=$source_url" \
+    --build-arg "BASE=$name_base" --build-arg "VERSION=$version" --build-arg "SOURCE=$source_url" \
     --build-arg "REVISION=$revision" -t "$tag" "$repo"
-  rm -f "$out/$name.tar"
-  "${podman[@]}" save --format docker-archive -o "$out/$name.tar" "$tag"
+  rm -f "$out/$name.tar" "$out/$name.inputs"
+  "${podman[@]}" save --format docker-archive -o "$out/$name.tar.partial" "$tag"
+  mv "$out/$name.tar.partial" "$out/$name.tar"  # never a half-written archive under the name the kubelet reads
+  echo "$inputs" >"$out/$name.inputs"
   size="$("${podman[@]}" image inspect --format '{{.Size}}' "$tag")"
   say "$name: $((size / 1000000)) MB image, $(($(stat -c %s "$out/$name.tar") / 1000000)) MB archive, $((SECONDS - start)) s"
 done

@@ -1,7 +1,7 @@
 """images/*/Dockerfile follow the conventions of issue 17 (multi-stage, pinned BASE, non-root, kubelora entrypoint,
 OCI labels) and ship every package folder; .dockerignore lets exactly what the wheel needs into the context.
 
-Building them needs podman and the network (`make images`), which CI does not have; this checks the files.
+This checks the files; tests/test_images_run.py runs the built images.
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ def test_dockerfile_conventions(name):
         assert f"org.opencontainers.image.{label}=" in text
     assert f'org.opencontainers.image.title="{name}"' in text
     final = text.split("\nFROM ${BASE}\n", 1)[1]
-    assert "pip install" not in final and "apt-get" not in final  # nothing installed in the final stage
+    assert "pip install" not in final  # nothing installed in the final stage, but for the engine's compiler:
+    if name == "kubelora-engine":  # Triton builds its launcher with gcc; apt only where the base lacks it
+        assert "if ! command -v gcc" in final and "rm -rf /var/lib/apt/lists/*" in final
+    else:
+        assert "apt-get" not in final
     assert "COPY --from=builder /opt/kubelora /opt/kubelora" in final
     copied = set(re.findall(r"^COPY (\w+) \1$", text, re.M))
     assert copied == _package_folders()

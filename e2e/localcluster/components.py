@@ -1,10 +1,11 @@
 """Command lines and kubeconfigs of etcd, the control plane and the local kubelet."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from .config import E2E_DIR, REPO_DIR, ClusterConfig
+from .config import E2E_DIR, REPO_DIR, ClusterConfig, cache_root
 from .network import ClusterNetwork
 from .procs import Daemon
 
@@ -123,8 +124,15 @@ def build_kubelet(cfg: ClusterConfig, net: ClusterNetwork) -> Daemon:
         f"--serving-cert={pki / 'kubelet-serving.crt'}",
         f"--serving-key={pki / 'kubelet-serving.key'}",
         f"--root-dir={cfg.state_dir / 'kubelet'}", f"--num-fake-gpus={cfg.num_fake_gpus}",
-        f"--python-env={python_env()}",
+        f"--python-env={python_env()}", *image_args(),
     ), env=(("PYTHONPATH", str(E2E_DIR)),))
+
+
+def image_args() -> tuple[str, ...]:
+    """Pods run the images `make images` left in build/images, unpacked into the cache once each."""
+    if os.environ.get("KUBELORA_LOCAL_IMAGES") != "1":
+        return ()
+    return (f"--image-dir={REPO_DIR / 'build' / 'images'}", f"--image-cache-dir={cache_root() / 'images'}")
 
 
 def build_provisioner(cfg: ClusterConfig, server: str) -> Daemon:

@@ -9,6 +9,7 @@ import threading
 from . import network
 from .apiclient import ApiClient
 from .config import parse_args
+from .imagestore import ImageStore
 from .logserver import serve
 from .manager import PodManager
 from .node import NodeAgent
@@ -29,16 +30,29 @@ def remove_stale_namespaces() -> None:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
+def remove_stale_containers() -> None:
+    """runc containers of a previous kubelet run (their ids start with the pod's namespace name)."""
+    listed = subprocess.run(["runc", "list", "-q"], capture_output=True, text=True).stdout
+    for container_id in listed.split():
+        if container_id.startswith("klr-"):
+            subprocess.run(["runc", "delete", "--force", container_id], capture_output=True)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     cfg = parse_args()
     api = ApiClient(cfg.apiserver, cfg.identity)
     remove_stale_namespaces()
+    images = None
+    if cfg.image_dirs:
+        remove_stale_containers()
+        images = ImageStore(cfg.image_dirs, cfg.image_cache_dir)
+        images.prune()
     cfg.pods_dir.mkdir(parents=True, exist_ok=True)
     node = NodeAgent(cfg, api)
     node.register()
     node.start_heartbeat()
-    manager = PodManager(cfg, WorkerDeps(cfg, api, network.IpAllocator(cfg.pod_cidr, cfg.node_ip)))
+    manager = PodManager(cfg, WorkerDeps(cfg, api, network.IpAllocator(cfg.pod_cidr, cfg.node_ip), images))
     serve(cfg, manager)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -23,6 +23,10 @@ class KubeletConfig:
     root_dir: Path
     python_env: Path
     num_fake_gpus: int
+    # Image archives (`make images`: build/images). Given: every container runs from its image with runc;
+    # none: containers run as processes of python_env.
+    image_dirs: tuple[Path, ...] = ()
+    image_cache_dir: Path = Path("/var/cache/kubelora/images")
     sync_period_s: float = 1.0
     heartbeat_period_s: float = 10.0
     lease_duration_s: int = 40
@@ -57,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> KubeletConfig:
         parser.add_argument(f"--{flag}", required=True)
     parser.add_argument("--port", type=int, default=10250)
     parser.add_argument("--num-fake-gpus", type=int, default=0)
+    parser.add_argument("--image-dir", action="append", default=[],
+                        help="a directory of image archives (*.tar); repeatable")
+    parser.add_argument("--image-cache-dir", default="/var/cache/kubelora/images",
+                        help="where images are unpacked, once each")
     args = parser.parse_args(argv)
     return KubeletConfig(
         node_name=args.node_name, node_ip=args.node_ip, pod_cidr=args.pod_cidr, port=args.port,
@@ -64,5 +72,6 @@ def parse_args(argv: list[str] | None = None) -> KubeletConfig:
         identity=TlsIdentity(args.ca, args.client_cert, args.client_key),
         serving_cert=args.serving_cert, serving_key=args.serving_key,
         root_dir=Path(args.root_dir), python_env=Path(args.python_env),
-        num_fake_gpus=args.num_fake_gpus,
+        num_fake_gpus=args.num_fake_gpus, image_dirs=tuple(Path(d) for d in args.image_dir),
+        image_cache_dir=Path(args.image_cache_dir),
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .launch import LaunchSpec, start_process
+from .runtime import build_kill_commands
 from .probes import ProbeSpec, ProbeState, ProbeTarget, run_probe
 from .timeutil import now_rfc3339
 
@@ -44,6 +45,7 @@ class ContainerRunner:
         self.last_termination: Termination | None = None
         self.waiting = ("ContainerCreating", "")
         self._process: subprocess.Popen | None = None
+        self._container_id: str | None = None
         self._started_at = ""
         self._started_mono = 0.0
         self._next_start_at = 0.0
@@ -69,14 +71,26 @@ class ContainerRunner:
     def can_start(self, now: float) -> bool:
         return not self.is_running and now >= self._next_start_at
 
+    @property
+    def container_id(self) -> str | None:
+        """runc's id of the running attempt; None for a host process or when not running."""
+        return self._container_id if self._process else None
+
+    @property
+    def pid_file(self) -> Path:
+        """The host pid of the container's main process: runc writes it (--pid-file), else the kubelet."""
+        return self._pid_file
+
     def log_path(self, attempt: int) -> Path:
         return self._log_dir / f"{attempt}.log"
 
     def start(self, launch: LaunchSpec) -> None:
-        self._process = start_process(launch)
-        self._started_at, self._started_mono = now_rfc3339(), time.monotonic()
         self._pid_file.parent.mkdir(parents=True, exist_ok=True)
-        self._pid_file.write_text(f"{self._process.pid}\n")
+        self._process = start_process(launch)
+        self._container_id = launch.container_id
+        self._started_at, self._started_mono = now_rfc3339(), time.monotonic()
+        if launch.container_id is None:
+            self._pid_file.write_text(f"{self._process.pid}\n")
         self._probes = self._build_probes()
         self.waiting = ("", "")
 
@@ -101,7 +115,7 @@ class ContainerRunner:
                         f"back-off {delay_s:.0f}s restarting failed container={self.name}")
 
     def kill(self, grace_s: float, reason: str = "") -> Termination | None:
-        """SIGTERM the container's session, SIGKILL it after `grace_s`."""
+        """SIGTERM the container's session (runc forwards it to the container), SIGKILL after `grace_s`."""
         process = self._process
         if process is None:
             return None
@@ -109,10 +123,19 @@ class ContainerRunner:
         try:
             process.wait(timeout=max(grace_s, 0.0))
         except subprocess.TimeoutExpired:
+            self._kill_container()
             signal_session(process.pid, signal.SIGKILL)
             process.wait()
         signal_session(process.pid, signal.SIGKILL)  # stragglers it forked
+        self._kill_container()
         return self._record_exit(process.returncode, reason)
+
+    def _kill_container(self) -> None:
+        """The container's processes are not in runc's session: runc kills them (and forgets the state
+        `runc run` leaves behind when it is killed itself)."""
+        if self._container_id is not None:
+            for command in build_kill_commands(self._container_id):
+                subprocess.run(command, capture_output=True, timeout=30)
 
     def _record_exit(self, returncode: int, reason: str) -> Termination:
         exit_code = 128 - returncode if returncode < 0 else returncode

@@ -25,7 +25,7 @@ class PodEnvContext:
     pod_ip: str
     host_ip: str
     apiserver_port: int
-    python_env: Path
+    python_env: Path | None  # None: containers run from their images
 
     @property
     def namespace(self) -> str:
@@ -51,10 +51,12 @@ def build_base_env(ctx: PodEnvContext) -> dict[str, str]:
     node address: ClusterIPs are not routed (no kube-proxy, docs/cluster.md).
     PYTHONUNBUFFERED makes `kubectl logs` show Python output as it happens."""
     port = str(ctx.apiserver_port)
+    # A container from an image has the image's PATH and a HOME for its user (runtime.py); a host process
+    # runs in this machine's Python environment.
+    host_process = {"PATH": f"{ctx.python_env / 'bin'}:{SYSTEM_PATH}", "VIRTUAL_ENV": str(ctx.python_env),
+                    "HOME": "/root"} if ctx.python_env else {}
     return {
-        "PATH": f"{ctx.python_env / 'bin'}:{SYSTEM_PATH}",
-        "VIRTUAL_ENV": str(ctx.python_env),
-        "HOME": "/root",
+        **host_process,
         "HOSTNAME": ctx.pod["metadata"]["name"],
         "PYTHONUNBUFFERED": "1",
         "KUBERNETES_SERVICE_HOST": ctx.host_ip,

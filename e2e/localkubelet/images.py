@@ -55,9 +55,10 @@ def lookup_image(image: str) -> ImageConfig:
     return IMAGES.get(repository_name(image), ImageConfig())
 
 
-def build_argv(container: dict) -> list[str]:
-    """Kubernetes semantics: `command` replaces ENTRYPOINT (and drops CMD), `args` replace CMD."""
-    image = lookup_image(container.get("image", ""))
+def build_argv(container: dict, image: ImageConfig | None = None) -> list[str]:
+    """Kubernetes semantics: `command` replaces ENTRYPOINT (and drops CMD), `args` replace CMD. `image`: the
+    image's own config (runc); None looks it up in the table above (host processes)."""
+    image = image or lookup_image(container.get("image", ""))
     command, args = container.get("command"), container.get("args")
     if command:
         return [*command, *(args or [])]

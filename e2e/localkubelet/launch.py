@@ -1,6 +1,7 @@
 """Start one container attempt as a process in its pod's network namespace.
 
-`ip netns exec` also gives the process a private mount namespace (it remounts /sys there),
+Two ways: from its image with runc (runtime.py; the kubelet was given image archives), or as a process of
+this machine's Python environment (no image archives). For the latter, `ip netns exec` also gives the process a private mount namespace (it remounts /sys there),
 so volume mounts are bind mounts made inside it by a small shell prelude, invisible to the
 host: `/var/run/secrets/kubernetes.io/serviceaccount` works exactly as in a real pod. The
 host filesystem is otherwise shared; mount targets that do not exist are created (and
@@ -22,13 +23,21 @@ class BindMount:
 
 
 @dataclass(frozen=True)
-class LaunchSpec:
+class HostProcess:
     argv: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]
     netns: str | None        # None: hostNetwork, the host's namespace
     mounts: tuple[BindMount, ...]
     working_dir: str
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the kubelet starts: `command` with `env`, output to `log_path`. `container_id` names the runc
+    container (None for a host process), which the kubelet kills through runc after the grace period."""
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
     log_path: Path
+    container_id: str | None = None
 
 
 def build_mounts(container: dict, volume_paths: dict[str, Path]) -> tuple[BindMount, ...]:
@@ -70,18 +79,17 @@ def build_prelude(mounts: tuple[BindMount, ...], working_dir: str) -> str:
     return "\n".join(lines)
 
 
-def build_command(spec: LaunchSpec) -> list[str]:
+def build_host_command(spec: HostProcess) -> tuple[str, ...]:
     # hostNetwork pods still need a private mount namespace for their volume mounts.
     namespace = ["ip", "netns", "exec", spec.netns] if spec.netns else \
         ["unshare", "--mount", "--propagation", "private"]
-    return [*namespace, "sh", "-c", build_prelude(spec.mounts, spec.working_dir), "sh",
-            *spec.argv]
+    return (*namespace, "sh", "-c", build_prelude(spec.mounts, spec.working_dir), "sh", *spec.argv)
 
 
 def start_process(spec: LaunchSpec) -> subprocess.Popen:
     """The process leads its own session so a pod's whole process tree can be signalled."""
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(spec.log_path, "ab") as log:
-        return subprocess.Popen(build_command(spec), stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.Popen(spec.command, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=dict(spec.env),
                                 start_new_session=True)

@@ -64,6 +64,7 @@ class ProbeTarget:
     netns: str | None
     ports: dict[str, int]   # named container ports
     env: dict[str, str]
+    exec_prefix: tuple[str, ...] = ()  # runs an exec probe in the container (runc exec <id>)
 
 
 def run_probe(handler: dict, target: ProbeTarget, timeout_s: float) -> bool:
@@ -105,7 +106,7 @@ def probe_tcp(action: dict, target: ProbeTarget, timeout_s: float) -> bool:
 
 
 def probe_exec(action: dict, target: ProbeTarget, timeout_s: float) -> bool:
-    prefix = ["ip", "netns", "exec", target.netns] if target.netns else []
+    prefix = list(target.exec_prefix) or (["ip", "netns", "exec", target.netns] if target.netns else [])
     result = subprocess.run([*prefix, *action["command"]], env=target.env, timeout=timeout_s,
                             capture_output=True)
     return result.returncode == 0

@@ -41,8 +41,8 @@ def build_deployment(replicas: int) -> dict:
     field = lambda path: {"fieldRef": {"fieldPath": path}}  # noqa: E731
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1}
     container = {
-        "name": "server", "image": "python:3.11-slim",
-        "command": ["python", "/opt/echo/server.py"],
+        "name": "server", "image": "kubelora-base:bookworm",
+        "command": ["python3", "/opt/echo/server.py"],
         "ports": [{"name": "http", "containerPort": PORT}],
         "env": [{"name": "POD_NAME", "valueFrom": field("metadata.name")},
                 {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
@@ -182,7 +182,7 @@ def test_pod_exit_codes_and_claims(cluster: LocalCluster, namespace: str) -> Non
                       "resources": {"requests": {"storage": "1Gi"}}}}
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "writer"},
            "spec": {"restartPolicy": "Never", "containers": [{
-               "name": "main", "image": "python:3.11",
+               "name": "main", "image": "kubelora-base:bookworm",
                "command": ["sh", "-c", "echo written > /data/out.txt; echo bye; exit 3"],
                "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]}}

@@ -1,7 +1,7 @@
 """Fixtures for the operator's end-to-end tests on the local cluster (docs/cluster.md).
 
-The operator runs in the cluster as a Deployment (image `kubelora-operator:dev`: the local kubelet runs the
-local `kubelora` command), watching one test namespace, with the test's RBAC. Tiny model and adapters are
+The operator runs in the cluster as a Deployment (image `kubelora-operator:<version>`, as `make images` builds
+it), watching one test namespace, with the test's RBAC. Tiny model and adapters are
 written to a temporary directory that engine pods mount as hostPath volumes.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "e2e"))
 
 from pytest_cluster import LocalCluster, cluster  # noqa: E402,F401  (cluster: a fixture)
+
+from kubelora.operator.settings import VERSION  # noqa: E402  (the images' tag, as make images builds them)
 
 MANIFESTS = Path(__file__).resolve().parent / "manifests"
 
@@ -118,7 +120,7 @@ def operator_env(cluster: LocalCluster) -> Iterator[OperatorEnv]:
     for namespace in (env.namespace, env.operator_namespace):
         cluster.kubectl("create", "namespace", namespace)
     manifest = string.Template((MANIFESTS / "operator.yaml").read_text()).substitute(
-        NAMESPACE=env.operator_namespace, WATCH_NAMESPACE=env.namespace)
+        NAMESPACE=env.operator_namespace, WATCH_NAMESPACE=env.namespace, VERSION=VERSION)
     cluster.apply(manifest)
     try:
         cluster.kubectl("rollout", "status", "-n", env.operator_namespace, "deployment/kubelora-operator",
