@@ -107,9 +107,21 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
                 await asyncio.wait_for(wake.wait(), timeout=runtime.settings.resync_s)
             except asyncio.TimeoutError:
                 pass
-            await asyncio.sleep(runtime.settings.debounce_s)
+            await gather_triggers(wake, runtime.settings.debounce_s, runtime.settings.max_gather_s)
     finally:
         runtime.forget(namespace, name)
+
+
+async def gather_triggers(wake: asyncio.Event, debounce_s: float, max_gather_s: float) -> None:
+    """Wait `debounce_s`, and again while more triggers keep arriving (a burst: deletes one by one, a GitOps
+    sync), at most `max_gather_s` in all: a burst shares a few passes, a lone change waits `debounce_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max_gather_s
+    while True:
+        wake.clear()
+        await asyncio.sleep(min(debounce_s, max(deadline - loop.time(), 0)))
+        if not wake.is_set() or loop.time() >= deadline:
+            return
 
 
 @kopf.on.event(names.GROUP, names.VERSION, names.POOL_PLURAL)

@@ -37,6 +37,7 @@ class DefaultImages:
 class OperatorSettings:
     resync_s: float = 30.0  # full reconcile of each pool at least this often, besides event triggers
     debounce_s: float = 0.2  # triggers within this window share one reconcile
+    max_gather_s: float = 2.0  # while triggers keep coming closer than debounce_s, a pass waits at most this long
     max_concurrent_calls: int = 4  # engine load/unload calls in flight per pool
     engine_timeout_s: float = 120.0  # one engine call (a load reads and validates the adapter)
     backoff_initial_s: float = 1.0  # first retry after a transient engine failure; doubles per failure
@@ -49,6 +50,8 @@ class OperatorSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.debounce_s < 0:
             raise ValueError(f"debounce_s must be >= 0, got {self.debounce_s}")
+        if self.max_gather_s < self.debounce_s:
+            raise ValueError(f"max_gather_s must be >= debounce_s, got {self.max_gather_s}")
         if not 1 <= self.max_concurrent_calls <= 256:
             raise ValueError(f"max_concurrent_calls must be in [1, 256], got {self.max_concurrent_calls}")
         if self.backoff_max_s < self.backoff_initial_s:

@@ -130,3 +130,31 @@ async def test_a_deletion_waits_only_for_the_reconcile_of_a_pool_it_runs(cluster
     # A pool whose reconcile cannot finish: the wait is bounded.
     monkeypatch.setattr(handlers, "release_timeout_s", lambda settings: 0.2)
     assert not await runtime.wait_released(NS, "p", "never-deleted", 0.2)
+
+
+async def test_deletes_arriving_one_by_one_share_passes(cluster):
+    """Single deletes a few ms apart (a loop of `kubectl delete`, or a GitOps prune): the daemon keeps gathering
+    triggers while they keep coming (up to a bound), so they share a few passes instead of one pass each."""
+    kube, engines, runtime = cluster
+    for i in range(NUM_ADAPTERS):
+        kube.add_adapter(f"a{i}", f"/adapters/a{i}", replicas=1)
+    runtime.trigger(NS, "p")
+    await converged(kube, runtime)
+    for engine in engines.values():
+        engine.calls.clear()
+    passes = kube.num_passes
+
+    async def delete(name: str, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        kube.objects[("loraadapters", name)]["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+        body = await kube.get_custom("loraadapters", NS, name)
+        await handlers.on_adapter_event(body=body, event={"type": "MODIFIED"}, memo=kopf.Memo(runtime=runtime))
+        await handlers.on_adapter_delete(body=body, memo=kopf.Memo(runtime=runtime), logger=LOG)
+        del kube.objects[("loraadapters", name)]
+
+    deleted = [f"a{i}" for i in range(NUM_DELETED)]
+    await asyncio.wait_for(asyncio.gather(*(delete(n, 0.03 * i) for i, n in enumerate(deleted))), timeout=10)
+    unloads = sorted((pod_name, call) for pod_name, engine in engines.items() for call in engine.calls
+                     if call[0] == "unload")
+    assert unloads == sorted((p, ("unload", name)) for p in engines for name in deleted)  # one per adapter and pod
+    assert kube.num_passes - passes <= 2, kube.num_passes - passes
