@@ -70,7 +70,12 @@ class DecodeInputs:
         self.size = size
         self.device = device
         self.device_buf = torch.zeros(size, dtype=torch.int64, device=device)
-        self.host_buf = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # Two host buffers in turn: a step is filled while the previous step's copy may still be queued.
+        is_cuda = device.type == "cuda"
+        self._host_bufs = [torch.zeros(size, dtype=torch.int64, pin_memory=is_cuda) for _ in range(2)]
+        self._copied = [torch.cuda.Event() if is_cuda else None for _ in range(2)]  # each buffer's last copy
+        self._turn = 0
+        self.host_buf = self._host_bufs[0]
         self._host = self.host_buf.numpy()
 
     def _layout(self) -> list[tuple[str, int]]:
@@ -132,6 +137,7 @@ class DecodeInputs:
         """Write one step into the host buffer (padding rows up to bucket) and copy it to the device."""
         num = len(step.token_ids)
         assert 0 < num <= bucket <= self.max_seqs
+        self._take_turn()
         pad = bucket - num
         self._put("token_ids", step.token_ids + [0] * pad)
         self._put("positions", step.positions + [0] * pad)
@@ -148,14 +154,27 @@ class DecodeInputs:
             self._fill_lora(step, bucket)
         end = first + bucket * self.max_blocks
         self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].record()
+
+    def _take_turn(self) -> None:
+        """Switch to the other host buffer, once its last copy to the device has run."""
+        self._turn ^= 1
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()
+        self.host_buf = self._host_bufs[self._turn]
+        self._host = self.host_buf.numpy()
 
     def fill_padding(self) -> None:
         """Every row padding (what graphs are captured over at start-up: their warm-up writes only the pad block)."""
         n = self.max_seqs
-        for name, value in (("token_ids", 0), ("positions", 0), ("context_lens", 1), ("slot_mapping", self.pad_slot),
-                            ("token_slots", -1), ("block_tables", self.pad_slot // self.block_size)):
-            length = n * self.max_blocks if name == "block_tables" else n
-            self._put(name, [value] * length)
+        for _ in self._host_bufs:
+            self._take_turn()
+            for name, value in (("token_ids", 0), ("positions", 0), ("context_lens", 1),
+                                ("slot_mapping", self.pad_slot), ("token_slots", -1),
+                                ("block_tables", self.pad_slot // self.block_size)):
+                length = n * self.max_blocks if name == "block_tables" else n
+                self._put(name, [value] * length)
         self.device_buf.copy_(self.host_buf)
 
     def _put(self, name: str, values: list) -> None:

@@ -1,5 +1,12 @@
 """LLMEngine: wires scheduler, KV block manager, adapter manager, model runner, sampler and detokenizer.
 
+Steps overlap (`EngineConfig.async_scheduling`, on by default on CUDA): `step()` schedules and launches step N+1
+before it reads step N's sampled ids, so the host's scheduling, input packing, detokenizing and output work runs
+while the device computes. Step N's sequences feed N+1 their pending tokens from the device (engine/runner.py);
+a sequence that stops at step N (EOS, a stop string) has computed one more token at N+1, which is dropped. A step
+whose requests need their previous token on the host (a grammar mask, penalties, multi-token bad words, logits or
+prompt logprobs kept) is read back before the next one is scheduled.
+
 Threads: `step()` runs in one engine thread; `add_request`, `abort_request`, `snapshot` and the adapter manager
 are called from any thread. `_lock` guards the scheduler's queues; it is held while scheduling and
 postprocessing, never during the forward pass or any file I/O (adapter I/O runs in callers' threads or in
@@ -28,7 +35,7 @@ from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.model.weights import ModelWeights, load_weights
 from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
-from kubelora.engine.runner import ModelRunner, RunnerConfig, StepResult
+from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kubelora.engine.sequence import Sequence, SequenceStatus
@@ -74,6 +81,8 @@ class LLMEngine:
         self._work = threading.Condition(self._lock)
         self._last_batch = (0, 0, 0)
         self._num_steps = 0
+        self._is_async = setup.uses_async_scheduling(config)
+        self._inflight: LaunchedStep | None = None  # launched, its sampled ids not read yet (engine thread only)
 
     # ---- wiring ----
 
@@ -158,34 +167,55 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return self._scheduler.has_unfinished()
+            return self._has_work()
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block the engine thread until there is something to step (True) or the timeout passes."""
         with self._work:
-            return self._work.wait_for(self._scheduler.has_unfinished, timeout)
+            return self._work.wait_for(self._has_work, timeout)
+
+    def _has_work(self) -> bool:
+        return self._scheduler.has_unfinished() or self._inflight is not None
 
     # ---- one step (engine thread) ----
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step whose sampled ids were read back."""
+        previous, outputs = self._inflight, []
+        self._inflight = None
+        if previous is not None and not self._can_overlap(previous):
+            previous.result()  # the next step needs this one's tokens on the host: wait now (outside the lock)
+            with self._lock:
+                outputs += self._postprocess(previous)
+            previous = None
         with self._lock:
             batch = self._scheduler.schedule()
-            done_early = self._scheduler.take_finished_between_steps()
-        if not batch.chunks:
-            if not done_early:
-                time.sleep(IDLE_STEP_SLEEP_S)
-            return [self._output(seq, []) for seq in done_early]
-        result = self._runner.execute(batch)
-        with self._lock:
-            outputs = [self._output(seq, []) for seq in done_early]
-            outputs += self._postprocess(batch, result)
-            self._last_batch = (len(batch.chunks), batch.num_tokens, len(batch.slots))
-            self._num_steps += 1
+            outputs += [self._output(seq, []) for seq in self._scheduler.take_finished_between_steps()]
+            if batch.chunks:
+                self._last_batch = (len(batch.chunks), batch.num_tokens, len(batch.slots))
+                self._num_steps += 1
+        launched = self._runner.execute(batch, previous) if batch.chunks else None
+        to_read = [previous] if previous is not None else []
+        if launched is not None and self._can_overlap(launched):
+            self._inflight = launched
+        elif launched is not None:
+            to_read.append(launched)
+        for step in to_read:
+            step.result()  # waits outside the lock; a launched step keeps the device busy meanwhile
+            with self._lock:
+                outputs += self._postprocess(step)
+        if launched is None and not to_read and not outputs:
+            time.sleep(IDLE_STEP_SLEEP_S)
         return outputs
 
-    def _postprocess(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
+    def _can_overlap(self, step: LaunchedStep) -> bool:
+        """The next step may be scheduled before this one's sampled ids reach the host."""
+        return self._is_async and all(_is_overlappable(c.seq) for c in step.batch.chunks if c.is_sampled)
+
+    def _postprocess(self, step: LaunchedStep) -> list[RequestOutput]:
+        batch, result = step.batch, step.result()
         for chunk, logits in zip(batch.chunks, result.logits):
-            if logits is not None and chunk.seq.status is SequenceStatus.RUNNING:
+            if logits is not None and not chunk.seq.status.is_finished:
                 _record_logits(chunk.seq, chunk.start_pos, logits, chunk.is_sampled)
         self._record_logprobs(batch, result)
         outputs = []
@@ -211,7 +241,7 @@ class LLMEngine:
         """The sampled tokens' logprobs (appended with their tokens) and prompt logprobs once per position."""
         for i, chunk in enumerate(batch.chunks):
             seq = chunk.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status.is_finished:
                 continue
             if result.prompt_logprobs and result.prompt_logprobs[i]:
                 for j, raw in enumerate(result.prompt_logprobs[i]):  # entry j is prompt token start_pos + 1 + j
@@ -276,6 +306,13 @@ class LLMEngine:
     def close(self) -> None:
         self.adapters.close()
         self.grammars.close()
+
+
+def _is_overlappable(seq: Sequence) -> bool:
+    """Nothing of the request's next step needs its last sampled token on the host."""
+    p = seq.params
+    return (seq.grammar is None and not p.has_penalties and not p.return_logits and p.prompt_logprobs is None
+            and all(len(word) == 1 for word in p.bad_words_token_ids))
 
 
 def _record_logits(seq: Sequence, start_pos: int, logits: torch.Tensor, is_sampled: bool) -> None:

@@ -60,12 +60,19 @@ class StaticDecoder:
         for bucket in sorted(self.buckets, reverse=True):
             self._graph(bucket, None)
 
-    def run(self, step: DecodeStep) -> torch.Tensor:
-        """The step's logits [num_seqs, vocab] float32 (a view of the graph's static output)."""
+    def run(self, step: DecodeStep, pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
+        """The step's logits [num_seqs, vocab] float32 (a view of the graph's static output).
+
+        pending: (rows, sources, tokens) device tensors: token_ids[rows] = tokens[sources] before the replay, for
+        tokens the previous step sampled and the host has not read back."""
         num = len(step.token_ids)
         bucket = self.bucket_for(num)
         key = lora_key(step)
         self.inputs.fill(step, bucket, key)
+        if pending is not None:
+            rows, sources, tokens = pending
+            self.inputs.token_ids(bucket)[rows] = tokens[sources]
         entry = self._graph(bucket, key)
         if entry.graph is None:
             entry.logits.copy_(self._forward(bucket, key))

@@ -1,8 +1,13 @@
-"""Model runner: turns a scheduled `Batch` into device tensors once (`prepare_*`), runs the model, samples."""
+"""Model runner: turns a scheduled `Batch` into device tensors once (`prepare_*`), runs the model, samples.
+
+`execute` queues a step's work on the device and returns it as a `LaunchedStep` without waiting for it; its
+`result()` waits for the sampled ids. A batch may feed tokens that the previous launched step sampled and the host
+has not read yet (`PENDING_TOKEN`, engine/engine.py): they are copied on the device from that step's ids.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,9 +17,10 @@ from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import prepare_attention, prepare_decode_attention, prepare_prefill_attention
 from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
-from kubelora.engine.sampler import TokenLogprobs, keep_top, prompt_logprobs, sample
+from kubelora.engine.sampler import SampledStep, TokenLogprobs, keep_top, prompt_logprobs, sample_on_device
 from kubelora.engine.sampling_batch import prepare_sampling
 from kubelora.engine.scheduler import Batch
+from kubelora.engine.sequence import PENDING_TOKEN
 from kubelora.kernels.lora import prepare_lora_projs, prepare_lora_step
 
 
@@ -37,6 +43,33 @@ class StepResult:
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device. `result()` waits for its sampled ids (once)."""
+
+    batch: Batch
+    sampled: SampledStep | None  # None: no chunk samples
+    sample_rows: list[int | None]  # per chunk: its row in sampled.tokens
+    logits: list[torch.Tensor | None]
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None
+    rows: dict[str, int] = field(default_factory=dict)  # request id -> row in sampled.tokens
+    _result: StepResult | None = None
+
+    def __post_init__(self) -> None:
+        self.rows = {c.seq.request_id: r for c, r in zip(self.batch.chunks, self.sample_rows) if r is not None}
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            out = self.sampled.result() if self.sampled is not None else None
+            tokens = out.token_ids if out is not None else []
+            logprobs = out.logprobs if out is not None else []
+            self._result = StepResult(
+                sampled=[None if r is None else tokens[r] for r in self.sample_rows], logits=self.logits,
+                logprobs=[None if r is None else logprobs[r] for r in self.sample_rows],
+                prompt_logprobs=self.prompt_logprobs)
+        return self._result
+
+
 @dataclass(frozen=True)
 class LogitsPlan:
     rows: torch.Tensor  # [num_rows] int64: batch token rows whose logits are computed
@@ -50,16 +83,27 @@ class ModelRunner:
         self.config = config
         self.decoder = decoder  # decode steps from static buffers (CUDA graphs); None: every step eager
 
-    def execute(self, batch: Batch) -> StepResult:
+    def execute(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step; `previous` is the launched step whose ids the batch's pending tokens come from."""
+        pending = _pending_tokens(batch, previous)
         if self.decoder is not None and self._is_static_decode(batch):
-            return self._execute_static(batch)
+            return self._execute_static(batch, pending)
         token_ids, ctx = self.prepare_inputs(batch)
+        if pending is not None:
+            rows, sources, tokens = pending
+            token_ids[rows] = tokens[sources]
         plan = prepare_logits_plan(batch, self.config.device)
         hidden = self.model.forward(token_ids, ctx)
         logits = self.model.compute_logits(hidden[plan.rows])
-        sampled, logprobs = self._sample(batch, logits, plan)
-        return StepResult(sampled=sampled, logits=_chunk_logits(batch, logits, plan), logprobs=logprobs,
-                          prompt_logprobs=_prompt_logprobs(batch, logits, plan))
+        rows = [r for r in plan.sample_rows if r is not None]
+        sampled = None
+        if rows:
+            seqs = [c.seq for c, r in zip(batch.chunks, plan.sample_rows) if r is not None]
+            sampled = sample_on_device(logits[rows], self._sampling_batch(seqs, logits.device))
+        order = iter(range(len(rows)))
+        return LaunchedStep(batch, sampled, [None if r is None else next(order) for r in plan.sample_rows],
+                            logits=_chunk_logits(batch, logits, plan),
+                            prompt_logprobs=_prompt_logprobs(batch, logits, plan))
 
     def _is_static_decode(self, batch: Batch) -> bool:
         """One sampled token per sequence, no logits kept, and a bucket that holds the batch."""
@@ -67,17 +111,18 @@ class ModelRunner:
                 and all(len(c.token_ids) == 1 and c.is_sampled and not c.seq.params.return_logits
                         for c in batch.chunks))
 
-    def _execute_static(self, batch: Batch) -> StepResult:
+    def _execute_static(self, batch: Batch, pending) -> LaunchedStep:
         chunks = batch.chunks
         tables = {}
         if batch.slots:
             tables = {kind: _kind_tables(batch.slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
-        step = DecodeStep(token_ids=[c.token_ids[0] for c in chunks], positions=[c.start_pos for c in chunks],
+        step = DecodeStep(token_ids=[max(c.token_ids[0], 0) for c in chunks], positions=[c.start_pos for c in chunks],
                           block_tables=[c.block_table for c in chunks], token_slots=[c.slot for c in chunks],
                           slot_tables=tables)
-        logits = self.decoder.run(step)  # sampling runs after the replay, reading the graph's static output
-        out = sample(logits, self._sampling_batch([c.seq for c in chunks], logits.device))
-        return StepResult(sampled=out.token_ids, logits=[None] * len(chunks), logprobs=out.logprobs)
+        logits = self.decoder.run(step, pending)  # sampling runs after the replay, reading the graph's static output
+        sampled = sample_on_device(logits, self._sampling_batch([c.seq for c in chunks], logits.device))
+        return LaunchedStep(batch, sampled, list(range(len(chunks))), logits=[None] * len(chunks),
+                            prompt_logprobs=None)
 
     def _sampling_batch(self, seqs: list, device: torch.device):
         return prepare_sampling(seqs, self.model.config.vocab_size, device, self.config.eos_token_ids)
@@ -117,16 +162,22 @@ class ModelRunner:
         proj = prepare_lora_projs(tables, self.config.device)  # every kind in one host->device copy
         return LoRAContext(step=step, proj=proj, backend=self.config.lora_backend)
 
-    def _sample(self, batch: Batch, logits: torch.Tensor,
-                plan: LogitsPlan) -> tuple[list[int | None], list[TokenLogprobs | None]]:
-        rows = [r for r in plan.sample_rows if r is not None]
-        if not rows:
-            return [None] * len(batch.chunks), [None] * len(batch.chunks)
-        seqs = [c.seq for c, r in zip(batch.chunks, plan.sample_rows) if r is not None]
-        out = sample(logits[rows], self._sampling_batch(seqs, logits.device))
-        tokens, logprobs = iter(out.token_ids), iter(out.logprobs)
-        return ([None if r is None else next(tokens) for r in plan.sample_rows],
-                [None if r is None else next(logprobs) for r in plan.sample_rows])
+def _pending_tokens(batch: Batch, previous: LaunchedStep | None):
+    """(rows, sources, tokens): the batch's token rows fed a pending token, and their rows in `previous`'s ids."""
+    rows, sources = [], []
+    token = 0
+    for chunk in batch.chunks:
+        token += len(chunk.token_ids)
+        if chunk.token_ids[-1] == PENDING_TOKEN:  # pending tokens end a sequence: one at most (the last step's)
+            if previous is None or chunk.seq.request_id not in previous.rows:
+                raise RuntimeError(f"request {chunk.seq.request_id}: a pending token without the step sampling it")
+            rows.append(token - 1)
+            sources.append(previous.rows[chunk.seq.request_id])
+    if not rows:
+        return None
+    tokens = previous.sampled.tokens
+    index = torch.tensor([rows, sources], dtype=torch.int64).to(tokens.device)
+    return index[0], index[1], tokens
 
 
 def _kind_tables(slots: tuple[SlotView, ...], modules: tuple[str, ...]) -> tuple[list, list, list]:

@@ -4,6 +4,8 @@ Inputs: logits [num_rows, vocab] float32 (on CUDA a view of the decode graph's s
 here) and one `SamplingBatch` (engine/sampling_batch.py). Every filter is a batched tensor op; the draw is
 per row only for seeded requests, so a seeded request gives the same tokens whatever else shares its batch.
 Output: the sampled ids and, for rows that ask, their log-probabilities, in one device -> host copy.
+`sample_on_device` starts that copy without waiting for it (`SampledStep.result` waits), and keeps the ids on
+the device too, where the next step can read them before the host has (engine/engine.py overlaps steps).
 """
 
 from __future__ import annotations
@@ -34,19 +36,51 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None where the row did not ask
 
 
+class SampledStep:
+    """The sampling stage of one step, launched: ids on the device, their copy to the host in flight."""
+
+    def __init__(self, tokens: torch.Tensor, packed_logprobs: torch.Tensor | None, batch: SamplingBatch) -> None:
+        self.tokens = tokens  # [num_rows] int64 on the logits' device
+        self._num_logprobs = batch.num_logprobs
+        self._k = batch.max_logprobs if packed_logprobs is not None else None
+        packed = tokens if packed_logprobs is None else packed_logprobs
+        self._event = None
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+
+    def result(self) -> SamplerOutput:
+        """Waits for the copy (only for it: later work on the device goes on)."""
+        if self._event is not None:
+            self._event.synchronize()
+        if self._k is None:
+            return SamplerOutput(self._host.tolist(), [None] * len(self._num_logprobs))
+        rows = _unpack_logprobs(self._host.tolist(), self._k)
+        return SamplerOutput([r.token_id for r in rows],
+                             [keep_top(r, k) if k is not None else None for r, k in zip(rows, self._num_logprobs)])
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [num_rows, vocab] float32 -> one token id per row (and logprobs where asked)."""
+    return sample_on_device(logits, batch).result()
+
+
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> SampledStep:
+    """The sampling stage without a host sync: the ids stay on the device, their host copy is started."""
     if batch.is_plain_greedy:
-        return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+        return SampledStep(logits.argmax(dim=-1), None, batch)
     processed = process_logits(logits, batch)
     tokens = processed.argmax(dim=-1)
     if not all(batch.greedy_rows):
         tokens = _draw(processed, batch, tokens)
     if batch.max_logprobs is None:
-        return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
-    rows = _logprobs(torch.log_softmax(logits.float(), dim=-1), tokens, batch.max_logprobs)
-    return SamplerOutput([r.token_id for r in rows],
-                         [keep_top(r, k) if k is not None else None for r, k in zip(rows, batch.num_logprobs)])
+        return SampledStep(tokens, None, batch)
+    return SampledStep(tokens, _pack_logprobs(torch.log_softmax(logits.float(), dim=-1), tokens, batch.max_logprobs),
+                       batch)
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -152,12 +186,20 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprobs]:
     """logprobs: [num_rows, vocab]; tokens: [num_rows] -> per row, with ids and values in one host copy."""
+    return _unpack_logprobs(_pack_logprobs(logprobs, tokens, k).tolist(), k)
+
+
+def _pack_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """[num_rows, 2 + 2k] float64 on the device: token id, its logprob, the top k ids, their logprobs."""
     chosen = logprobs.gather(1, tokens[:, None])
-    top = logprobs.topk(k, dim=-1) if k else None
     parts = [tokens[:, None].double(), chosen.double()]
-    if top is not None:
+    if k:
+        top = logprobs.topk(k, dim=-1)
         parts += [top.indices.double(), top.values.double()]
-    host = torch.cat(parts, dim=1).clamp(min=LOGPROB_FLOOR).tolist()  # ids are >= 0: the clamp keeps them
+    return torch.cat(parts, dim=1).clamp(min=LOGPROB_FLOOR)  # ids are >= 0: the clamp keeps them
+
+
+def _unpack_logprobs(host: list[list[float]], k: int) -> list[TokenLogprobs]:
     return [TokenLogprobs(int(r[0]), r[1], tuple(int(t) for t in r[2 : 2 + k]), tuple(r[2 + k :])) for r in host]
 
 

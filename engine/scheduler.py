@@ -14,6 +14,11 @@ Time slices: when requests wait because the device adapter pool has no room besi
 adapter that has run `lora_time_slice_steps` steps since it was admitted pauses: its requests go back to the
 front of their queues with their KV cache kept, its pool room may be taken by a waiting adapter, and fairness
 order brings it back. So adapters beyond the pool's room take turns instead of waiting for whole requests.
+
+A scheduled batch counts as computed at once: `schedule()` advances each sequence's computed tokens and, for a
+chunk that samples, adds one pending token; `postprocess` turns pending tokens into sampled ones. So the engine
+may schedule (and launch) the next step while this one runs: a sequence's pending token is fed to that next step
+from the device, and a sequence whose every remaining token is pending is not scheduled again.
 """
 
 from __future__ import annotations
@@ -98,21 +103,23 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         self._schedule_running(budget, chunks)
         self._admit_waiting(budget, chunks)
-        return self._build_batch(chunks)
+        batch = self._build_batch(chunks)
+        for chunk in batch.chunks:
+            chunk.seq.num_computed_tokens += len(chunk.token_ids)
+            chunk.seq.num_pending += chunk.is_sampled
+        return batch
 
     def postprocess(self, batch: Batch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance each scheduled sequence; append sampled tokens; finish on eos/stop ids/length.
+        """Append each sampled chunk's token (its oldest pending one); finish on eos/stop ids/length.
 
         Returns the sequences that got a token this step (finished ones included)."""
         updated = []
         now = time.time()
         for chunk, token in zip(batch.chunks, sampled):
             seq = chunk.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens += len(chunk.token_ids)
-            if token is None:
-                continue
+            if token is None or seq.status.is_finished:
+                continue  # a chunk in the middle of a prefill, or aborted / stopped while the step ran
+            seq.num_pending -= 1  # a preempted or paused sequence keeps its token: it is recomputed with it
             seq.output_token_ids.append(token)
             seq.first_token_time = seq.first_token_time or now
             status = self._stop_status(seq, token)
@@ -147,6 +154,8 @@ class Scheduler:
         for seq in sorted(self._running, key=lambda s: s.is_prefill):  # decodes first
             if seq.status is not SequenceStatus.RUNNING or budget[0] == 0:
                 continue
+            if seq.num_pending and seq.num_output_tokens >= seq.max_tokens:
+                continue  # its last token is in flight
             num_new = min(seq.num_uncomputed_tokens, budget[0])
             if not self._grow_or_preempt(seq, num_new, scheduled):
                 continue
@@ -183,10 +192,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Out of KV blocks: drop the sequence's cache and requeue it at the front (recomputed later)."""
         self._running.remove(seq)
-        self._blocks.free(seq.request_id)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        self._drop_cache(seq)
         seq.status = SequenceStatus.WAITING
         self._waiting.setdefault(seq.fairness_key, deque()).appendleft(seq)
         self._num_waiting += 1
@@ -232,7 +238,7 @@ class Scheduler:
         while count < limit and queue and queue[0].adapter is revision and self._has_room(budget):
             seq = queue[0]
             num_new = min(seq.num_uncomputed_tokens, budget[0])
-            if not self._blocks.grow(seq.request_id, seq.num_computed_tokens + num_new):
+            if not self._grow_admitted(seq, seq.num_computed_tokens + num_new):
                 break
             queue.popleft()
             self._num_waiting -= 1
@@ -244,6 +250,26 @@ class Scheduler:
             count += 1
         self._drop_empty(key)
         return count
+
+    def _grow_admitted(self, seq: Sequence, num_tokens: int) -> bool:
+        """KV blocks for a request being admitted. With nothing running, no finishing request will free blocks:
+        paused requests' kept caches (time slices) are dropped then, the latest arrival first, or every waiting
+        request could hold blocks and wait for more forever."""
+        while not self._blocks.grow(seq.request_id, num_tokens):
+            if self._running:
+                return False
+            kept = [s for q in self._waiting.values() for s in q if s is not seq and s.num_computed_tokens]
+            if not kept:
+                return False
+            self._drop_cache(max(kept, key=lambda s: s.arrival_time))
+        return True
+
+    def _drop_cache(self, seq: Sequence) -> None:
+        """A waiting request's kept KV cache is freed; it is recomputed when admitted (counted as a preemption)."""
+        self._blocks.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
 
     def _has_room(self, budget: list[int]) -> bool:
         return budget[0] > 0 and len(self._running) < self.config.max_num_seqs

@@ -9,6 +9,8 @@ import torch
 
 from kubelora.engine.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1  # a sampled token still on the device (its step runs while the next one is scheduled)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -45,8 +47,10 @@ class Sequence:
     generator: torch.Generator | None = None
     grammar: object | None = None  # with params.structured: its matcher (engine/structured/matcher.py)
     status: SequenceStatus = SequenceStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    output_token_ids: list[int] = field(default_factory=list)  # sampled tokens the host has read back
+    # Sampled tokens not read back yet (steps in flight, engine/engine.py): they follow output_token_ids.
+    num_pending: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or are being written by a step in flight)
     first_token_time: float | None = None
     text: str = ""  # stable decoded output (stop strings removed, incomplete characters held back)
     # Incremental detokenization (engine/detokenizer.py): output_token_ids[:read_offset] decode to
@@ -69,7 +73,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, pending ones included."""
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -78,13 +87,19 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """Still feeding known tokens (the prompt, or prompt + output after a preemption)."""
-        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+        return self.num_uncomputed_tokens > 1 or not self.num_output_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without joining the two lists (a decode step asks for one)."""
+        """Tokens [start, end) of prompt + output, without joining the two lists (a decode step asks for one);
+        pending positions are PENDING_TOKEN."""
         num_prompt = len(self.prompt_token_ids)
+        num_known = num_prompt + len(self.output_token_ids)
+        pending = [PENDING_TOKEN] * (end - max(start, num_known)) if end > num_known else []
+        end = min(end, num_known)
         if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+            known = self.prompt_token_ids[start:end]
+        elif start >= num_prompt:
+            known = self.output_token_ids[start - num_prompt : end - num_prompt]
+        else:
+            known = self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return known + pending if pending else known

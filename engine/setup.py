@@ -117,3 +117,11 @@ def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_le
         log.info("captured %d base decode graphs (buckets %s) in %.1f s, %.2f GiB of device memory",
                  decoder.num_captures, decoder.buckets, decoder.capture_seconds, used / (1 << 30))
     return decoder
+
+
+def uses_async_scheduling(config: EngineConfig) -> bool:
+    """Steps overlap (the next is launched before this one's ids are read): by default on CUDA only, where the
+    device runs ahead of the host; on CPU the forward runs on the host thread itself."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    return config.device.startswith("cuda")

@@ -13,9 +13,9 @@ pytestmark = pytest.mark.gpu
 BATCH = [None, "r4-qv", "r8-all", None, "r16-all-rs", "r32-attn", "r8-all"] + ["r4-qv"] * 17 + [None] * 3
 
 
-def _generate(material, prompts, dtype: str, enforce_eager: bool, adapters=BATCH):
+def _generate(material, prompts, dtype: str, enforce_eager: bool, adapters=BATCH, async_scheduling=None):
     llm = LLM(material.model_dir, max_loras=4, max_lora_rank=32, max_num_seqs=32, device="cuda", dtype=dtype,
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     for name, path in material.adapters.items():
         llm.load_adapter(name, path)
     try:
@@ -57,3 +57,12 @@ def test_graphs_bfloat16_base_batch(llama, prompt_ids):
     graphs, _ = _generate(llama, prompts, "bfloat16", enforce_eager=False, adapters=None)
     same = sum(a == b for e, g in zip(eager, graphs) for a, b in zip(e, g))
     assert same >= 0.95 * sum(len(e) for e in eager)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_overlapped_steps_give_the_tokens_of_sync_steps(llama, prompt_ids, enforce_eager):
+    """Steps overlap by default on CUDA; each step read back at once gives the same tokens."""
+    prompts = _prompts(prompt_ids, len(BATCH))
+    sync, _ = _generate(llama, prompts, "float32", enforce_eager, async_scheduling=False)
+    overlapped, _ = _generate(llama, prompts, "float32", enforce_eager, async_scheduling=True)
+    assert overlapped == sync

@@ -352,3 +352,17 @@ def test_time_slices_do_not_start_without_pool_waiters():
         scheduler.add(make_seq(f"r{i}", f"a{i % 8}", max_tokens=12))
     run_until_done(scheduler)
     assert scheduler.num_pauses == 0
+
+
+def test_paused_requests_holding_every_kv_block_do_not_deadlock():
+    """Time slices keep paused requests' KV caches; when those fill the cache and nothing runs, admission drops
+    kept caches (counted as preemptions) instead of waiting for blocks that nobody will free."""
+    names = [f"a{j}" for j in range(4)]
+    seqs = [make_seq(f"r{i}", names[i % 4], prompt_len=8, max_tokens=12) for i in range(12)]
+    scheduler = make_scheduler(BudgetPlacer(capacity=2), num_blocks=12, block_size=4, max_loras=None,
+                               max_num_seqs=8, lora_time_slice_steps=3)
+    for seq in seqs:
+        scheduler.add(seq)
+    _first_token_steps(scheduler, seqs)
+    assert all(len(s.output_token_ids) == 12 for s in seqs)
+    assert scheduler.num_pauses > 0 and scheduler.num_preemptions > 0
