@@ -55,11 +55,19 @@ class EngineClient:
 
     async def list_models(self, base_url: str) -> tuple[dict[str, ObservedAdapter], int | None]:
         """The pod's adapters, and its device adapter pool budget in bytes (None: the engine does not say)."""
-        body = await self._call("GET", f"{base_url}/v1/models", None)
+        body, _ = await self._call_tagged("GET", f"{base_url}/v1/models", None)
         cards = body.get("data", [])
         budget = next((c.get("adapter_pool_bytes") for c in cards if c.get("parent") is None), None)
         adapters = {card["id"]: ObservedAdapter.from_card(card) for card in cards if card.get("parent") is not None}
         return adapters, budget if isinstance(budget, int) and budget > 0 else None
+
+    async def wait_for_change(self, base_url: str, tag: str | None, wait_s: float) -> str | None:
+        """The pod's adapter-set tag once it differs from `tag` (at once when `tag` is None), or after `wait_s`
+        with the same one; None when the engine tags nothing (it cannot be watched)."""
+        query = "" if tag is None else f"?changed_since={tag}&wait_s={wait_s:g}"
+        _, etag = await self._call_tagged("GET", f"{base_url}/v1/models{query}", None,
+                                          timeout=aiohttp.ClientTimeout(total=wait_s + 10))
+        return etag.strip('"') if etag else None
 
     async def load(self, base_url: str, adapter: DesiredAdapter, *, is_preload: bool, is_inplace: bool) -> LoadResult:
         payload = {"lora_name": adapter.name, "lora_path": adapter.lora_path, "load_inplace": is_inplace,
@@ -76,9 +84,14 @@ class EngineClient:
         return bool(body.get("was_loaded", True))
 
     async def _call(self, method: str, url: str, payload: dict | None) -> dict:
+        return (await self._call_tagged(method, url, payload))[0]
+
+    async def _call_tagged(self, method: str, url: str, payload: dict | None,
+                           timeout: aiohttp.ClientTimeout | None = None) -> tuple[dict, str | None]:
+        """The JSON body and the ETag header."""
         try:
             async with self._session.request(method, url, json=payload, headers=self._headers,
-                                             timeout=self._timeout) as response:
+                                             timeout=timeout or self._timeout) as response:
                 body = await response.json(content_type=None)
                 if response.status >= 400:
                     error = (body or {}).get("error") or {}
@@ -86,6 +99,6 @@ class EngineClient:
                     raise EngineError(response.status, error.get("code") or error.get("type"),
                                       error.get("message") or f"HTTP {response.status}",
                                       retryable if isinstance(retryable, bool) else None)
-                return body or {}
+                return body or {}, response.headers.get("ETag")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise EngineError(None, None, f"{method} {url}: {type(exc).__name__}: {exc}") from exc

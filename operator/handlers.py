@@ -27,6 +27,7 @@ from kubelora.operator.runtime import Runtime
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.cli import settings_from_env
 from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
+from kubelora.operator.watch import PodWatchers
 from kubelora.operator.status import Failure, build_adapter_status, pool_conditions
 
 FINALIZER = "kubelora.io/finalizer"
@@ -94,6 +95,8 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
     reconciler = PoolReconciler(runtime.kube, runtime.engine_session, runtime.settings, namespace, name,
                                 on_released=lambda adapters: runtime.mark_released(namespace, name, adapters))
     wake = runtime.trigger_for(namespace, name)
+    watchers = PodWatchers(lambda token: EngineClient(runtime.engine_session, token, runtime.settings.engine_timeout_s),
+                           lambda: runtime.trigger(namespace, name))
     try:
         while not stopped:
             wake.clear()
@@ -103,6 +106,7 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
                 logger.warning("reconcile failed, retrying: %s", exc)
             except Exception:  # noqa: BLE001 - a bug in one run must not stop the pool's reconcile for good
                 logger.exception("reconcile failed")
+            watchers.update(reconciler.observed_urls, reconciler.admin_token)
             try:
                 await asyncio.wait_for(wake.wait(), timeout=runtime.settings.resync_s)
             except asyncio.TimeoutError:
@@ -110,6 +114,7 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
             await gather_triggers(wake, runtime.settings.debounce_s, runtime.settings.max_gather_s)
     finally:
         runtime.forget(namespace, name)
+        await watchers.close()
 
 
 async def gather_triggers(wake: asyncio.Event, debounce_s: float, max_gather_s: float) -> None:

@@ -42,6 +42,9 @@ class PoolReconciler:
         self.namespace, self.name = namespace, name
         self._on_released = on_released
         self._memory = ReconcileMemory()
+        # What the last pass observed, for the pod watchers (watch.py): ready pods that answered, the admin token.
+        self.observed_urls: dict[str, str] = {}
+        self.admin_token: str | None = None
 
     async def reconcile(self) -> None:
         body = await self._kube.get_custom(names.POOL_PLURAL, self.namespace, self.name)
@@ -53,6 +56,7 @@ class PoolReconciler:
             await self._patch_pool(body, invalid_pool_status(self.name, body, Failure(exc.reason, str(exc))))
             return
         view, client = await self._fetch(body, pool)
+        self.observed_urls = dict(view.observation.urls)
         plan, self._memory = plan_pass(view, self._memory, time.time())
         results = await self._execute(plan, client, view)
         report = build_report(view, plan, results, self._memory)
@@ -69,7 +73,8 @@ class PoolReconciler:
         bodies = {a["metadata"]["name"]: a for a in await self._kube.list_custom(names.ADAPTER_PLURAL, self.namespace)
                   if (a.get("spec") or {}).get("pool") == self.name}
         tokens = await self._source_tokens(bodies.values())
-        client = EngineClient(self._session, await self._admin_token(pool), self._settings.engine_timeout_s)
+        self.admin_token = await self._admin_token(pool)
+        client = EngineClient(self._session, self.admin_token, self._settings.engine_timeout_s)
         observation = await observe_pool(self._kube, client, self.namespace, self.name)
         stored = None
         if self._memory.previous is None:  # the first pass: the published placement is the previous one

@@ -97,6 +97,17 @@ class Unavailable(ServiceError):
     type = "unavailable"
 
 
+class TooManyWatches(ServiceError):
+    """`GET /v1/models?changed_since=` while `max_watches` such waits are open already; retry later."""
+
+    type = "too_many_watches"
+
+    def __init__(self, max_watches: int) -> None:
+        super().__init__(f"{max_watches} waits for adapter changes are open already (the most this server keeps); "
+                         "retry later or list without changed_since", param="changed_since",
+                         headers={"Retry-After": "5"})
+
+
 class AdapterUnavailable(Unavailable):
     """The adapter's on-demand load failed; the next request for it retries the load."""
 

@@ -21,7 +21,8 @@ from aiohttp import web
 
 from kubelora.engine.common.errors import (
     AdapterChanged, AdapterError, AdapterExists, AdapterSourceError, AdapterUnavailable, AdapterUnloading, BadGateway,
-    InvalidRequest, ModelNotFound, PromptTooLong, QueueFull, ServiceError, Unauthorized, Unavailable, UnknownAdapter)
+    InvalidRequest, ModelNotFound, PromptTooLong, QueueFull, ServiceError, TooManyWatches, Unauthorized, Unavailable,
+    UnknownAdapter)
 
 log = logging.getLogger("kubelora.engine.http")
 
@@ -74,6 +75,7 @@ RULES: dict[type[ServiceError], HttpRule] = {
     AdapterExists: HttpRule(409, "conflict_error", param="lora_name"),
     AdapterChanged: HttpRule(409, "conflict_error", param="lora_path"),
     QueueFull: HttpRule(429, "rate_limit_error", headers=_retry_after),
+    TooManyWatches: HttpRule(429, "rate_limit_error"),
     Unavailable: HttpRule(503, "service_unavailable"),
     AdapterUnavailable: HttpRule(503, "adapter_unavailable", code="adapter_load_failed"),
     BadGateway: HttpRule(502, "upstream_error", code="replica_unreachable"),

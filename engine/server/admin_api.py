@@ -20,6 +20,7 @@ from aiohttp import web
 from kubelora.engine.common.errors import InvalidRequest, ModelNotFound, Unauthorized
 from kubelora.engine.common.logs import log_event
 from kubelora.engine.server.fields import parse_body
+from kubelora.engine.server.models_watch import ModelsWatch, adapter_set_tag, parse_wait_s
 from kubelora.engine.server.protocol import LoadAdapterRequest, parse_load_adapter, parse_unload_adapter
 from kubelora.engine.server.serving import Serving
 from kubelora.engine.server.source_text import redact_source, source_digest
@@ -66,6 +67,7 @@ class AdminRoutes:
     def __init__(self, get_serving: Callable[[], Serving], admin_token: str | None) -> None:
         self._serving = get_serving
         self._token = admin_token
+        self._watch = ModelsWatch()
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -99,7 +101,16 @@ class AdminRoutes:
         return cards
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": self.model_cards(request, self._serving())})
+        """The served models, tagged (`ETag`) by the adapter set; `?changed_since=<tag>[&wait_s=<s>]` waits until
+        the set differs from that tag (models_watch.py)."""
+        since = request.query.get("changed_since")
+        if since is not None:
+            self._require_admin(request)
+            await self._watch.wait_for_change(self._serving, since, parse_wait_s(request.query.get("wait_s")))
+        serving = self._serving()
+        tag = adapter_set_tag(serving)
+        return web.json_response({"object": "list", "data": self.model_cards(request, serving)},
+                                 headers={"ETag": f'"{tag}"'})
 
     async def model(self, request: web.Request) -> web.Response:
         """`GET /v1/models/{id}`: the base model's or one adapter's card; 404 model_not_found otherwise."""
