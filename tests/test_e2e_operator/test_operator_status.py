@@ -14,13 +14,14 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from pytest_cluster import wait_for
 
-from .test_operator_lifecycle import POOL, ready_engine_pods, served_adapters
+from .test_operator_lifecycle import POOL, admin_call, ready_engine_pods, served_adapters
 
 ADAPTER = """
 apiVersion: kubelora.io/v1alpha1
@@ -161,3 +162,17 @@ def test_status_tells_the_truth(operator_env, material, adapter_server, late_dir
     kubectl_wait(env, "loraadapter/x3", "Ready", timeout_s=30)
     assert not {"x1", "x2"} & set(served_adapters(ip))
     assert get(env, "lorapool", "pool1")["status"]["capacityShortage"]["numCopies"] == 0
+
+    # Out of band: an adapter unloaded by hand, behind the operator's back, is back within 5 s (the operator
+    # long-polls each pod's adapter set; its resync is 2 s in this test's manifest, so time the repair itself).
+    env.cluster.kubectl("set", "env", "-n", env.operator_namespace, "deployment/kubelora-operator",
+                        "KUBELORA_OPERATOR_RESYNC_S=300")
+    env.cluster.kubectl("rollout", "status", "-n", env.operator_namespace, "deployment/kubelora-operator",
+                        "--timeout=90s", timeout_s=100)
+    wait_for("a fresh operator's first passes", lambda: "a1" in served_adapters(ip), timeout_s=30)
+    time.sleep(3)  # its watchers are started after its first pass
+    admin_call(ip, "/v1/unload_lora_adapter", {"lora_name": "a1"})
+    started = time.monotonic()
+    wait_for("a1 repaired", lambda: served_adapters(ip).get("a1", {}).get("residency") in ("host", "device"),
+             timeout_s=30, interval_s=0.1)
+    assert time.monotonic() - started < 5
