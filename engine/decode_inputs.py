@@ -175,6 +175,14 @@ class DecodeInputs:
                                 ("block_tables", self.pad_slot // self.block_size)):
                 length = n * self.max_blocks if name == "block_tables" else n
                 self._put(name, [value] * length)
+            # LoRA regions: every tile empty, on the rank-0 pad slot.
+            self._put("sorted_tokens", [0] * n)
+            self._put("tiles", ([self.max_slots, 0, 0] + [0] * TILE_M) * self.max_tiles)
+            for kind, slices in self.kind_slices.items():
+                cells = (self.max_slots + 1) * slices
+                for region, length in ((f"{kind}.row_start", cells), (f"{kind}.rank", cells),
+                                       (f"{kind}.scale", (cells + 1) // 2)):
+                    self._put(region, [0] * length)
         self.device_buf.copy_(self.host_buf)
 
     def _put(self, name: str, values: list) -> None:

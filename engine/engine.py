@@ -30,7 +30,7 @@ from kubelora.engine.block_manager import BlockManager, BlockManagerConfig
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.detokenizer import Detokenizer
 from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
-from kubelora.engine.model.config import load_hf_config, model_config_from_hf, rope_inv_freq
+from kubelora.engine.model.config import PROJ_KINDS, load_hf_config, model_config_from_hf, rope_inv_freq
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.model.weights import ModelWeights, load_weights
@@ -46,6 +46,7 @@ from kubelora.engine.warmup import warm_up, warm_up_sizes
 
 log = logging.getLogger(__name__)
 
+MAX_GRAPH_SHAPES = 2  # adapter shapes whose LoRA decode graphs are captured ahead of their first step
 IDLE_STEP_SLEEP_S = 0.002  # an empty step (requests only wait for adapter loads) yields the CPU briefly
 
 
@@ -292,6 +293,37 @@ class LLMEngine:
         if len(prompt) >= self.max_model_len:
             raise PromptTooLong(len(prompt), self.max_model_len)
         return prompt
+
+    # ---- CUDA graphs for the registered adapters' shapes (engine thread, between steps) ----
+
+    def pending_graphs(self) -> list[tuple[int, object]]:
+        """LoRA decode graphs that steps over the registered adapters will need and that are not captured: for
+        the two most common adapter shapes (projection kinds, rank rounded to 16), `lora_graph_keys` of each."""
+        decoder = self._runner.decoder
+        if decoder is None:
+            return []
+        shapes: dict[tuple, int] = {}
+        for info in self.adapters.list():
+            kinds = tuple(k for k in PROJ_KINDS
+                          if any(info.ranks.get(m, 0) > 0 for m in self.model_config.kind_modules(k)))
+            if kinds:
+                shape = (kinds, -(-info.rank // 16) * 16)
+                shapes[shape] = shapes.get(shape, 0) + 1
+        common = sorted(shapes, key=lambda shape: -shapes[shape])[:MAX_GRAPH_SHAPES]
+        return [(bucket, key) for shape in common for bucket, key in decoder.lora_graph_keys(*shape)
+                if not decoder.has_graph(bucket, key)]
+
+    def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:
+        """Capture pending graphs for up to budget_s (one at least); True while some remain. Only while no step
+        is in flight: the engine thread calls it when it has no work."""
+        pending = self.pending_graphs()
+        started = time.perf_counter()
+        while pending and not self._has_work():
+            bucket, key = pending.pop()
+            self._runner.decoder.capture_idle(bucket, key)
+            if time.perf_counter() - started >= budget_s:
+                break
+        return bool(pending)
 
     # ---- observability ----
 

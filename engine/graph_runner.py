@@ -5,7 +5,9 @@ capture instead of every step. The captured forward reads its inputs from `Decod
 filled by one copy) and writes logits `[bucket, vocab]` float32 into a static output; sampling runs after
 the replay, outside the graph. Base-only steps replay graphs without any LoRA launch, captured at start-up
 for every bucket; a step with adapters replays the graph of its (bucket, LoRAKey), captured the first time
-that shape is seen (each a few hundred milliseconds at 7B) and kept. All graphs share one memory pool.
+that shape is seen (tens to hundreds of milliseconds at 7B) and kept. While the engine is idle it captures the
+graphs the registered adapters' shapes will need (`lora_graph_keys`, engine/engine.py), so the first requests
+after start-up or a load do not wait for captures. All graphs share one memory pool.
 
 Off CUDA (tests) the same static path runs eagerly: `StaticDecoder(..., use_graphs=False)`.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep, LoRAKey, lora_key
+from kubelora.engine.decode_inputs import TILE_M, DecodeInputs, DecodeStep, LoRAKey, lora_key
 from kubelora.engine.model.attention import DecodeMetadata
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
 
@@ -53,6 +55,24 @@ class StaticDecoder:
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def lora_graph_keys(self, kinds: tuple[str, ...], lanes: int) -> list[tuple[int, LoRAKey]]:
+        """The graphs steps over adapters of one shape (projection kinds, rank lanes) use most: per bucket, one
+        token per adapter, two, and as many as a tile holds."""
+        keys = []
+        for bucket in self.buckets:
+            top = 1 << (min(bucket, TILE_M) - 1).bit_length()
+            keys += [(bucket, LoRAKey(kinds, lanes, rows)) for rows in sorted({1, min(2, top), top})]
+        return keys
+
+    def has_graph(self, bucket: int, key: LoRAKey | None) -> bool:
+        return (bucket, key) in self._graphs
+
+    def capture_idle(self, bucket: int, key: LoRAKey) -> None:
+        """Capture one graph between steps (nothing in flight): over padding rows, so its warm-up forward
+        writes only the pad block."""
+        self.inputs.fill_padding()
+        self._graph(bucket, key)
 
     def capture_base(self) -> None:
         """Capture the base-model graph of every bucket, largest first (the pool then serves the smaller ones)."""
@@ -123,7 +143,9 @@ class StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: adapter loader threads may pin host memory meanwhile (a global capture forbids that to
+        # every thread); nothing but this thread launches device work.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(bucket, key)
         torch.cuda.synchronize(self.inputs.device)
         elapsed = time.perf_counter() - started

@@ -176,7 +176,9 @@ def _pending_tokens(batch: Batch, previous: LaunchedStep | None):
     if not rows:
         return None
     tokens = previous.sampled.tokens
-    index = torch.tensor([rows, sources], dtype=torch.int64).to(tokens.device)
+    index = torch.tensor([rows, sources], dtype=torch.int64)
+    if tokens.device.type == "cuda":  # a pageable copy would wait for the step in flight
+        index = index.pin_memory().to(tokens.device, non_blocking=True)
     return index[0], index[1], tokens
 
 

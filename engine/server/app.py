@@ -35,6 +35,7 @@ from kubelora.engine.server.tokenization import PromptTokenizer
 log = logging.getLogger("kubelora.engine.server")
 MAX_BODY_BYTES = 16 << 20
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+GRAPH_CAPTURE_TIMEOUT_S = 120.0  # start-up waits this long at most for the adapters' decode graphs
 
 
 def build_engine(config: EngineConfig):
@@ -91,9 +92,13 @@ class Lifecycle:
         try:
             for name, path in self.config.lora:
                 await serving.adapter_ops.load(name, _load_startup_adapter, serving, name, path)
+            # Each registered adapter shape's decode graphs, captured by the idle engine thread before /ready.
+            missing = await async_engine.wait_for_graphs(GRAPH_CAPTURE_TIMEOUT_S)
         except BaseException:
             await self._stop(serving)
             raise
+        if missing:
+            log_event(log, "graphs_not_captured", logging.WARNING, missing=missing, timeout_s=GRAPH_CAPTURE_TIMEOUT_S)
         # What start-up made (the model's modules, tokenizers, imported libraries: a million objects and more)
         # lives as long as the process; frozen, full garbage collections no longer walk it, so one that starts on
         # the event loop takes milliseconds instead of a few hundred (seen: 0.27 s during a 15 MiB body).

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
 
 log = logging.getLogger("kubelora.engine.server")
 IDLE_WAIT_S = 0.2  # the engine thread re-checks for shutdown this often while idle
+GRAPH_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,14 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kubelora-engine", daemon=True)
         self._thread.start()
 
+    async def wait_for_graphs(self, timeout_s: float) -> int:
+        """Wait (up to timeout_s) until the engine thread has captured the decode graphs the registered adapters
+        need (start-up: /ready waits for them); returns how many are still missing."""
+        deadline = time.monotonic() + timeout_s
+        while (pending := len(self._engine.pending_graphs())) and time.monotonic() < deadline and self.is_running:
+            await asyncio.sleep(GRAPH_POLL_S)
+        return pending
+
     async def stop(self) -> None:
         """Stop the engine thread; open requests see EngineStopped."""
         self._stopping.set()
@@ -133,8 +142,11 @@ class AsyncEngine:
     def _run(self) -> None:
         log_event(log, "engine_thread_started")
         try:
+            has_captures = True
             while not self._stopping.is_set():
-                if not self._engine.wait_for_work(IDLE_WAIT_S):
+                if not self._engine.wait_for_work(0.0 if has_captures else IDLE_WAIT_S):
+                    # Idle: capture the decode graphs the registered adapters will need, a bounded slice at a time.
+                    has_captures = self._engine.capture_pending_graphs()
                     continue
                 outputs = self._engine.step()
                 if outputs:

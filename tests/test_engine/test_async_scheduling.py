@@ -130,3 +130,16 @@ def test_steps_overlap_unless_a_request_needs_its_tokens(llama, extra, overlaps)
         llm.close()
     assert all(len(r.token_ids) == 6 for r in results)
     assert any(calls) is overlaps
+
+
+def test_overlapped_static_decode_steps_give_the_eager_tokens(llama, monkeypatch):
+    """The static decode path (what CUDA graphs replay) with pending tokens patched into its inputs."""
+    from kubelora.engine import setup
+
+    prompts = [make_prompt(i, 3 + i % 6) for i in range(20)]
+    adapters = [ADAPTER_CYCLE[i % len(ADAPTER_CYCLE)] for i in range(20)]
+    params = [greedy(8 + i % 5) for i in range(20)]
+    eager, _ = generate(llama, False, prompts, params, adapters)
+    monkeypatch.setattr(setup, "uses_static_decode", lambda config: True)
+    static, _ = generate(llama, True, prompts, params, adapters, max_num_seqs=32)
+    assert summary(static) == summary(eager)

@@ -134,3 +134,31 @@ def test_pool_budget_defaults(llama):
     assert setup.pool_rows(EngineConfig(model_dir="m", max_loras=3, max_lora_rank=8), model, torch.float32, cpu) == 24
     config = EngineConfig(model_dir="m", max_loras=3, max_lora_pool_bytes=10 * per_rank)
     assert setup.pool_rows(config, model, torch.float32, cpu) == 10
+
+
+def test_idle_capture_covers_the_registered_adapter_shapes(llama, monkeypatch):
+    """The idle engine lists the graphs steps over its adapters' two most common shapes need, captures them
+    between steps over padding rows (the KV cache outside the pad block stays as it was), then lists none."""
+    monkeypatch.setattr(setup, "uses_static_decode", lambda config: True)
+    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=16)
+    try:
+        engine = llm.engine
+        assert engine.pending_graphs() == []
+        for name in ("r4-qv", "r8-all", "r16-all-rs"):  # r8-all and r16-all-rs: one shape (every kind, 16 lanes)
+            llm.load_adapter(name, llama.adapters[name])
+        pending = engine.pending_graphs()
+        shapes = {(key.kinds, key.lanes) for _, key in pending}
+        assert shapes == {(("qkv", "o", "gate_up", "down"), 16), (("qkv",), 16)}
+        decoder = engine._runner.decoder
+        assert {b for b, _ in pending} == set(decoder.buckets)
+        assert {key.rows for b, key in pending if b == 16} == {1, 2, 16}
+        cache = engine._runner.model.kv_cache
+        pad = engine.num_kv_blocks
+        before = [k[:pad].clone() for k in cache.key]
+        rounds = 0
+        while engine.capture_pending_graphs(budget_s=0.0):  # one graph a call
+            rounds += 1
+        assert rounds == len(pending) - 1 and engine.pending_graphs() == []
+        assert all(torch.equal(b, k[:pad]) for b, k in zip(before, cache.key))
+    finally:
+        llm.close()
