@@ -10,6 +10,7 @@ only reads, calls, posts events and writes, and keeps the one `ReconcileMemory` 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 import aiohttp
 
 from kubelora.operator import names
-from kubelora.operator.builders import build_owner_reference, build_placement_configmap
+from kubelora.operator.builders import build_owner_reference, build_placement_configmap, build_pool_manifests
 from kubelora.operator.conditions import build_status_patch
 from kubelora.operator.decide import CallResult, Event, PassPlan, PoolView, StoredPlacement, plan_pass, record_result
 from kubelora.operator.engine_client import EngineClient, EngineError
@@ -45,6 +46,7 @@ class PoolReconciler:
         # What the last pass observed, for the pod watchers (watch.py): ready pods that answered, the admin token.
         self.observed_urls: dict[str, str] = {}
         self.admin_token: str | None = None
+        self._healed_at = time.monotonic()  # on_pool_spec applied them just now (create, update or resume)
 
     async def reconcile(self) -> None:
         body = await self._kube.get_custom(names.POOL_PLURAL, self.namespace, self.name)
@@ -66,6 +68,21 @@ class PoolReconciler:
             self._on_released(report.released)
         await self._patch_adapters(view.bodies, report)
         await self._patch_pool(body, report.pool_status)
+        if time.monotonic() - self._healed_at >= self._settings.resync_s:
+            await self._heal_owned(pool, body)
+
+    async def _heal_owned(self, pool: PoolSpec, body: dict) -> None:
+        """Re-apply what the pool owns, once per resync: a Deployment, Service, ServiceAccount, Role, RoleBinding
+        or placement ConfigMap someone deleted (or edited) comes back within one resync. Server-side apply of
+        unchanged objects writes nothing, and needs no RBAC beyond what creating them does (no list/watch)."""
+        self._healed_at = time.monotonic()
+        owner = build_owner_reference(body)
+        for manifest in build_pool_manifests(pool, owner, self._settings.images):
+            await self._kube.apply(manifest)
+        published = self._memory.published
+        if published is not None and published.payload:  # "" right after a restart: the next change writes it
+            payload = {**json.loads(published.payload), "revision": published.revision}
+            await self._kube.apply(build_placement_configmap(pool, owner, payload))
 
     # ---- fetch ----
 

@@ -301,3 +301,18 @@ async def test_hundreds_of_adapters_converge_in_one_run_then_cost_no_calls(world
     calls = sum(len(e.calls) for e in engines.values())
     await reconciler.reconcile()
     assert sum(len(e.calls) for e in engines.values()) == calls
+
+
+async def test_owned_objects_are_reapplied_once_per_resync(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    await reconciler.reconcile()
+    placement = kube.applied.pop("p-placement")  # someone deleted the placement ConfigMap, and the Services
+    kube.applied.clear()
+    await reconciler.reconcile()
+    assert kube.applied == {}  # within the resync: nothing is re-applied
+    reconciler._healed_at -= reconciler._settings.resync_s  # one resync later
+    await reconciler.reconcile()
+    assert {"p-engine", "p", "p-placement"} <= set(kube.applied)
+    assert kube.applied["p-placement"]["data"] == placement["data"]  # the same payload and revision
+    assert kube.applied["p-engine"]["kind"] in ("Deployment", "Service")
