@@ -90,6 +90,7 @@ def run_workload(llm, workload: Workload, device: str, is_tracked: bool = False,
     from kubelora.engine import SamplingParams
 
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
+    llm.capture_graphs()  # as LLM.generate does first
     engine = llm.engine
     order = [f"r{i}-{time.monotonic_ns()}" for i in range(len(workload.prompts))]
     pending = list(zip(order, workload.prompts, workload.adapters))[::-1]

@@ -125,7 +125,7 @@ class EngineRows:
         def body(llm) -> None:
             for batch in batches:
                 self._row(llm, f"base-b{batch}", f"base, batch {batch}", self.decode([], batch),
-                          is_profiled=batch == c.batch)
+                          is_profiled=batch in (1, c.batch))
             if c.has("prefill"):
                 self._row(llm, "prefill-base", f"prefill {c.prefill_prompts} x {c.prefill_len}, base",
                           self.prefill([]))

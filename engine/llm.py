@@ -33,6 +33,11 @@ class LLM:
     def unload_adapter(self, name: str) -> bool:
         return self.engine.adapters.unload(name)
 
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs the loaded adapters' shapes need (on CUDA; `generate` does it first, so
+        no capture stalls a batch midway)."""
+        self.engine.capture_pending_graphs(budget_s=float("inf"))  # all of them, unless requests are in flight
+
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.adapters.list()
 
@@ -50,6 +55,7 @@ class LLM:
 
     def _run(self, requests: list[tuple]) -> dict[str, RequestOutput]:
         """Feed requests as the waiting queue has room; step until every one has finished."""
+        self.capture_graphs()
         pending = list(reversed(requests))
         finals: dict[str, RequestOutput] = {}
         while pending or len(finals) < len(requests):
