@@ -163,6 +163,24 @@ def test_status_tells_the_truth(operator_env, material, adapter_server, late_dir
     assert not {"x1", "x2"} & set(served_adapters(ip))
     assert get(env, "lorapool", "pool1")["status"]["capacityShortage"]["numCopies"] == 0
 
+    # Objects the pool owns come back within a resync (2 s in this test's operator) when deleted.
+    owned = [("service", "pool1"), ("service", "pool1-engine"), ("configmap", "pool1-placement")]
+    uids = {(kind, name): get(env, kind, name)["metadata"]["uid"] for kind, name in owned}
+    env.cluster.kubectl("delete", "-n", env.namespace, *(f"{kind}/{name}" for kind, name in owned))
+
+    def recreated() -> bool:
+        found = env.cluster.kubectl("get", "-n", env.namespace, "-o", "json", *(f"{k}/{n}" for k, n in owned),
+                                    check=False)
+        if found.returncode != 0:
+            return False
+        items = json.loads(found.stdout).get("items") or []
+        return len(items) == 3 and all(i["metadata"]["uid"] != uids[(i["kind"].lower(), i["metadata"]["name"])]
+                                       for i in items)
+
+    wait_for("owned objects recreated", recreated, timeout_s=30)
+    placement = json.loads(get(env, "configmap", "pool1-placement")["data"]["placement.json"])
+    assert "x3" in placement["adapters"] and placement["revision"] > 1
+
     # Out of band: an adapter unloaded by hand, behind the operator's back, is back within 5 s (the operator
     # long-polls each pod's adapter set; its resync is 2 s in this test's manifest, so time the repair itself).
     env.cluster.kubectl("set", "env", "-n", env.operator_namespace, "deployment/kubelora-operator",
