@@ -310,8 +310,9 @@ class LLMEngine:
                 shape = (kinds, -(-info.rank // 16) * 16)
                 shapes[shape] = shapes.get(shape, 0) + 1
         common = sorted(shapes, key=lambda shape: -shapes[shape])[:MAX_GRAPH_SHAPES]
-        return [(bucket, key) for shape in common for bucket, key in decoder.lora_graph_keys(*shape)
-                if not decoder.has_graph(bucket, key)]
+        wanted = [graph for shape in common for graph in decoder.lora_graph_keys(*shape)]
+        decoder.pinned = decoder.pinned & frozenset(wanted)  # shapes no longer common go back to the LRU
+        return [(bucket, key) for bucket, key in wanted if not decoder.has_graph(bucket, key)]
 
     def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:
         """Capture pending graphs for up to budget_s (one at least); True while some remain. Only while no step

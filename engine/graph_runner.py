@@ -25,7 +25,7 @@ from kubelora.engine.model.attention import DecodeMetadata
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
 
 log = logging.getLogger(__name__)
-MAX_LORA_GRAPHS = 64  # captured (bucket, LoRAKey) graphs kept; the least recently used beyond are dropped
+MAX_LORA_GRAPHS = 64  # graphs captured on first use kept; the least recently used beyond are dropped
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -50,6 +50,9 @@ class StaticDecoder:
         self.buckets = decode_buckets(inputs.max_seqs)
         self._graphs: dict[tuple[int, LoRAKey | None], _Graph] = {}
         self._pool = None
+        # Graphs captured ahead for the registered adapters' shapes: out of the LRU bound (else the two would
+        # take turns evicting and capturing each other's graphs).
+        self.pinned: frozenset[tuple[int, LoRAKey]] = frozenset()
         self.num_captures = 0
         self.capture_seconds = 0.0
 
@@ -70,9 +73,10 @@ class StaticDecoder:
 
     def capture_idle(self, bucket: int, key: LoRAKey) -> None:
         """Capture one graph between steps (nothing in flight): over padding rows, so its warm-up forward
-        writes only the pad block."""
+        writes only the pad block. It stays while its shape is among the registered adapters' (`pinned`)."""
         self.inputs.fill_padding()
         self._graph(bucket, key)
+        self.pinned = self.pinned | {(bucket, key)}
 
     def capture_base(self) -> None:
         """Capture the base-model graph of every bucket, largest first (the pool then serves the smaller ones)."""
@@ -127,9 +131,9 @@ class StaticDecoder:
         else:
             entry = self._capture(bucket, key)
         self._graphs[(bucket, key)] = entry
-        lora_graphs = [k for k in self._graphs if k[1] is not None]
-        if len(lora_graphs) > MAX_LORA_GRAPHS:
-            del self._graphs[lora_graphs[0]]
+        evictable = [k for k in self._graphs if k[1] is not None and k not in self.pinned]
+        if len(evictable) > MAX_LORA_GRAPHS:
+            del self._graphs[evictable[0]]
         return entry
 
     @torch.inference_mode()

@@ -140,6 +140,8 @@ class Scheduler:
             self._drop_empty(seq.fairness_key)
         else:
             self._running.remove(seq)
+            if not self._is_active(seq.fairness_key):  # its counter must not outlive it (a later burst of it
+                self._fair.forget(self._active_keys())  # would wait behind everyone for its earlier tokens)
         seq.status, seq.error = status, error
         self._blocks.free(seq.request_id)
         self._seqs.pop(seq.request_id, None)

@@ -366,3 +366,22 @@ def test_paused_requests_holding_every_kv_block_do_not_deadlock():
     _first_token_steps(scheduler, seqs)
     assert all(len(s.output_token_ids) == 12 for s in seqs)
     assert scheduler.num_pauses > 0 and scheduler.num_preemptions > 0
+
+
+def test_an_adapter_that_went_idle_does_not_keep_its_old_counter():
+    """Fairness counters belong to active keys: once an adapter's last request finishes, its next burst starts
+    level with the others instead of waiting until they have caught up with its earlier tokens."""
+    scheduler = make_scheduler(max_loras=1, max_num_seqs=4)
+    for i in range(12):
+        scheduler.add(make_seq(f"a{i}", "a", max_tokens=16))
+    run_until_done(scheduler)
+    for i in range(40):
+        scheduler.add(make_seq(f"b{i}", "b", max_tokens=4))
+    late = make_seq("a-late", "a", max_tokens=4)
+    scheduler.add(late)
+    step = 0
+    while not late.output_token_ids:
+        run_step(scheduler)
+        step += 1
+        assert step < 200
+    assert step <= 2 * (4 + 1)  # behind b's first group at most (its requests' lifetime), not its whole burst

@@ -162,3 +162,25 @@ def test_idle_capture_covers_the_registered_adapter_shapes(llama, monkeypatch):
         assert all(torch.equal(b, k[:pad]) for b, k in zip(before, cache.key))
     finally:
         llm.close()
+
+
+def test_graphs_captured_ahead_stay_beside_the_lru(llama, monkeypatch):
+    """Graphs captured for the adapters' shapes are not evicted by graphs captured on first use."""
+    from kubelora.engine import graph_runner
+    from kubelora.engine.decode_inputs import LoRAKey
+
+    monkeypatch.setattr(setup, "uses_static_decode", lambda config: True)
+    monkeypatch.setattr(graph_runner, "MAX_LORA_GRAPHS", 2)
+    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=4)
+    try:
+        llm.load_adapter("r4-qv", llama.adapters["r4-qv"])
+        llm.capture_graphs()
+        decoder = llm.engine._runner.decoder
+        ahead = set(decoder.pinned)
+        assert ahead and not llm.engine.pending_graphs()
+        for lanes in (32, 48, 64):  # three more shapes, on first use: the LRU keeps two of them
+            decoder._graph(1, LoRAKey(("o",), lanes, 1))
+        assert all(decoder.has_graph(*graph) for graph in ahead) and not llm.engine.pending_graphs()
+        assert not decoder.has_graph(1, LoRAKey(("o",), 32, 1)) and decoder.has_graph(1, LoRAKey(("o",), 64, 1))
+    finally:
+        llm.close()
