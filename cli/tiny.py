@@ -139,7 +139,15 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **s
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     _pin_chat_template(out)
+    _make_world_readable(out)
     return out
+
+
+def _make_world_readable(out: Path) -> None:
+    """safetensors writes its files 0600; the images run as uid 65532 (issue 17), and a model or adapter mounted
+    into a pod must be readable by it."""
+    for path in (out, *out.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _pin_chat_template(out: Path) -> None:
@@ -189,4 +197,5 @@ def make_adapter(
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator) / rank**0.5)
     out = Path(out_dir)
     model.save_pretrained(out)
+    _make_world_readable(out)
     return out

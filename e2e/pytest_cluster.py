@@ -7,6 +7,7 @@ already up before the session (then it is left as found).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -78,6 +79,16 @@ def run_cluster(command: str, timeout_s: float | None = None) -> subprocess.Comp
                           stdout=subprocess.PIPE, timeout=timeout_s)
 
 
+@functools.cache  # once per session: every test folder's conftest imports the cluster fixture
+def ensure_images() -> None:
+    """Pods run the images of this checkout: `make images` (a second or so when nothing changed, minutes after
+    a code change; its progress goes to stderr), so that a direct pytest run never tests stale images."""
+    started = time.monotonic()
+    built = subprocess.run(["bash", str(E2E_DIR.parent / "images" / "build.sh")], stdout=sys.stderr)
+    assert built.returncode == 0, "images/build.sh failed (see its output above)"
+    print(f"[cluster] images checked/built in {time.monotonic() - started:.1f}s", file=sys.stderr)
+
+
 def leftovers() -> list[str]:
     """Anything of the cluster still on the machine after `down`."""
     found = [f"netns {name}" for name in network.list_netns()
@@ -94,6 +105,7 @@ def cluster() -> Iterator[LocalCluster]:
     if shutil.which("ip") is None or shutil.which("openssl") is None:
         pytest.fail("the local cluster needs iproute2 and openssl "
                     "(apt-get install iproute2 openssl)")
+    ensure_images()
     was_up = run_cluster("status").returncode == 0
     started = time.monotonic()
     up = run_cluster("up")

@@ -35,6 +35,9 @@ if ((${#missing[@]})); then
 fi
 
 mkdir -p "$cache/config" "$out"
+# One build at a time per cache (test sessions call this too: e2e/pytest_cluster.py): they share the archives.
+exec 9>"$cache/build.lock"
+flock 9
 cat >"$cache/config/containers.conf" <<'CONF'
 [containers]
 default_ulimits = []
@@ -110,5 +113,9 @@ for name in "${names[@]}"; do
   mv "$out/$name.tar.partial" "$out/$name.tar"  # never a half-written archive under the name the kubelet reads
   echo "$inputs" >"$out/$name.inputs"
   size="$("${podman[@]}" image inspect --format '{{.Size}}' "$tag")"
+  # The archive is the product: with vfs the store would hold another full copy (6 GB for the engine).
+  # `podman load -i build/images/<name>.tar` brings it back, e.g. to push it.
+  "${podman[@]}" rmi "$tag" >/dev/null
   say "$name: $((size / 1000000)) MB image, $(($(stat -c %s "$out/$name.tar") / 1000000)) MB archive, $((SECONDS - start)) s"
 done
+"${podman[@]}" image prune -f >/dev/null  # untagged leftovers of earlier builds

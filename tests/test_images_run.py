@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "e2e"))
 
 from localkubelet import runtime  # noqa: E402
+from pytest_cluster import ensure_images  # noqa: E402
 from localkubelet.imagestore import Image, ImageStore  # noqa: E402
 
-VERSION = "0.1.0"
+from kubelora.operator.settings import VERSION  # noqa: E402  (the images' tag)
 CHART_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                   "capabilities": {"drop": ["ALL"]}}
 POD_SECURITY = {"runAsNonRoot": True}
@@ -35,15 +36,13 @@ POD_SECURITY = {"runAsNonRoot": True}
 
 @pytest.fixture(scope="module")
 def store() -> ImageStore:
+    ensure_images()
     cache = Path(os.environ.get("KUBELORA_CACHE", Path.home() / ".cache" / "kubelora")) / "images"
     return ImageStore((ROOT / "build" / "images",), cache)
 
 
 def image(store: ImageStore, name: str) -> Image:
-    try:
-        return store.get(f"localhost/{name}:{VERSION}")
-    except Exception as error:  # noqa: BLE001 - the message says what to run
-        pytest.fail(f"{error}: build the images first (make images)")
+    return store.get(f"localhost/{name}:{VERSION}")
 
 
 @contextmanager
@@ -132,9 +131,7 @@ def test_router_image_answers_health(store: ImageStore, tmp_path: Path) -> None:
 def test_engine_image_serves_a_tiny_model_on_the_cpu(store: ImageStore, tmp_path: Path) -> None:
     from kubelora.cli.tiny import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model")
-    for path in (model, *model.rglob("*")):
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    model = make_tiny_model(tmp_path / "model")  # world-readable: the engine runs as uid 65532
     port = free_port()
     mounts = (runtime.ContainerMount(model, "/models/tiny", True),)
     args = ["kubelora", "engine", "serve", "--model", "/models/tiny", "--device", "cpu", "--max-model-len", "128",

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import signal
+import subprocess
 import sys
 import time
-from pathlib import Path
 
 from . import apicheck, build, components, network, pki, procs
 from .config import ClusterConfig, default_config
@@ -76,31 +75,20 @@ def down(cfg: ClusterConfig) -> int:
 
 
 def clean_up(cfg: ClusterConfig) -> None:
-    """Remove everything but the daemons: containers, pod networking, mountpoints, state."""
-    kill_leftover_containers(cfg.state_dir / "kubelet")
+    """Remove everything but the daemons: containers, pod networking, state."""
+    kill_leftover_containers()
     network.remove_pod_networking()
-    remove_created_mountpoints(cfg.state_dir / "kubelet" / "mountpoints.txt")
     shutil.rmtree(cfg.state_dir, ignore_errors=True)
 
 
-def kill_leftover_containers(kubelet_dir: Path) -> None:
-    """Containers whose kubelet died (or that ran with hostNetwork) still have pid files."""
-    for pid_file in kubelet_dir.glob("pods/*/containers/*.pid"):
-        try:
-            procs.signal_group(int(pid_file.read_text().split()[0]), signal.SIGKILL)
-        except (ValueError, OSError):
-            pass
-
-
-def remove_created_mountpoints(record: Path) -> None:
-    """The kubelet made these empty directories on the host to bind-mount volumes onto."""
-    if not record.exists():
+def kill_leftover_containers() -> None:
+    """runc containers whose kubelet died (their ids start with their pod's namespace name, `klr-`)."""
+    if shutil.which("runc") is None:
         return
-    for line in sorted(set(record.read_text().splitlines()), key=len, reverse=True):
-        try:
-            Path(line).rmdir()
-        except OSError:
-            pass  # not empty or already gone: never delete content we did not create
+    listed = subprocess.run(["runc", "list", "-q"], capture_output=True, text=True).stdout
+    for container_id in listed.split():
+        if container_id.startswith("klr-"):
+            subprocess.run(["runc", "delete", "--force", container_id], capture_output=True)
 
 
 def status(cfg: ClusterConfig) -> int:

@@ -1,7 +1,6 @@
 """Command lines and kubeconfigs of etcd, the control plane and the local kubelet."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -124,15 +123,9 @@ def build_kubelet(cfg: ClusterConfig, net: ClusterNetwork) -> Daemon:
         f"--serving-cert={pki / 'kubelet-serving.crt'}",
         f"--serving-key={pki / 'kubelet-serving.key'}",
         f"--root-dir={cfg.state_dir / 'kubelet'}", f"--num-fake-gpus={cfg.num_fake_gpus}",
-        f"--python-env={python_env()}", *image_args(),
+        # Pods run the images `make images` left in build/images, unpacked into the cache once each.
+        f"--image-dir={REPO_DIR / 'build' / 'images'}", f"--image-cache-dir={cache_root() / 'images'}",
     ), env=(("PYTHONPATH", str(E2E_DIR)),))
-
-
-def image_args() -> tuple[str, ...]:
-    """Pods run the images `make images` left in build/images, unpacked into the cache once each."""
-    if os.environ.get("KUBELORA_LOCAL_IMAGES") != "1":
-        return ()
-    return (f"--image-dir={REPO_DIR / 'build' / 'images'}", f"--image-cache-dir={cache_root() / 'images'}")
 
 
 def build_provisioner(cfg: ClusterConfig, server: str) -> Daemon:
@@ -145,8 +138,3 @@ def build_provisioner(cfg: ClusterConfig, server: str) -> Daemon:
         f"--client-key={pki / 'admin.key'}", f"--root-dir={cfg.state_dir / 'volumes'}",
     ), env=(("PYTHONPATH", str(E2E_DIR)),))
 
-
-def python_env() -> Path:
-    """The environment pods run in: the project venv when present, else this Python's."""
-    venv = REPO_DIR / ".venv"
-    return venv if (venv / "bin" / "python").exists() else Path(sys.prefix)

@@ -43,11 +43,9 @@ def main() -> None:
     cfg = parse_args()
     api = ApiClient(cfg.apiserver, cfg.identity)
     remove_stale_namespaces()
-    images = None
-    if cfg.image_dirs:
-        remove_stale_containers()
-        images = ImageStore(cfg.image_dirs, cfg.image_cache_dir)
-        images.prune()
+    remove_stale_containers()
+    images = ImageStore(cfg.image_dirs, cfg.image_cache_dir)
+    images.prune()
     cfg.pods_dir.mkdir(parents=True, exist_ok=True)
     node = NodeAgent(cfg, api)
     node.register()

@@ -21,12 +21,10 @@ class KubeletConfig:
     serving_cert: str
     serving_key: str
     root_dir: Path
-    python_env: Path
     num_fake_gpus: int
-    # Image archives (`make images`: build/images). Given: every container runs from its image with runc;
-    # none: containers run as processes of python_env.
-    image_dirs: tuple[Path, ...] = ()
-    image_cache_dir: Path = Path("/var/cache/kubelora/images")
+    # Directories of image archives (`make images`: build/images); containers run from them with runc.
+    image_dirs: tuple[Path, ...]
+    image_cache_dir: Path
     sync_period_s: float = 1.0
     heartbeat_period_s: float = 10.0
     lease_duration_s: int = 40
@@ -41,6 +39,8 @@ class KubeletConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.num_fake_gpus < 0:
             raise ValueError(f"num_fake_gpus must be >= 0, got {self.num_fake_gpus}")
+        if not self.image_dirs:
+            raise ValueError("image_dirs: give at least one directory of image archives")
         if not 0 < self.restart_backoff_base_s <= self.restart_backoff_max_s:
             raise ValueError("restart_backoff_base_s must be in (0, restart_backoff_max_s]")
 
@@ -48,30 +48,23 @@ class KubeletConfig:
     def pods_dir(self) -> Path:
         return self.root_dir / "pods"
 
-    @property
-    def mountpoints_record(self) -> Path:
-        """Host directories created as bind-mount targets; `cluster down` removes them."""
-        return self.root_dir / "mountpoints.txt"
-
 
 def parse_args(argv: list[str] | None = None) -> KubeletConfig:
     parser = argparse.ArgumentParser(prog="localkubelet")
     for flag in ("node-name", "node-ip", "pod-cidr", "apiserver", "ca", "client-cert",
-                 "client-key", "serving-cert", "serving-key", "root-dir", "python-env"):
+                 "client-key", "serving-cert", "serving-key", "root-dir", "image-cache-dir"):
         parser.add_argument(f"--{flag}", required=True)
     parser.add_argument("--port", type=int, default=10250)
     parser.add_argument("--num-fake-gpus", type=int, default=0)
-    parser.add_argument("--image-dir", action="append", default=[],
+    parser.add_argument("--image-dir", action="append", required=True,
                         help="a directory of image archives (*.tar); repeatable")
-    parser.add_argument("--image-cache-dir", default="/var/cache/kubelora/images",
-                        help="where images are unpacked, once each")
     args = parser.parse_args(argv)
     return KubeletConfig(
         node_name=args.node_name, node_ip=args.node_ip, pod_cidr=args.pod_cidr, port=args.port,
         apiserver=args.apiserver, apiserver_port=int(args.apiserver.rsplit(":", 1)[1]),
         identity=TlsIdentity(args.ca, args.client_cert, args.client_key),
         serving_cert=args.serving_cert, serving_key=args.serving_key,
-        root_dir=Path(args.root_dir), python_env=Path(args.python_env),
+        root_dir=Path(args.root_dir),
         num_fake_gpus=args.num_fake_gpus, image_dirs=tuple(Path(d) for d in args.image_dir),
         image_cache_dir=Path(args.image_cache_dir),
     )

@@ -45,7 +45,7 @@ class ContainerRunner:
         self.last_termination: Termination | None = None
         self.waiting = ("ContainerCreating", "")
         self._process: subprocess.Popen | None = None
-        self._container_id: str | None = None
+        self._container_id = ""
         self._started_at = ""
         self._started_mono = 0.0
         self._next_start_at = 0.0
@@ -73,12 +73,12 @@ class ContainerRunner:
 
     @property
     def container_id(self) -> str | None:
-        """runc's id of the running attempt; None for a host process or when not running."""
+        """runc's id of the running attempt; None when not running."""
         return self._container_id if self._process else None
 
     @property
     def pid_file(self) -> Path:
-        """The host pid of the container's main process: runc writes it (--pid-file), else the kubelet."""
+        """The host pid of the container's main process; runc writes it (--pid-file)."""
         return self._pid_file
 
     def log_path(self, attempt: int) -> Path:
@@ -89,8 +89,6 @@ class ContainerRunner:
         self._process = start_process(launch)
         self._container_id = launch.container_id
         self._started_at, self._started_mono = now_rfc3339(), time.monotonic()
-        if launch.container_id is None:
-            self._pid_file.write_text(f"{self._process.pid}\n")
         self._probes = self._build_probes()
         self.waiting = ("", "")
 
@@ -133,9 +131,8 @@ class ContainerRunner:
     def _kill_container(self) -> None:
         """The container's processes are not in runc's session: runc kills them (and forgets the state
         `runc run` leaves behind when it is killed itself)."""
-        if self._container_id is not None:
-            for command in build_kill_commands(self._container_id):
-                subprocess.run(command, capture_output=True, timeout=30)
+        for command in build_kill_commands(self._container_id):
+            subprocess.run(command, capture_output=True, timeout=30)
 
     def _record_exit(self, returncode: int, reason: str) -> Termination:
         exit_code = 128 - returncode if returncode < 0 else returncode

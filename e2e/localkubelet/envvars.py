@@ -5,13 +5,11 @@ import base64
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from .apiclient import ApiClient, ApiError
 from .fieldref import resolve_field_ref
 
 VAR_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
-SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class EnvError(Exception):
@@ -25,7 +23,6 @@ class PodEnvContext:
     pod_ip: str
     host_ip: str
     apiserver_port: int
-    python_env: Path | None  # None: containers run from their images
 
     @property
     def namespace(self) -> str:
@@ -51,12 +48,7 @@ def build_base_env(ctx: PodEnvContext) -> dict[str, str]:
     node address: ClusterIPs are not routed (no kube-proxy, docs/cluster.md).
     PYTHONUNBUFFERED makes `kubectl logs` show Python output as it happens."""
     port = str(ctx.apiserver_port)
-    # A container from an image has the image's PATH and a HOME for its user (runtime.py); a host process
-    # runs in this machine's Python environment.
-    host_process = {"PATH": f"{ctx.python_env / 'bin'}:{SYSTEM_PATH}", "VIRTUAL_ENV": str(ctx.python_env),
-                    "HOME": "/root"} if ctx.python_env else {}
     return {
-        **host_process,
         "HOSTNAME": ctx.pod["metadata"]["name"],
         "PYTHONUNBUFFERED": "1",
         "KUBERNETES_SERVICE_HOST": ctx.host_ip,

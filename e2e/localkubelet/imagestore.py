@@ -104,7 +104,9 @@ def unpack_layer(outer: tarfile.TarFile, name: str, rootfs: Path) -> None:
 
 def apply_whiteouts(layer: tarfile.TarFile, rootfs: Path) -> None:
     for member in layer.getmembers():
-        path = PurePosixPath(member.name.lstrip("./") or ".")
+        path = PurePosixPath(member.name.removeprefix("./").lstrip("/") or ".")  # `.wh.` names start with a dot
+        if ".." in path.parts:
+            raise ImageError(f"layer member {member.name!r} leaves the rootfs")
         if path.name == OPAQUE:
             target = rootfs / path.parent
             for child in target.iterdir() if target.is_dir() else ():

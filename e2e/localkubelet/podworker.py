@@ -17,10 +17,10 @@ from .container import Backoff, ContainerRunner, Termination
 from .envvars import EnvError, PodEnvContext, build_env, expand
 from .images import UnknownEntrypoint, build_argv
 from .imagestore import ImageError, ImageStore
-from .launch import HostProcess, LaunchSpec, build_host_command, build_mounts, ensure_mountpoints
+from .launch import LaunchSpec, build_mounts
 from .probes import ProbeTarget
-from .runtime import (DEFAULT_PATH, Bundle, ContainerMount, SecurityError, build_command, build_config, build_exec_command,
-                      resolve_user, write_bundle)
+from .runtime import (DEFAULT_PATH, Bundle, ContainerMount, SecurityError, build_command, build_config,
+                      build_exec_command, resolve_user, write_bundle)
 from .status import ConditionClock, PodPhase, PodView, build_pod_status
 from .timeutil import now_rfc3339
 from .volumes import VolumeContext, VolumeError, prepare_volumes
@@ -35,7 +35,7 @@ class WorkerDeps:
     cfg: KubeletConfig
     api: ApiClient
     ips: network.IpAllocator
-    images: ImageStore | None  # None: containers run as host processes (no image archives given)
+    images: ImageStore
 
 
 class PodWorker(threading.Thread):
@@ -176,28 +176,16 @@ class PodWorker(threading.Thread):
             runner.mark_waiting("CreateContainerConfigError", str(error), RETRY_S)
 
     def _build_launch(self, runner: ContainerRunner) -> LaunchSpec:
-        cfg = self._deps.cfg
-        python_env = None if self._deps.images else cfg.python_env
-        env = build_env(PodEnvContext(self._deps.api, self.pod, self._pod_ip, cfg.node_ip,
-                                      cfg.apiserver_port, python_env), runner.spec)
-        mounts = build_mounts(runner.spec, self._volume_paths)
-        log_path = runner.log_path(runner.restart_count)
-        if self._deps.images:
-            return self._build_image_launch(runner, self._deps.images, env, mounts, log_path)
-        argv = tuple(expand(arg, env) for arg in build_argv(runner.spec))
-        ensure_mountpoints(mounts, cfg.mountpoints_record)
-        process = HostProcess(argv, self._netns, mounts, runner.spec.get("workingDir", "/"))
-        return LaunchSpec(build_host_command(process), tuple(env.items()), log_path)
-
-    def _build_image_launch(self, runner: ContainerRunner, images: ImageStore, env: dict[str, str],
-                            mounts: tuple, log_path) -> LaunchSpec:
         """The container from its image, with runc: image env under the pod's, the image's user unless the
         securityContext says otherwise, volumes as bind mounts."""
-        image = images.get(runner.spec.get("image", ""))
+        cfg = self._deps.cfg
+        env = build_env(PodEnvContext(self._deps.api, self.pod, self._pod_ip, cfg.node_ip,
+                                      cfg.apiserver_port), runner.spec)
+        image = self._deps.images.get(runner.spec.get("image", ""))
         user = resolve_user(self.pod["spec"], runner.spec, image)
         env = {"PATH": DEFAULT_PATH, **dict(image.config.env), "HOME": "/root" if user.uid == 0 else "/", **env}
         argv = tuple(expand(arg, env) for arg in build_argv(runner.spec, image.config))
-        binds = tuple(ContainerMount(m.source, str(m.target), m.is_read_only) for m in mounts)
+        binds = build_mounts(runner.spec, self._volume_paths)
         if self._netns:  # a real kubelet's /etc/hosts: the pod's name at its IP
             binds += (ContainerMount(self._write_hosts_file(), "/etc/hosts", True),)
         container_id = f"{network.netns_name(self.uid)}-{runner.name}-{runner.restart_count}"
@@ -207,7 +195,8 @@ class PodWorker(threading.Thread):
                               runner.spec.get("securityContext") or {})
         write_bundle(bundle, config)
         command = build_command(bundle, image, runner.pid_file)
-        return LaunchSpec(tuple(command), (("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),), log_path, container_id)
+        return LaunchSpec(tuple(command), (("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),),
+                          runner.log_path(runner.restart_count), container_id)
 
     def _write_hosts_file(self) -> Path:
         path = self._pod_dir / "etc-hosts"
@@ -217,14 +206,12 @@ class PodWorker(threading.Thread):
 
     @staticmethod
     def _container_target(runner: ContainerRunner, target: ProbeTarget) -> ProbeTarget:
-        container_id = runner.container_id
-        return replace(target, exec_prefix=tuple(build_exec_command(container_id, []))) if container_id \
-            else target
+        return replace(target, exec_prefix=tuple(build_exec_command(runner.container_id or "", [])))
 
     def _probe_target(self) -> ProbeTarget:
         ports = {p["name"]: p["containerPort"] for c in self.runners
                  for p in c.spec.get("ports", []) if p.get("name")}
-        return ProbeTarget(self._pod_ip, self._netns, ports, {"PATH": "/usr/sbin:/usr/bin:/bin"})
+        return ProbeTarget(self._pod_ip, ports, {"PATH": "/usr/sbin:/usr/bin:/bin"})
 
     # -- status ------------------------------------------------------------------------------
     def _phase(self) -> PodPhase:

@@ -61,7 +61,6 @@ class ProbeState:
 @dataclass(frozen=True)
 class ProbeTarget:
     pod_ip: str
-    netns: str | None
     ports: dict[str, int]   # named container ports
     env: dict[str, str]
     exec_prefix: tuple[str, ...] = ()  # runs an exec probe in the container (runc exec <id>)
@@ -106,7 +105,6 @@ def probe_tcp(action: dict, target: ProbeTarget, timeout_s: float) -> bool:
 
 
 def probe_exec(action: dict, target: ProbeTarget, timeout_s: float) -> bool:
-    prefix = list(target.exec_prefix) or (["ip", "netns", "exec", target.netns] if target.netns else [])
-    result = subprocess.run([*prefix, *action["command"]], env=target.env, timeout=timeout_s,
+    result = subprocess.run([*target.exec_prefix, *action["command"]], env=target.env, timeout=timeout_s,
                             capture_output=True)
     return result.returncode == 0

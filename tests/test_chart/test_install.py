@@ -17,8 +17,7 @@ from pytest_cluster import wait_for
 from .conftest import CHART, run_helm
 
 CRDS = ("lorapools.kubelora.io", "loraadapters.kubelora.io")
-# The local kubelet knows an image as this project's by its last path component starting with "kubelora"
-# (e2e/localkubelet/images.py), so the chart's default `kubelora/operator` is renamed for this cluster.
+# The image `make images` builds; the local kubelet runs it from build/images (docs/cluster.md).
 LOCAL_IMAGE = "kubelora-operator"
 PROBE_POOL = """
 apiVersion: kubelora.io/v1alpha1

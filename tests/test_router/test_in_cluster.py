@@ -15,6 +15,11 @@ import uuid
 
 from pytest_cluster import wait_for
 
+from kubelora.operator.settings import VERSION
+
+# The image make images builds; its venv's python has aiohttp, so the fake engine runs on it too.
+ROUTER_IMAGE = f"kubelora-router:{VERSION}"
+
 FAKE_ENGINE = """
 import os
 from aiohttp import web
@@ -37,7 +42,7 @@ def _manifests(namespace: str) -> list[dict]:
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "fake-engine", **meta},
          "data": {"engine.py": FAKE_ENGINE}},
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "demo-engine-0", **meta},
-         "spec": {"containers": [{"name": "engine", "image": "python:3.11", "command": ["python", "/app/engine.py"],
+         "spec": {"containers": [{"name": "engine", "image": ROUTER_IMAGE, "command": ["python3", "/app/engine.py"],
                                   "env": [pod_name], "volumeMounts": [{"name": "app", "mountPath": "/app"}],
                                   "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1}}],
                   "volumes": [{"name": "app", "configMap": {"name": "fake-engine"}}]}},
@@ -55,7 +60,7 @@ def _manifests(namespace: str) -> list[dict]:
 def _router_pod(namespace: str) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "demo-router", "namespace": namespace},
             "spec": {"serviceAccountName": "demo-router",
-                     "containers": [{"name": "router", "image": "kubelora-router:dev", "args": ["router"],
+                     "containers": [{"name": "router", "image": ROUTER_IMAGE, "args": ["router"],
                                      "env": [{"name": "KUBELORA_ROUTER_POOL", "value": "demo"},
                                              {"name": "KUBELORA_ROUTER_POLL_INTERVAL", "value": "0.5"}],
                                      "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080},
