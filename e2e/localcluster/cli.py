@@ -51,6 +51,9 @@ def up(cfg: ClusterConfig) -> int:
                         lambda: apicheck.namespace_is_usable(server, "default", context),
                         cfg.ready_timeout_s)
     build.log(f"cluster up in {time.monotonic() - started:.1f}s; kubectl: {bin_dir / 'kubectl'}")
+    if not any(components.IMAGE_DIR.glob("*.tar")):
+        build.log(f"no image archives in {components.IMAGE_DIR}: pods will wait with ErrImageNeverPull "
+                  "until `make images` has built them")
     print(cfg.kubeconfig)
     return 0
 

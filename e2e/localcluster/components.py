@@ -8,6 +8,8 @@ from .config import E2E_DIR, REPO_DIR, ClusterConfig, cache_root
 from .network import ClusterNetwork
 from .procs import Daemon
 
+IMAGE_DIR = REPO_DIR / "build" / "images"  # what `make images` writes
+
 
 def apiserver_url(cfg: ClusterConfig, net: ClusterNetwork) -> str:
     return f"https://{net.bridge_ip}:{cfg.apiserver_port}"
@@ -124,7 +126,7 @@ def build_kubelet(cfg: ClusterConfig, net: ClusterNetwork) -> Daemon:
         f"--serving-key={pki / 'kubelet-serving.key'}",
         f"--root-dir={cfg.state_dir / 'kubelet'}", f"--num-fake-gpus={cfg.num_fake_gpus}",
         # Pods run the images `make images` left in build/images, unpacked into the cache once each.
-        f"--image-dir={REPO_DIR / 'build' / 'images'}", f"--image-cache-dir={cache_root() / 'images'}",
+        f"--image-dir={IMAGE_DIR}", f"--image-cache-dir={cache_root() / 'images'}",
     ), env=(("PYTHONPATH", str(E2E_DIR)),))
 
 
