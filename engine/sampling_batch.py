@@ -151,7 +151,7 @@ def _banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
     p, output = seq.params, seq.output_token_ids
     banned = [w[-1] for w in p.bad_words_token_ids
               if len(w) == 1 or (len(output) >= len(w) - 1 and tuple(output[len(output) - len(w) + 1:]) == w[:-1])]
-    if seq.num_output_tokens < p.min_tokens:  # pending tokens count: they precede this one
+    if seq.num_tokens_before_sampled < p.min_tokens:
         banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
     return banned
 

@@ -81,6 +81,12 @@ class Sequence:
         return len(self.output_token_ids) + self.num_pending
 
     @property
+    def num_tokens_before_sampled(self) -> int:
+        """Generated tokens before the one a step samples now: its own token is the last pending one (counted
+        when the step was scheduled); earlier pending ones (the step in flight's) come before it."""
+        return len(self.output_token_ids) + max(self.num_pending - 1, 0)
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

@@ -143,3 +143,24 @@ def test_overlapped_static_decode_steps_give_the_eager_tokens(llama, monkeypatch
     monkeypatch.setattr(setup, "uses_static_decode", lambda config: True)
     static, _ = generate(llama, True, prompts, params, adapters, max_num_seqs=32)
     assert summary(static) == summary(eager)
+
+
+@pytest.mark.parametrize("num_pending", [1, 2])
+def test_min_tokens_counts_the_tokens_before_the_sampled_one(num_pending):
+    """A scheduled sequence's own token is pending when its sampling inputs are built; a token of the step in
+    flight (two pending) counts as generated before it."""
+    import torch
+
+    from kubelora.engine.sampling_batch import prepare_sampling
+    from kubelora.engine.sequence import Sequence
+
+    params = SamplingParams(min_tokens=5, stop_token_ids=(9,), temperature=0.0)
+
+    def banned(num_known: int) -> bool:
+        seq = Sequence(request_id="s", prompt_token_ids=[1, 2], params=params, adapter_name=None, adapter=None,
+                       max_tokens=16, arrival_time=0.0, output_token_ids=[3] * num_known, num_pending=num_pending)
+        batch = prepare_sampling([seq], 32, torch.device("cpu"))
+        return batch.banned is not None and 9 in batch.banned.tokens.tolist()
+
+    before = 4 - (num_pending - 1)  # known tokens that, with the in-flight one, make 4 before the sampled one
+    assert banned(before) and not banned(before + 1)
