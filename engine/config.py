@@ -28,9 +28,8 @@ class EngineConfig:
     - lora_time_slice_steps: while requests wait for room in the device adapter pool, the steps an adapter keeps
       its room before its requests pause (KV cache kept) so waiting adapters take turns (engine/scheduler.py).
     - enforce_eager: run every step eagerly (no CUDA graphs; vLLM's name). CUDA graphs are only used on CUDA.
-    - async_scheduling: schedule and launch the next step before reading this one's sampled ids back, so host
-      work overlaps the device (vLLM's name); None (default): on CUDA, off on CPU. engine/engine.py says which
-      requests make a step wait.
+    - async_scheduling: schedule the next step and queue its forward pass before reading this one's sampled ids
+      back, so host work overlaps the device (vLLM's name); None (default): on CUDA, off on CPU.
     - is_base_model_strict: reject (True) or warn about (False) an adapter whose base_model_name_or_path
       differs from the served model; shapes are always checked.
     """

@@ -1,11 +1,11 @@
 """LLMEngine: wires scheduler, KV block manager, adapter manager, model runner, sampler and detokenizer.
 
-Steps overlap (`EngineConfig.async_scheduling`, on by default on CUDA): `step()` schedules and launches step N+1
-before it reads step N's sampled ids, so the host's scheduling, input packing, detokenizing and output work runs
-while the device computes. Step N's sequences feed N+1 their pending tokens from the device (engine/runner.py);
-a sequence that stops at step N (EOS, a stop string) has computed one more token at N+1, which is dropped. A step
-whose requests need their previous token on the host (a grammar mask, penalties, multi-token bad words, logits or
-prompt logprobs kept) is read back before the next one is scheduled.
+Steps overlap (`EngineConfig.async_scheduling`, on by default on CUDA): `step()` schedules step N+1 and queues
+its forward pass before it reads step N's sampled ids back, so the host's scheduling, input packing,
+detokenizing and output work runs while the device computes. Step N's sequences feed N+1 their pending tokens
+from the device (engine/runner.py); N+1's sampling stage is queued after N is read back, so its inputs (grammar
+masks, penalties' counts, bad-word prefixes) see N's tokens. A sequence that stops at step N (EOS, a stop
+string) has computed one more token at N+1, which is dropped.
 
 Threads: `step()` runs in one engine thread; `add_request`, `abort_request`, `snapshot` and the adapter manager
 are called from any thread. `_lock` guards the scheduler's queues; it is held while scheduling and
@@ -184,34 +184,32 @@ class LLMEngine:
         """Schedule and launch one step; return the outputs of the step whose sampled ids were read back."""
         previous, outputs = self._inflight, []
         self._inflight = None
-        if previous is not None and not self._can_overlap(previous):
-            previous.result()  # the next step needs this one's tokens on the host: wait now (outside the lock)
-            with self._lock:
-                outputs += self._postprocess(previous)
-            previous = None
         with self._lock:
             batch = self._scheduler.schedule()
             outputs += [self._output(seq, []) for seq in self._scheduler.take_finished_between_steps()]
             if batch.chunks:
                 self._last_batch = (len(batch.chunks), batch.num_tokens, len(batch.slots))
                 self._num_steps += 1
-        launched = self._runner.execute(batch, previous) if batch.chunks else None
-        to_read = [previous] if previous is not None else []
-        if launched is not None and self._can_overlap(launched):
-            self._inflight = launched
-        elif launched is not None:
-            to_read.append(launched)
-        for step in to_read:
-            step.result()  # waits outside the lock; a launched step keeps the device busy meanwhile
+        forward = self._runner.forward(batch, previous) if batch.chunks else None
+        if previous is not None:  # read back while the device runs this step's forward pass
+            previous.result()  # waits outside the lock
             with self._lock:
-                outputs += self._postprocess(step)
-        if launched is None and not to_read and not outputs:
-            time.sleep(IDLE_STEP_SLEEP_S)
+                outputs += self._postprocess(previous)
+        if forward is None:
+            if previous is None and not outputs:
+                time.sleep(IDLE_STEP_SLEEP_S)
+            return outputs
+        # Sampling inputs come from the sequences' host state, the previous step's tokens included: grammar
+        # matchers advanced, penalties' token counts, bad-word prefixes.
+        with self._lock:
+            launched = self._runner.sample(forward)
+        if self._is_async:
+            self._inflight = launched
+        else:
+            launched.result()
+            with self._lock:
+                outputs += self._postprocess(launched)
         return outputs
-
-    def _can_overlap(self, step: LaunchedStep) -> bool:
-        """The next step may be scheduled before this one's sampled ids reach the host."""
-        return self._is_async and all(_is_overlappable(c.seq) for c in step.batch.chunks if c.is_sampled)
 
     def _postprocess(self, step: LaunchedStep) -> list[RequestOutput]:
         batch, result = step.batch, step.result()
@@ -339,13 +337,6 @@ class LLMEngine:
     def close(self) -> None:
         self.adapters.close()
         self.grammars.close()
-
-
-def _is_overlappable(seq: Sequence) -> bool:
-    """Nothing of the request's next step needs its last sampled token on the host."""
-    p = seq.params
-    return (seq.grammar is None and not p.has_penalties and not p.return_logits and p.prompt_logprobs is None
-            and all(len(word) == 1 for word in p.bad_words_token_ids))
 
 
 def _record_logits(seq: Sequence, start_pos: int, logits: torch.Tensor, is_sampled: bool) -> None:

@@ -1,7 +1,8 @@
 """Model runner: turns a scheduled `Batch` into device tensors once (`prepare_*`), runs the model, samples.
 
 `execute` queues a step's work on the device and returns it as a `LaunchedStep` without waiting for it; its
-`result()` waits for the sampled ids. A batch may feed tokens that the previous launched step sampled and the host
+`result()` waits for the sampled ids. The engine queues the two halves apart (`forward`, then `sample`) so that
+the previous step is read back on the host while the device runs this step's forward pass. A batch may feed tokens that the previous launched step sampled and the host
 has not read yet (`PENDING_TOKEN`, engine/engine.py): they are copied on the device from that step's ids.
 """
 
@@ -71,6 +72,15 @@ class LaunchedStep:
 
 
 @dataclass(frozen=True)
+class ForwardStep:
+    """A step whose forward pass is queued on the device; `ModelRunner.sample` queues its sampling stage."""
+
+    batch: Batch
+    logits: torch.Tensor  # [rows, vocab] float32 on the device
+    plan: LogitsPlan | None  # None: a static decode step (a row per chunk, each sampled)
+
+
+@dataclass(frozen=True)
 class LogitsPlan:
     rows: torch.Tensor  # [num_rows] int64: batch token rows whose logits are computed
     chunk_rows: list[tuple[int, int]]  # per chunk: (first, end) into the logits rows; empty when none
@@ -84,17 +94,32 @@ class ModelRunner:
         self.decoder = decoder  # decode steps from static buffers (CUDA graphs); None: every step eager
 
     def execute(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue the step; `previous` is the launched step whose ids the batch's pending tokens come from."""
+        """Queue the step (forward, then sampling); `previous`: the launched step whose ids the batch's pending
+        tokens come from."""
+        return self.sample(self.forward(batch, previous))
+
+    def forward(self, batch: Batch, previous: LaunchedStep | None = None) -> ForwardStep:
+        """Queue the forward pass only: sampling inputs (grammar masks, penalties) may still wait for the host
+        to read `previous` back."""
         pending = _pending_tokens(batch, previous)
         if self.decoder is not None and self._is_static_decode(batch):
-            return self._execute_static(batch, pending)
+            return ForwardStep(batch, self._forward_static(batch, pending), None)
         token_ids, ctx = self.prepare_inputs(batch)
         if pending is not None:
             rows, sources, tokens = pending
             token_ids[rows] = tokens[sources]
         plan = prepare_logits_plan(batch, self.config.device)
         hidden = self.model.forward(token_ids, ctx)
-        logits = self.model.compute_logits(hidden[plan.rows])
+        return ForwardStep(batch, self.model.compute_logits(hidden[plan.rows]), plan)
+
+    def sample(self, forward: ForwardStep) -> LaunchedStep:
+        """Queue the sampling stage of a queued forward; the sequences' host state is read now."""
+        batch, logits, plan = forward.batch, forward.logits, forward.plan
+        if plan is None:  # a static decode step: one logits row per chunk, every one sampled
+            seqs = [c.seq for c in batch.chunks]
+            sampled = sample_on_device(logits, self._sampling_batch(seqs, logits.device))
+            return LaunchedStep(batch, sampled, list(range(len(seqs))), logits=[None] * len(seqs),
+                                prompt_logprobs=None)
         rows = [r for r in plan.sample_rows if r is not None]
         sampled = None
         if rows:
@@ -111,7 +136,7 @@ class ModelRunner:
                 and all(len(c.token_ids) == 1 and c.is_sampled and not c.seq.params.return_logits
                         for c in batch.chunks))
 
-    def _execute_static(self, batch: Batch, pending) -> LaunchedStep:
+    def _forward_static(self, batch: Batch, pending) -> torch.Tensor:
         chunks = batch.chunks
         tables = {}
         if batch.slots:
@@ -119,10 +144,7 @@ class ModelRunner:
         step = DecodeStep(token_ids=[max(c.token_ids[0], 0) for c in chunks], positions=[c.start_pos for c in chunks],
                           block_tables=[c.block_table for c in chunks], token_slots=[c.slot for c in chunks],
                           slot_tables=tables)
-        logits = self.decoder.run(step, pending)  # sampling runs after the replay, reading the graph's static output
-        sampled = sample_on_device(logits, self._sampling_batch([c.seq for c in chunks], logits.device))
-        return LaunchedStep(batch, sampled, list(range(len(chunks))), logits=[None] * len(chunks),
-                            prompt_logprobs=None)
+        return self.decoder.run(step, pending)  # a view of the graph's static output: sampling only reads it
 
     def _sampling_batch(self, seqs: list, device: torch.device):
         return prepare_sampling(seqs, self.model.config.vocab_size, device, self.config.eos_token_ids)

@@ -137,7 +137,8 @@ def _add_sparse(pack: _HostPack, seqs: list[Sequence], eos_token_ids: tuple[int,
 
 def _add_grammar(pack: _HostPack, seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...]) -> bool:
     """The grammar rows' masks; returns whether another filter of some grammar row could empty it."""
-    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    # A row of a request that stopped while this step was queued (its grammar may have ended) is dropped later.
+    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and not seq.status.is_finished]
     if not rows:
         return False
     pack.add("grammar_rows", rows, torch.int64)

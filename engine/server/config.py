@@ -60,7 +60,7 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--dtype", str, "weights dtype: auto, float32, float16, bfloat16"),
     _setting("--enforce-eager", parse_bool, "run every step eagerly, without CUDA graphs", is_switch=True),
     _setting("--async-scheduling", parse_bool,
-             "launch the next step before reading this one's tokens back (default: on CUDA)", is_switch=True),
+             "queue the next step before reading this one's tokens back (default: on CUDA)", is_switch=True),
     _setting("--host", str, "listen address", default="0.0.0.0"),
     _setting("--port", int, "listen port", default=8000),
     _setting("--admin-token-file", str, "file holding the bearer token for the adapter admin endpoints"),
