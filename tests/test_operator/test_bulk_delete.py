@@ -15,7 +15,7 @@ from kubelora.operator import observe as observe_module
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.settings import OperatorSettings
 
-from .test_reconcile import NS, FakeEngine, FakeKube, pod
+from .test_reconcile import NS, FakeEngine, FakeKube, pod, pool_object
 from .test_handlers import LOG
 
 NUM_ADAPTERS, NUM_DELETED = 24, 16
@@ -52,11 +52,7 @@ class Flag:
 async def cluster(aiohttp_server, monkeypatch):
     monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
     kube, engines = CountingKube(), {}
-    kube.objects[("lorapools", "p")] = {
-        "apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
-        "metadata": {"name": "p", "namespace": NS, "uid": "uid-p", "generation": 1},
-        "spec": {"model": {"path": "/models/base"}, "adapterRoots": ["/adapters"],
-                 "engine": {"maxLoraRank": 8, "maxLoras": 8, "maxCpuLoras": 16}}}
+    kube.objects[("lorapools", "p")] = pool_object(8, 16)
     for name in ("e0", "e1", "e2"):
         engines[name] = FakeEngine()
         server = await aiohttp_server(engines[name].app())

@@ -20,7 +20,7 @@ from kubelora.operator.watch import watch_pod
 
 from .test_bulk_delete import CountingKube, Flag
 from .test_handlers import LOG
-from .test_reconcile import NS, FakeEngine, pod
+from .test_reconcile import NS, FakeEngine, pod, pool_object
 
 
 class WatchableEngine(FakeEngine):
@@ -67,11 +67,7 @@ class WatchableEngine(FakeEngine):
 async def watched(aiohttp_server, monkeypatch):
     monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
     kube, engines = CountingKube(), {}
-    kube.objects[("lorapools", "p")] = {
-        "apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
-        "metadata": {"name": "p", "namespace": NS, "uid": "uid-p", "generation": 1},
-        "spec": {"model": {"path": "/models/base"}, "adapterRoots": ["/adapters"],
-                 "engine": {"maxLoraRank": 8, "maxLoras": 4, "maxCpuLoras": 8}}}
+    kube.objects[("lorapools", "p")] = pool_object(4, 8)
     for name in ("e0", "e1"):
         engines[name] = WatchableEngine()
         server = await aiohttp_server(engines[name].app())

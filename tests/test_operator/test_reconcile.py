@@ -112,6 +112,14 @@ class FakeKube:
             p["metadata"]["annotations"][names.ANNOTATION_POOL_SPEC] = fingerprint
 
 
+def pool_object(max_loras: int, max_cpu_loras: int, **spec) -> dict:
+    """The LoRAPool `p` as the API server holds it (for the fake Kubernetes)."""
+    return {"apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
+            "metadata": {"name": "p", "namespace": NS, "uid": "uid-p", "generation": 1},
+            "spec": {"model": {"path": "/models/base"}, "adapterRoots": ["/adapters"], **spec,
+                     "engine": {"maxLoraRank": 8, "maxLoras": max_loras, "maxCpuLoras": max_cpu_loras}}}
+
+
 def pod(name: str, url: str) -> dict:
     return {"metadata": {"name": name, "annotations": {"test-url": url}},
             "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
@@ -122,12 +130,7 @@ async def world(aiohttp_server, monkeypatch):
     monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
     engines = {}
     kube = FakeKube()
-    kube.objects[("lorapools", "p")] = {
-        "apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
-        "metadata": {"name": "p", "namespace": NS, "uid": "uid-p", "generation": 1},
-        "spec": {"model": {"path": "/models/base"}, "adapterRoots": ["/adapters"],
-                 "adapterUrlHosts": ["models.example"],
-                 "engine": {"maxLoraRank": 8, "maxLoras": 2, "maxCpuLoras": 4}}}
+    kube.objects[("lorapools", "p")] = pool_object(2, 4, adapterUrlHosts=["models.example"])
     for name in ("e0", "e1"):
         engines[name] = FakeEngine()
         server = await aiohttp_server(engines[name].app())
