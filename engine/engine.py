@@ -200,9 +200,8 @@ class LLMEngine:
                 time.sleep(IDLE_STEP_SLEEP_S)
             return outputs
         # Sampling inputs come from the sequences' host state, the previous step's tokens included: grammar
-        # matchers advanced, penalties' token counts, bad-word prefixes.
-        with self._lock:
-            launched = self._runner.sample(forward)
+        # matchers advanced, penalties' token counts, bad-word prefixes (only this thread changes those).
+        launched = self._runner.sample(forward)
         if self._is_async:
             self._inflight = launched
         else:
