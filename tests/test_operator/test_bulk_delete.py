@@ -4,6 +4,7 @@ share passes. The real handlers and daemon run against fake engines and an in-me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -15,7 +16,7 @@ from kubelora.operator import observe as observe_module
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.settings import OperatorSettings
 
-from .test_reconcile import NS, FakeEngine, FakeKube, pod, pool_object
+from .test_reconcile import NS, FakeEngine, FakeKube, pool_object, serve_engines
 from .test_handlers import LOG
 
 NUM_ADAPTERS, NUM_DELETED = 24, 16
@@ -51,20 +52,24 @@ class Flag:
 @pytest.fixture
 async def cluster(aiohttp_server, monkeypatch):
     monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
-    kube, engines = CountingKube(), {}
+    kube = CountingKube()
     kube.objects[("lorapools", "p")] = pool_object(8, 16)
-    for name in ("e0", "e1", "e2"):
-        engines[name] = FakeEngine()
-        server = await aiohttp_server(engines[name].app())
-        kube.pods.append(pod(name, str(server.make_url("")).rstrip("/")))
-    kube.roll_pods()
+    engines = {name: FakeEngine() for name in ("e0", "e1", "e2")}
+    await serve_engines(aiohttp_server, kube, engines)
+    settings = OperatorSettings(resync_s=30.0, debounce_s=0.05, backoff_initial_s=0.01, backoff_max_s=0.01)
+    async with running_daemon(kube, settings) as runtime:
+        yield kube, engines, runtime
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(kube, settings: OperatorSettings):
+    """The pool's operator daemon over the fake Kubernetes, stopped on exit."""
     async with aiohttp.ClientSession() as session:
-        settings = OperatorSettings(resync_s=30.0, debounce_s=0.05, backoff_initial_s=0.01, backoff_max_s=0.01)
         runtime = Runtime(settings=settings, kube=kube, kube_session=session, engine_session=session)
         stopped = Flag()
         daemon = asyncio.create_task(handlers.daemon_pool(name="p", namespace=NS, memo=kopf.Memo(runtime=runtime),
                                                           stopped=stopped, logger=LOG))
-        yield kube, engines, runtime
+        yield runtime
         stopped.is_set = True
         runtime.trigger(NS, "p")
         await asyncio.wait_for(daemon, timeout=5)

@@ -7,20 +7,17 @@ import hashlib
 import json
 
 import aiohttp
-import kopf
 import pytest
 from aiohttp import web
 
-from kubelora.operator import handlers
 from kubelora.operator import observe as observe_module
 from kubelora.operator.engine_client import EngineClient
-from kubelora.operator.runtime import Runtime
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.watch import watch_pod
 
-from .test_bulk_delete import CountingKube, Flag
+from .test_bulk_delete import CountingKube, running_daemon
 from .test_handlers import LOG
-from .test_reconcile import NS, FakeEngine, pod, pool_object
+from .test_reconcile import NS, FakeEngine, pool_object, serve_engines
 
 
 class WatchableEngine(FakeEngine):
@@ -66,23 +63,12 @@ class WatchableEngine(FakeEngine):
 @pytest.fixture
 async def watched(aiohttp_server, monkeypatch):
     monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
-    kube, engines = CountingKube(), {}
+    kube = CountingKube()
     kube.objects[("lorapools", "p")] = pool_object(4, 8)
-    for name in ("e0", "e1"):
-        engines[name] = WatchableEngine()
-        server = await aiohttp_server(engines[name].app())
-        kube.pods.append(pod(name, str(server.make_url("")).rstrip("/")))
-    kube.roll_pods()
-    async with aiohttp.ClientSession() as session:
-        settings = OperatorSettings(resync_s=30.0, debounce_s=0.05)
-        runtime = Runtime(settings=settings, kube=kube, kube_session=session, engine_session=session)
-        stopped = Flag()
-        daemon = asyncio.create_task(handlers.daemon_pool(name="p", namespace=NS, memo=kopf.Memo(runtime=runtime),
-                                                          stopped=stopped, logger=LOG))
+    engines = {name: WatchableEngine() for name in ("e0", "e1")}
+    await serve_engines(aiohttp_server, kube, engines)
+    async with running_daemon(kube, OperatorSettings(resync_s=30.0, debounce_s=0.05)) as runtime:
         yield kube, engines, runtime
-        stopped.is_set = True
-        runtime.trigger(NS, "p")
-        await asyncio.wait_for(daemon, timeout=5)
 
 
 async def _until(check, timeout_s: float) -> float:

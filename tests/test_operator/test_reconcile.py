@@ -112,6 +112,14 @@ class FakeKube:
             p["metadata"]["annotations"][names.ANNOTATION_POOL_SPEC] = fingerprint
 
 
+async def serve_engines(aiohttp_server, kube, engines: dict) -> None:
+    """Each fake engine on its own HTTP server, as a ready pod of the pool."""
+    for name, engine in engines.items():
+        server = await aiohttp_server(engine.app())
+        kube.pods.append(pod(name, str(server.make_url("")).rstrip("/")))
+    kube.roll_pods()
+
+
 def pool_object(max_loras: int, max_cpu_loras: int, **spec) -> dict:
     """The LoRAPool `p` as the API server holds it (for the fake Kubernetes)."""
     return {"apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
@@ -128,14 +136,10 @@ def pod(name: str, url: str) -> dict:
 @pytest.fixture
 async def world(aiohttp_server, monkeypatch):
     monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
-    engines = {}
+    engines = {name: FakeEngine() for name in ("e0", "e1")}
     kube = FakeKube()
     kube.objects[("lorapools", "p")] = pool_object(2, 4, adapterUrlHosts=["models.example"])
-    for name in ("e0", "e1"):
-        engines[name] = FakeEngine()
-        server = await aiohttp_server(engines[name].app())
-        kube.pods.append(pod(name, str(server.make_url("")).rstrip("/")))
-    kube.roll_pods()
+    await serve_engines(aiohttp_server, kube, engines)
     async with aiohttp.ClientSession() as session:
         settings = OperatorSettings(backoff_initial_s=0.01, backoff_max_s=0.01)
         yield kube, engines, PoolReconciler(kube, session, settings, NS, "p")
