@@ -296,9 +296,13 @@ class LLMEngine:
     def pending_graphs(self) -> list[tuple[int, object]]:
         """LoRA decode graphs that steps over the registered adapters will need and that are not captured: for
         the two most common adapter shapes (projection kinds, rank rounded to 16), `lora_graph_keys` of each."""
+        return self._graph_plan()[0]
+
+    def _graph_plan(self) -> tuple[list, list]:
+        """(the graphs not captured yet, every graph wanted) for the registered adapters' shapes."""
         decoder = self._runner.decoder
         if decoder is None:
-            return []
+            return [], []
         shapes: dict[tuple, int] = {}
         for info in self.adapters.list():
             kinds = tuple(k for k in PROJ_KINDS
@@ -308,13 +312,14 @@ class LLMEngine:
                 shapes[shape] = shapes.get(shape, 0) + 1
         common = sorted(shapes, key=lambda shape: -shapes[shape])[:MAX_GRAPH_SHAPES]
         wanted = [graph for shape in common for graph in decoder.lora_graph_keys(*shape)]
-        decoder.pinned = decoder.pinned & frozenset(wanted)  # shapes no longer common go back to the LRU
-        return [(bucket, key) for bucket, key in wanted if not decoder.has_graph(bucket, key)]
+        return [(bucket, key) for bucket, key in wanted if not decoder.has_graph(bucket, key)], wanted
 
     def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:
         """Capture pending graphs for up to budget_s (one at least); True while some remain. Only while no step
         is in flight: the engine thread calls it when it has no work."""
-        pending = self.pending_graphs()
+        pending, wanted = self._graph_plan()
+        if self._runner.decoder is not None:  # shapes no longer common go back to the LRU
+            self._runner.decoder.pinned &= frozenset(wanted)
         started = time.perf_counter()
         while pending and not self._has_work():
             bucket, key = pending.pop()
