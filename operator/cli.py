@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import logging
 import os
+import socket
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 from kubelora.operator.settings import DefaultImages, OperatorSettings
 
 ENV_PREFIX = "KUBELORA_OPERATOR_"
+DEFAULT_LEASE = "kubelora-operator"
+log = logging.getLogger("kubelora.operator")
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -42,7 +49,30 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"engine image of pools that name none (default {defaults.images.engine})")
     parser.add_argument("--router-image", default=_env("ROUTER_IMAGE") or defaults.images.router,
                         help=f"router image of pools that name none (default {defaults.images.router})")
+    add_election_flags(parser)
     return parser
+
+
+def add_election_flags(parser: argparse.ArgumentParser) -> None:
+    from kubelora.operator.leader import ElectionSettings
+
+    defaults = ElectionSettings("-", "-", "-")
+    group = parser.add_argument_group("leader election (several replicas, one active)")
+    group.add_argument("--leader-elect", action="store_true", default=_env("LEADER_ELECT", "") in ("1", "true"),
+                       help="run kopf only while holding a coordination.k8s.io Lease "
+                            "(env KUBELORA_OPERATOR_LEADER_ELECT)")
+    group.add_argument("--leader-elect-lease", default=_env("LEADER_ELECT_LEASE") or DEFAULT_LEASE, metavar="NAME")
+    group.add_argument("--leader-elect-namespace", default=_env("LEADER_ELECT_NAMESPACE"), metavar="NS",
+                       help="the Lease's namespace (default: env POD_NAMESPACE, else the service account's)")
+    group.add_argument("--leader-elect-identity", default=_env("LEADER_ELECT_IDENTITY"),
+                       help="this replica's holder identity (default: env POD_NAME or the host name, plus a "
+                            "random suffix)")
+    group.add_argument("--leader-elect-lease-seconds", type=int,
+                       default=_int_env("LEADER_ELECT_LEASE_S") or defaults.lease_duration_s)
+    group.add_argument("--leader-elect-renew-seconds", type=float,
+                       default=_float_env("LEADER_ELECT_RENEW_S", defaults.renew_deadline_s))
+    group.add_argument("--leader-elect-retry-seconds", type=float,
+                       default=_float_env("LEADER_ELECT_RETRY_S", defaults.retry_period_s))
 
 
 def _int_env(name: str) -> int | None:
@@ -67,6 +97,27 @@ def settings_from_env() -> OperatorSettings:
     return settings_from_args(build_parser().parse_args([]))
 
 
+def election_from_args(args: argparse.Namespace):
+    """The election's settings, or None without --leader-elect. Raises ValueError for bad values."""
+    from kubelora.operator.leader import SERVICE_ACCOUNT_NAMESPACE, ElectionSettings
+
+    if not args.leader_elect:
+        return None
+    namespace = args.leader_elect_namespace or os.environ.get("POD_NAMESPACE")
+    if not namespace and Path(SERVICE_ACCOUNT_NAMESPACE).is_file():
+        namespace = Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip()
+    if not namespace:
+        raise ValueError("--leader-elect needs --leader-elect-namespace (or env POD_NAMESPACE) outside a pod")
+    # As kube-controller-manager: the pod's name plus a random suffix, so that a restarted container is a new
+    # candidate and never mistakes its dead predecessor's Lease for its own.
+    identity = args.leader_elect_identity or (
+        f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}")
+    return ElectionSettings(lease_name=args.leader_elect_lease, namespace=namespace, identity=identity,
+                            lease_duration_s=args.leader_elect_lease_seconds,
+                            renew_deadline_s=args.leader_elect_renew_seconds,
+                            retry_period_s=args.leader_elect_retry_seconds)
+
+
 def main(argv: Sequence[str]) -> int:
     argv = list(argv)
     if argv[:1] == ["--"]:  # `kubelora operator -- --namespace x`: the separator some parsers pass through
@@ -74,23 +125,53 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
+        election = election_from_args(args)
     except ValueError as exc:
         print(f"kubelora operator: {exc}")
         return 2
     namespaces = args.namespace or [n for n in (_env("NAMESPACES") or "").split(",") if n]
-    return run(settings, namespaces, args.liveness, args.verbose)
+    return run(settings, namespaces, args.liveness, args.verbose, election)
 
 
-def run(settings: OperatorSettings, namespaces: list[str], liveness_port: int | None, is_verbose: bool) -> int:
+def run(settings: OperatorSettings, namespaces: list[str], liveness_port: int | None, is_verbose: bool,
+        election=None) -> int:
+    """kopf with our handlers; with `election` (leader.ElectionSettings) only while this replica leads. Returns the
+    exit code: 0 after SIGTERM/SIGINT, 1 when leadership was lost (the pod restarts as a standby)."""
     import kopf
 
     from kubelora.operator import handlers  # noqa: F401  (registers the handlers)
 
     kopf.configure(verbose=is_verbose)
+    if not is_verbose:  # the library logs every retry of a standby at INFO
+        logging.getLogger("leaderelection").setLevel(logging.WARNING)
     liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None
+    operator = functools.partial(kopf.operator, standalone=True, clusterwide=not namespaces,
+                                 namespaces=namespaces or (), liveness_endpoint=liveness,
+                                 memo=kopf.Memo(operator_settings=settings))
     try:
-        kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces or (),
-                 liveness_endpoint=liveness, memo=kopf.Memo(operator_settings=settings))
+        return asyncio.run(operate(operator, election, liveness_port))
     except (KeyboardInterrupt, asyncio.CancelledError):
-        pass
-    return 0
+        return 0
+
+
+async def operate(operator, election, liveness_port: int | None) -> int:
+    """`operator(stop_flag=...)` runs kopf until SIGTERM/SIGINT (kopf's own handlers) or the flag is set."""
+    if election is None:
+        await operator()
+        return 0
+    from kubelora.operator.leader import LeaderElector, load_api_client, stand_by
+
+    elector = LeaderElector(election, await asyncio.to_thread(load_api_client))
+    elector.start()
+    try:
+        if not await stand_by(elector, liveness_port):
+            return 0
+        await operator(stop_flag=elector.lost)
+        if elector.lost.is_set():
+            log.error("lost the Lease %s/%s: exiting so that this pod restarts as a standby", election.namespace,
+                      election.lease_name)
+            return 1
+        return 0
+    finally:
+        if await elector.release():  # a standby takes over at its next retry, not after the lease runs out
+            log.info("released the Lease %s/%s", election.namespace, election.lease_name)

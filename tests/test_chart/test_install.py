@@ -79,8 +79,16 @@ def test_install_runs_the_operator_and_uninstall_cleans_up(cluster, helm):
         assert container["args"] == ["operator"] and container["image"] == f"{LOCAL_IMAGE}:0.1.0"
         assert {"name": "KUBELORA_OPERATOR_NAMESPACES", "value": namespace} in container["env"]
         wait_for("operator pod Ready", lambda: _is_ready(_operator_pod(cluster, namespace)), timeout_s=120)
-        deployment = cluster.get_json("deployment", name, "-n", namespace)
-        assert deployment["status"].get("availableReplicas") == 1
+        # Two replicas, both Ready (a standby answers its probes); one holds the release's Lease.
+        wait_for("2 operator replicas available", lambda: cluster.get_json("deployment", name, "-n", namespace)
+                 ["status"].get("availableReplicas") == 2, timeout_s=120)
+        pods = {p["metadata"]["name"] for p in cluster.get_json(
+            "pods", "-n", namespace, "-l", "app.kubernetes.io/component=operator")["items"]}
+        holder = wait_for("the Lease held", lambda: cluster.get_json("lease", name, "-n", namespace)
+                          ["spec"].get("holderIdentity"), timeout_s=30)
+        assert holder.rsplit("_", 1)[0] in pods
+        assert _can(cluster, namespace, name, "update", f"leases/{name}", namespace)
+        assert not _can(cluster, namespace, name, "update", "leases/other", namespace)
 
         cluster.apply(PROBE_POOL, namespace=namespace)
         placement = wait_for("the operator's objects for the probe pool", lambda: cluster.kubectl(
@@ -97,7 +105,7 @@ def test_install_runs_the_operator_and_uninstall_cleans_up(cluster, helm):
         assert status
         cluster.kubectl("delete", "lorapool", "rbac-probe", "-n", namespace, "--timeout=60s")
 
-        # An upgrade that changes a setting replaces the operator pod (Recreate) with one that has it.
+        # An upgrade that changes a setting rolls the operator pods to ones that have it.
         run_helm(helm, "upgrade", release, str(CHART), *kube, "--reuse-values", "--set", "operator.resyncSeconds=10")
         wait_for("the upgraded operator Ready", lambda: _is_ready(pod := _operator_pod(cluster, namespace))
                  and {"name": "KUBELORA_OPERATOR_RESYNC_S", "value": "10"} in pod["spec"]["containers"][0]["env"],

@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 # The images `make images` builds (images/build.sh: localhost/<name>:<version>), as the operator gets them.
 BUILT_IMAGES = {"KUBELORA_OPERATOR_ENGINE_IMAGE": "kubelora-engine:0.1.0",
                 "KUBELORA_OPERATOR_ROUTER_IMAGE": "kubelora-router:0.1.0"}
+# Leader election is on by default; POD_NAME and POD_NAMESPACE come from the downward API (no value).
+ELECTION = {"KUBELORA_OPERATOR_LEADER_ELECT": "true", "KUBELORA_OPERATOR_LEADER_ELECT_LEASE": "rel-kubelora",
+            "POD_NAME": None, "POD_NAMESPACE": None}
 
 
 def container(rendered: dict) -> dict:
@@ -43,16 +46,17 @@ def test_defaults_render_a_cluster_wide_operator(render):
     assert {(kind, name) for kind, name, _ in rendered} == {
         ("ServiceAccount", "rel-kubelora"), ("Deployment", "rel-kubelora"),
         ("ClusterRole", "rel-kubelora-discovery"), ("ClusterRoleBinding", "rel-kubelora-discovery"),
-        ("ClusterRole", "rel-kubelora-pools"), ("ClusterRoleBinding", "rel-kubelora-pools")}
+        ("ClusterRole", "rel-kubelora-pools"), ("ClusterRoleBinding", "rel-kubelora-pools"),
+        ("Role", "rel-kubelora-leader-election"), ("RoleBinding", "rel-kubelora-leader-election")}
     operator = container(rendered)
     assert operator["image"] == "kubelora-operator:0.1.0"  # appVersion
     assert operator["args"] == ["operator"]
-    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES}  # unset settings: defaults
+    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION}  # unset: defaults
     for probe in ("livenessProbe", "readinessProbe"):
         assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert operator["ports"] == [{"name": "healthz", "containerPort": 8081, "protocol": "TCP"}]
     deployment = rendered[("Deployment", "rel-kubelora", NS)]
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "rel-kubelora"
     binding = rendered[("ClusterRoleBinding", "rel-kubelora-pools", None)]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kubelora", "namespace": NS}]
@@ -91,10 +95,33 @@ def test_watched_namespaces_get_role_bindings_and_settings_become_env(render):
     operator = container(rendered)
     assert operator["image"] == "registry.example.com/kubelora/operator:v0.1.0-test"
     assert operator["args"] == ["operator", "--engine-timeout-seconds", "60"]
-    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES,
+    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION,
                              "KUBELORA_OPERATOR_NAMESPACES": "team-a,team-b", "KUBELORA_OPERATOR_RESYNC_S": "15",
                              "KUBELORA_OPERATOR_MAX_CONCURRENT_CALLS": "8", "KUBELORA_OPERATOR_VERBOSE": "true",
                              "EXTRA": "1"}
+
+
+def test_leader_election_gets_a_lease_role_in_the_release_namespace(render, helm):
+    rendered = render(CI["default-values"])
+    role = rendered[("Role", "rel-kubelora-leader-election", NS)]
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["rel-kubelora"],
+         "verbs": ["get", "update"]}]
+    binding = rendered[("RoleBinding", "rel-kubelora-leader-election", NS)]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kubelora", "namespace": NS}]
+    downward = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container(rendered)["env"]
+                if "valueFrom" in e}
+    assert downward == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    # One replica without election: Recreate, no Lease, no Role; two without it refuse to render.
+    single = render(None, "operator.replicas=1", "operator.leaderElection.enabled=false")
+    deployment = single[("Deployment", "rel-kubelora", NS)]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert "KUBELORA_OPERATOR_LEADER_ELECT" not in env(single)
+    assert ("Role", "rel-kubelora-leader-election", NS) not in single
+    refused = subprocess.run([helm, "template", "rel", str(CHART), "--kube-version", KUBE_VERSION,
+                              "--set", "operator.leaderElection.enabled=false"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "needs operator.leaderElection.enabled" in refused.stderr
 
 
 def test_service_monitor_is_off_by_default_and_on_when_asked(render):

@@ -12,7 +12,7 @@ def test_flags_and_env(monkeypatch):
 
 def test_main_runs_kopf_with_the_parsed_settings(monkeypatch):
     seen = {}
-    monkeypatch.setattr(cli, "run", lambda settings, namespaces, port, verbose: seen.update(
+    monkeypatch.setattr(cli, "run", lambda settings, namespaces, port, verbose, election: seen.update(
         settings=settings, namespaces=namespaces, port=port) or 0)
     assert cli.main(["--", "-n", "x", "--resync-seconds", "3", "--max-concurrent-calls", "2"]) == 0
     assert seen == {"settings": OperatorSettings(resync_s=3, max_concurrent_calls=2), "namespaces": ["x"],
