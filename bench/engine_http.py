@@ -54,7 +54,7 @@ class Server:
                    "--max-loras", str(settings.max_loras), "--max-lora-rank", str(settings.max_lora_rank),
                    "--max-cpu-loras", str(settings.max_cpu_loras), "--max-model-len", str(settings.max_model_len),
                    "--max-num-seqs", str(settings.max_num_seqs), "--device", settings.device,
-                   "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+                   "--host", "127.0.0.1", "--port", str(self.port), "--admin-port", "0", "--log-level", "warning"]
         command += list(settings.engine_flags)
         for name, path in settings.adapters.items():
             command += ["--lora", f"{name}={path}"]

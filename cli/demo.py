@@ -85,11 +85,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(root: Path, model_dir: Path, device: str, port: int) -> subprocess.Popen:
+def _start_server(root: Path, model_dir: Path, device: str, port: int, admin_port: int) -> subprocess.Popen:
     command = [
         sys.executable, "-P", "-m", "kubelora.cli.main", "engine", "serve", "--model", str(model_dir),
         "--served-model-name", "tiny-llama", "--max-loras", "2", "--max-lora-rank", "16", "--max-cpu-loras", "4",
         "--max-model-len", "256", "--device", device, "--host", "127.0.0.1", "--port", str(port),
+        "--admin-port", str(admin_port),
         "--adapter-root", str(root / "adapters"), "--log-level", "warning",
     ]
     return subprocess.Popen(command, env={**os.environ, "PYTHONSAFEPATH": "1"})
@@ -168,24 +169,25 @@ def _show_metrics(base_url: str) -> None:
 
 
 def _run_served(root: Path, model_dir: Path, device: str) -> int:
-    port = _free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    print(f"== starting `kubelora engine serve` on {base_url} (max-loras 2: three adapters share two slots)")
-    server = _start_server(root, model_dir, device, port)
+    port, admin_port = _free_port(), _free_port()
+    base_url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+    print(f"== starting `kubelora engine serve` on {base_url}, admin API on {admin_url} (max-loras 2: three "
+          "adapters share two slots)")
+    server = _start_server(root, model_dir, device, port, admin_port)
     try:
         _wait_ready(base_url, server)
-        _run_scenario(base_url)
+        _run_scenario(base_url, admin_url)
     finally:
         server.terminate()
         server.wait(timeout=30)
     return 0
 
 
-def _run_scenario(base_url: str) -> None:
+def _run_scenario(base_url: str, admin_url: str) -> None:
     print("== hot-loading adapters over HTTP (tenant-c registered only: it loads on its first request)")
     for name, *_ in DEMO_ADAPTERS:
         body = {"lora_name": name, "lora_path": name, "preload": name != "tenant-c"}
-        status, answer = _http("POST", f"{base_url}/v1/load_lora_adapter", body)
+        status, answer = _http("POST", f"{admin_url}/v1/load_lora_adapter", body)
         print(f"   load {name}: {status} {answer.get('message') if isinstance(answer, dict) else answer}")
     _show_models(base_url)
     print(f"== {len(_requests())} concurrent completions through the openai SDK, every adapter and the base model")
@@ -193,9 +195,9 @@ def _run_scenario(base_url: str) -> None:
         print(f"   [{adapter or 'base':>9}] {prompt!r} -> {text!r}")
     print(f"== streamed chat with tenant-b: {asyncio.run(_stream_chat(base_url, 'tenant-b'))!r}")
     print("== bad input gets a clear error, and the server keeps serving")
-    status, answer = _http("POST", f"{base_url}/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../../etc"})
+    status, answer = _http("POST", f"{admin_url}/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../../etc"})
     print(f"   load ../../etc: {status} {answer['error']['message'] if isinstance(answer, dict) else answer}")
-    status, answer = _http("POST", f"{base_url}/v1/unload_lora_adapter", {"lora_name": "tenant-a"})
+    status, answer = _http("POST", f"{admin_url}/v1/unload_lora_adapter", {"lora_name": "tenant-a"})
     print(f"   unload tenant-a: {status}")
     status, answer = _http("POST", f"{base_url}/v1/completions", {"model": "tenant-a", "prompt": "hi"})
     print(f"   completion for the unloaded tenant-a: {status} {answer['error']['message']}")

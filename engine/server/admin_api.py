@@ -1,8 +1,11 @@
-"""`GET /v1/models` and the vLLM adapter admin endpoints `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`.
+"""The model list and the vLLM adapter admin endpoints `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`.
 
-Loads resolve the source (confined path or allowed URL, downloaded) and read and validate the adapter in the
-admin thread pool, never on the event loop and never in the engine step: requests keep flowing meanwhile.
-Both admin endpoints are idempotent, and take `Authorization: Bearer <token>` when a token is configured.
+Two route sets over one engine. The serving port gets only the public model list (`GET /v1/models`, sources
+redacted, no long poll); the admin port (`--admin-port`) gets the full list with its long poll and the load and
+unload endpoints, and, when a token is configured, answers nothing without `Authorization: Bearer <token>`
+(`admin_auth_middleware`). Loads resolve the source (confined path or allowed URL, downloaded) and read and
+validate the adapter in the admin thread pool, never on the event loop and never in the engine step: requests
+keep flowing meanwhile. Both admin endpoints are idempotent.
 """
 
 from __future__ import annotations
@@ -64,65 +67,94 @@ def load_adapter(serving: Serving, req: LoadAdapterRequest) -> tuple[AdapterInfo
 
 
 class AdminRoutes:
+def has_admin_token(request: web.Request, token: str | None) -> bool:
+    """The request carries the configured token (constant-time compare); always False when none is configured."""
+    if token is None:
+        return False
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    try:
+        # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes.
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, token.encode())
+
+
+def admin_auth_middleware(token: str | None):
+    """The admin port's gate: with a token configured, every request without it is a 401 (before routing, so
+    even an unknown path tells nothing). Without one the port is open: docs/server.md says who may reach it."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if token is not None and not has_admin_token(request, token):
+            raise Unauthorized("the admin port needs 'Authorization: Bearer <admin token>'",
+                               headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return middleware
+
+
     def __init__(self, get_serving: Callable[[], Serving], admin_token: str | None) -> None:
         self._serving = get_serving
         self._token = admin_token
         self._watch = ModelsWatch()
 
     def add_to(self, app: web.Application) -> None:
+    def add_public_to(self, app: web.Application) -> None:
+        """The serving port's share: the model list, always redacted."""
+        app.router.add_get("/v1/models", self.public_models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.public_model)  # adapter names may hold '/'
+
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model_id:.+}", self.model)  # adapter names may hold '/'
+        """The admin port's routes (behind admin_auth_middleware)."""
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
 
-    def _require_admin(self, request: web.Request) -> None:
-        if self._token is not None and not self._has_admin_token(request):
-            raise Unauthorized("this endpoint needs 'Authorization: Bearer <admin token>'",
-                               headers={"WWW-Authenticate": "Bearer"})
-
     def _has_admin_token(self, request: web.Request) -> bool:
-        """The request carries the configured token; always False when none is configured."""
-        if self._token is None:
-            return False
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        try:
-            # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes.
-            given_bytes = given.strip().encode("utf-8", "surrogateescape")
-        except UnicodeEncodeError:
-            return False
-        return scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, self._token.encode())
+        return has_admin_token(request, self._token)
 
-    def model_cards(self, request: web.Request, serving: Serving) -> list[dict]:
-        """The cards of every served model as this caller may see them (both model routes show these)."""
-        is_admin = self._has_admin_token(request)
+    @staticmethod
+    def model_cards(serving: Serving, is_admin: bool) -> list[dict]:
+        """The cards of every served model; full ones only for a caller with the admin token."""
         cards = [base_card(serving)]
         cards += [model_card(serving, info, is_admin=is_admin) for info in serving.adapters.list()
                   if not info.is_unloading]
         return cards
 
     async def models(self, request: web.Request) -> web.Response:
+    async def public_models(self, request: web.Request) -> web.Response:
+        if request.query.get("changed_since") is not None:
+            raise InvalidRequest("waiting for a change ('changed_since') is served on the admin port only",
+                                 param="changed_since", code="invalid_value")
+        return self._list(self._serving(), is_admin=False)
+
+    async def public_model(self, request: web.Request) -> web.Response:
+        return self._card(self._serving(), request.match_info["model_id"], is_admin=False)
+
         """The served models, tagged (`ETag`) by the adapter set; `?changed_since=<tag>[&wait_s=<s>]` waits until
         the set differs from that tag (models_watch.py)."""
         since = request.query.get("changed_since")
         if since is not None:
-            self._require_admin(request)
             await self._watch.wait_for_change(self._serving, since, parse_wait_s(request.query.get("wait_s")))
-        serving = self._serving()
-        tag = adapter_set_tag(serving)
-        return web.json_response({"object": "list", "data": self.model_cards(request, serving)},
-                                 headers={"ETag": f'"{tag}"'})
+        return self._list(self._serving(), is_admin=self._has_admin_token(request))
 
     async def model(self, request: web.Request) -> web.Response:
         """`GET /v1/models/{id}`: the base model's or one adapter's card; 404 model_not_found otherwise."""
-        serving, model_id = self._serving(), request.match_info["model_id"]
-        card = next((c for c in self.model_cards(request, serving) if c["id"] == model_id), None)
+        return self._card(self._serving(), request.match_info["model_id"], is_admin=self._has_admin_token(request))
+
+    def _list(self, serving: Serving, is_admin: bool) -> web.Response:
+        return web.json_response({"object": "list", "data": self.model_cards(serving, is_admin)},
+                                 headers={"ETag": f'"{adapter_set_tag(serving)}"'})
+
+    def _card(self, serving: Serving, model_id: str, is_admin: bool) -> web.Response:
+        card = next((c for c in self.model_cards(serving, is_admin) if c["id"] == model_id), None)
         if card is None:
             raise ModelNotFound(f"model {model_id!r} does not exist; GET /v1/models lists the served models",
                                 param="model")
         return web.json_response(card)
 
     async def load(self, request: web.Request) -> web.Response:
-        self._require_admin(request)
         serving = self._serving()
         req = await parse_body(request, parse_load_adapter)
         if req.lora_name == serving.model_name:
@@ -137,7 +169,6 @@ class AdminRoutes:
                                   "adapter": model_card(serving, info, is_admin=self._has_admin_token(request))})
 
     async def unload(self, request: web.Request) -> web.Response:
-        self._require_admin(request)
         serving = self._serving()
         req = await parse_body(request, parse_unload_adapter)
         if req.lora_name == serving.model_name:

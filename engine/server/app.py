@@ -1,6 +1,8 @@
 """The aiohttp application: routes, the error middleware, and the engine's start and stop.
 
-The HTTP server listens before the model is loaded, so `/health` answers at once; `/ready` turns 200 when
+Two applications share one engine: `build_app` returns the serving one (OpenAI API, public model list, health,
+metrics) and keeps the admin one (adapter load/unload, the operator's model list) under `ADMIN_APP`, for the
+admin port. The HTTP server listens before the model is loaded, so `/health` answers at once; `/ready` turns 200 when
 the model is loaded, the startup adapters are loaded and the engine thread runs. Engine-backed routes answer
 503 until then.
 """
@@ -21,7 +23,7 @@ from kubelora.engine.common.http_errors import error_middleware
 from kubelora.engine.common.logs import log_event
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.server.adapter_ops import AdapterOps
-from kubelora.engine.server.admin_api import AdminRoutes
+from kubelora.engine.server.admin_api import AdminRoutes, admin_auth_middleware
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.config import ServerConfig
 from kubelora.engine.server.extra_api import ExtraRoutes
@@ -132,6 +134,7 @@ def _load_startup_adapter(serving: Serving, name: str, path: str) -> None:
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 
 
+ADMIN_APP = web.AppKey("admin_app", web.Application)
 async def health(request: web.Request) -> web.Response:
     lifecycle = request.app[LIFECYCLE]
     serving = lifecycle.serving
@@ -160,16 +163,24 @@ def build_app(config: ServerConfig, engine_factory: Callable[[EngineConfig], obj
               ) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     lifecycle = Lifecycle(config, engine_factory)
+    """The serving application; it starts and stops the engine. Its admin application is `app[ADMIN_APP]`."""
     app[LIFECYCLE] = lifecycle
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     OpenAIRoutes(lifecycle.get_serving).add_to(app)
-    AdminRoutes(lifecycle.get_serving, config.admin_token).add_to(app)
+    admin_routes = AdminRoutes(lifecycle.get_serving, config.admin_token)
+    admin_routes.add_public_to(app)
     ExtraRoutes(lifecycle.get_serving).add_to(app)
     app.cleanup_ctx.append(_engine_context)
     return app
 
+    # error_middleware outermost: the token check's 401 gets the same JSON body as every other error.
+    admin = web.Application(middlewares=[error_middleware, admin_auth_middleware(config.admin_token)],
+                            client_max_size=MAX_BODY_BYTES)
+    admin[LIFECYCLE] = lifecycle
+    admin_routes.add_to(admin)
+    app[ADMIN_APP] = admin
 
 async def _engine_context(app: web.Application):
     lifecycle = app[LIFECYCLE]

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from kubelora.engine.common.aio_serve import run_app
+from kubelora.engine.common.aio_serve import SHUTDOWN_TIMEOUT_S, run_app
 from kubelora.engine.common.logs import install_json_handler, log_event
 from kubelora.engine.server import config as server_config
-from kubelora.engine.server.app import LIFECYCLE, build_app
+from kubelora.engine.server.app import ADMIN_APP, LIFECYCLE, build_app
 
 log = logging.getLogger("kubelora.engine.server")
 
@@ -34,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(config.log_level)
     log_event(log, "starting", **_loggable(config))
-    return asyncio.run(serve(build_app(config), config.host, config.port))
+    if config.admin_token is None:
+        log_event(log, "admin_port_open", logging.WARNING, admin_port=config.admin_port,
+                  hint="no admin token: anyone who reaches the admin port may load and unload adapters")
+    return asyncio.run(serve(build_app(config), config.host, config.port, admin_port=config.admin_port))
 
 
 def configure_logging(level: str) -> None:
@@ -56,13 +59,26 @@ def _loggable(config: server_config.ServerConfig) -> dict:
 
 
 async def serve(app: web.Application, host: str, port: int, stop: asyncio.Event | None = None,
-                on_listening: Callable[[list], None] | None = None) -> int:
-    """Run `app` until `stop` is set or a signal arrives; 1 when the engine fails to start.
+                on_listening: Callable[[list], None] | None = None, *, admin_port: int = 0,
+                on_admin_listening: Callable[[list], None] | None = None) -> int:
+    """Run `app` on `port` and its admin app on `admin_port` until `stop` is set or a signal arrives; 1 when the
+    engine fails to start.
 
-    `on_listening` gets the bound addresses (port 0 binds a free port).
+    `on_listening` / `on_admin_listening` get the bound addresses (port 0 binds a free port). The admin site
+    listens first and closes last, so the operator never sees a serving engine it cannot manage.
     """
     lifecycle = app[LIFECYCLE]
-    await run_app(app, host, port, log, stop=stop, on_listening=on_listening, until=lambda: _wait_failed(lifecycle))
+    admin = web.AppRunner(app[ADMIN_APP], handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await admin.setup()
+    try:
+        await web.TCPSite(admin, host, admin_port).start()
+        log_event(log, "admin_listening", addresses=[list(a)[:2] for a in admin.addresses])
+        if on_admin_listening is not None:
+            on_admin_listening(list(admin.addresses))
+        await run_app(app, host, port, log, stop=stop, on_listening=on_listening,
+                      until=lambda: _wait_failed(lifecycle))
+    finally:
+        await admin.cleanup()
     log_event(log, "stopped", is_failure=lifecycle.failure is not None)
     return 1 if lifecycle.failure is not None else 0
 

@@ -62,7 +62,8 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--async-scheduling", parse_bool,
              "queue the next step before reading this one's tokens back (default: on CUDA)", is_switch=True),
     _setting("--host", str, "listen address", default="0.0.0.0"),
-    _setting("--port", int, "listen port", default=8000),
+    _setting("--port", int, "serving port: the OpenAI API, the public model list, health, metrics", default=8000),
+    _setting("--admin-port", int, "admin port: adapter load/unload and the operator's model list", default=8001),
     _setting("--admin-token-file", str, "file holding the bearer token for the adapter admin endpoints"),
     _setting("--adapter-root", str, "directory local adapter paths must lie under (repeatable)", is_list=True),
     _setting("--adapter-url-host", str, "host[:port] adapter URLs may name (repeatable)", is_list=True),
@@ -87,6 +88,7 @@ class ServerConfig:
     adapter_root: tuple[str, ...] = ()
     adapter_url_host: tuple[str, ...] = ()
     adapter_cache_dir: str = "/tmp/kubelora-adapters"
+    admin_port: int = 8001  # the admin endpoints listen here only (docs/server.md, "Two ports")
     max_adapter_bytes: int = 2 << 30
     adapter_download_timeout: float = 600.0
     log_level: str = "info"
@@ -101,8 +103,11 @@ class ServerConfig:
             raise ValueError(f"max_adapter_bytes must be >= 1, got {self.max_adapter_bytes}")
         if not self.adapter_download_timeout > 0:
             raise ValueError(f"adapter_download_timeout must be > 0 seconds, got {self.adapter_download_timeout}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "admin_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.port == self.admin_port != 0:
+            raise ValueError(f"admin_port must differ from port, both are {self.port}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.admin_token is not None and not self.admin_token:

@@ -7,8 +7,8 @@ resident (host or device) or only registered. Moves between host and device, whi
 do not change it. So an adapter unloaded or loaded behind the operator's back, or evicted from the host tier,
 reaches the operator within `POLL_S`, while a steady pod costs one open request per `wait_s`.
 
-Bounded: at most `MAX_WATCHES` waits at once (429 beyond), each re-reading the set every `POLL_S`; waiting needs
-the admin token when one is configured (the list itself stays open).
+Bounded: at most `MAX_WATCHES` waits at once (429 beyond), each re-reading the set every `POLL_S`. Served on the
+admin port only (admin_api.py); the serving port's list carries the same tag but does not wait.
 """
 
 from __future__ import annotations

@@ -71,17 +71,18 @@ def pool(tmp_path_factory):
                 for i in range(3)}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1"}
     procs, logs = [], []
-    engines = {}
+    engines, admin_urls = {}, {}
     for pod in ("engine-0", "engine-1"):
-        port = _free_port()
+        port, admin_port = _free_port(), _free_port()
         log = open(root / f"{pod}.log", "w")
         logs.append(log)
         procs.append(subprocess.Popen([KUBELORA, "engine", "serve", "--model", str(model), "--max-loras", "2",
                                        "--max-lora-rank", "16", "--max-cpu-loras", "4", "--max-model-len", "128",
-                                       "--host", "127.0.0.1", "--port", str(port),
+                                       "--host", "127.0.0.1", "--port", str(port), "--admin-port", str(admin_port),
                                        "--adapter-root", str(root / "adapters")],
                                       stdout=log, stderr=subprocess.STDOUT, env=env))
         engines[pod] = f"http://127.0.0.1:{port}"
+        admin_urls[pod] = f"http://127.0.0.1:{admin_port}"
     placement = root / "placement.json"
     write_placement(placement, engines, {"a0": ["engine-0"], "a1": []}, revision=1)
     router_port = _free_port()
@@ -91,10 +92,10 @@ def pool(tmp_path_factory):
                                    "--port", str(router_port), "--poll-interval", "0.1"],
                                   stdout=log, stderr=subprocess.STDOUT, env=env))
     try:
-        for url in engines.values():
+        for pod, url in engines.items():
             _wait_ready(url, procs)
             for name in ("a0", "a1"):
-                _post(url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapters[name]),
+                _post(admin_urls[pod] + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapters[name]),
                                                       "preload": False})
         router = f"http://127.0.0.1:{router_port}"
         _wait_ready(router, procs)

@@ -101,7 +101,7 @@ class SlowEngine:
 
 
 class LiveServer:
-    """`serve(build_app(config))` in a thread; `url`, `lifecycle` (the engine inside) once started."""
+    """`serve(build_app(config))` in a thread; `url`, `admin_url`, `lifecycle` (the engine inside) once started."""
 
     def __init__(self, config: ServerConfig, min_step_s: float = 0.0) -> None:
         from kubelora.engine.server.app import LIFECYCLE, build_app, build_engine
@@ -115,6 +115,7 @@ class LiveServer:
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._port: int | None = None
+        self._admin_port: int | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.exit_code: int | None = None
 
@@ -124,10 +125,14 @@ class LiveServer:
         asyncio.set_event_loop(self._loop)
         self._stop = asyncio.Event()
         self.exit_code = self._loop.run_until_complete(
-            cli.serve(self.app, "127.0.0.1", 0, self._stop, on_listening=self._set_port))
+            cli.serve(self.app, "127.0.0.1", 0, self._stop, on_listening=self._set_port, admin_port=0,
+                      on_admin_listening=self._set_admin_port))
 
     def _set_port(self, addresses: list) -> None:
         self._port = addresses[0][1]
+
+    def _set_admin_port(self, addresses: list) -> None:
+        self._admin_port = addresses[0][1]
 
     def start(self, timeout_s: float = 60.0) -> LiveServer:
         self._thread.start()
@@ -143,6 +148,10 @@ class LiveServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self._port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self._admin_port}"
 
     @property
     def serving(self):
@@ -164,12 +173,20 @@ class LiveServer:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, **kwargs)
 
     def post(self, path: str, body: dict | bytes, token: str | None = None) -> tuple[int, dict]:
+        """POST to the serving port."""
+        return self._post(self.url + path, body, token)
+
+    def admin_post(self, path: str, body: dict | bytes, token: str | None = None) -> tuple[int, dict]:
+        """POST to the admin port, with the configured admin token unless `token` is given ("" for none)."""
+        return self._post(self.admin_url + path, body, self.admin_token if token is None else token)
+
+    @staticmethod
+    def _post(url: str, body: dict | bytes, token: str | None) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
-        token = token if token is not None else self.admin_token
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        return _call(urllib.request.Request(self.url + path, data=data, headers=headers, method="POST"))
+        return _call(urllib.request.Request(url, data=data, headers=headers, method="POST"))
 
     def get(self, path: str) -> tuple[int, bytes]:
         try:
@@ -179,7 +196,7 @@ class LiveServer:
             return exc.code, exc.read()
 
     def load(self, name: str, path: Path | str, **extra) -> dict:
-        status, body = self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), **extra})
+        status, body = self.admin_post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), **extra})
         assert status == 200, body
         return body
 
@@ -252,12 +269,14 @@ def reference(material):
 
 @pytest.fixture
 def start_app(aiohttp_client):
-    """`await start_app(config, engine_factory=build_engine)` -> an aiohttp test client of a started server."""
-    from kubelora.engine.server.app import LIFECYCLE, build_app, build_engine
+    """`await start_app(config, engine_factory=build_engine)` -> an aiohttp test client of a started server's
+    serving port; `client.admin` is one of its admin port (the admin token, if any, is not added)."""
+    from kubelora.engine.server.app import ADMIN_APP, LIFECYCLE, build_app, build_engine
 
     async def start(config: ServerConfig, engine_factory=build_engine):
         app = build_app(config, engine_factory)
         client = await aiohttp_client(app)
+        client.admin = await aiohttp_client(app[ADMIN_APP])
         await asyncio.wait_for(app[LIFECYCLE].done.wait(), 60)
         assert app[LIFECYCLE].failure is None, app[LIFECYCLE].failure
         return client

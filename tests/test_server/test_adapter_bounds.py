@@ -41,7 +41,7 @@ async def test_a_slow_source_fails_the_load_at_the_deadline(start_app, config_fo
                                         adapter_download_timeout=deadline_s))
     started = time.monotonic()
     url = f"http://{misbehaving_source}/{path}"
-    response = await client.post("/v1/load_lora_adapter", json=_load_body("slow", url))
+    response = await client.admin.post("/v1/load_lora_adapter", json=_load_body("slow", url))
     error = await api_error(response, 400, "adapter_source_error", "lora_path", "download_failed")
     assert f"{failing_file}: it did not finish within the {deadline_s:g} s deadline" in error["message"]
     assert deadline_s - 0.1 < time.monotonic() - started < deadline_s + 2
@@ -71,7 +71,7 @@ def test_a_load_whose_client_gave_up_still_ends_with_a_failure_log(live_server, 
     server = live_server(adapter_url_host=("127.0.0.1",), adapter_download_timeout=DEADLINE_S)
     body = _load_body("abandoned", f"http://{misbehaving_source}/trickle/0.5/a.tar.gz")
     with pytest.raises((TimeoutError, urllib.error.URLError)):
-        _post(server.url + "/v1/load_lora_adapter", body, timeout=0.3)
+        _post(server.admin_url + "/v1/load_lora_adapter", body, timeout=0.3)
     _wait_for(lambda: "adapter_load_failed" in caplog.text, DEADLINE_S + 3)
     [record] = [r for r in caplog.records if r.getMessage() == "adapter_load_failed"]
     fields = record.kubelora_fields
@@ -83,16 +83,16 @@ def test_unload_never_waits_behind_loads_of_other_adapters(live_server, material
     server.load("a0", material.adapters["a0"])
     slow = [_load_body(f"slow{i}", f"http://{misbehaving_source}/trickle/0.5/{i}.tar.gz") for i in range(6)]
     statuses: dict[str, int] = {}
-    threads = [threading.Thread(target=lambda b=b: statuses.__setitem__(b["lora_name"], server.post(
+    threads = [threading.Thread(target=lambda b=b: statuses.__setitem__(b["lora_name"], server.admin_post(
         "/v1/load_lora_adapter", b)[0])) for b in slow]
     for thread in threads:
         thread.start()
     time.sleep(0.3)  # every admin thread is now downloading, two loads queue behind them
     started = time.monotonic()
-    status, answer = server.post("/v1/unload_lora_adapter", {"lora_name": "a0"})
+    status, answer = server.admin_post("/v1/unload_lora_adapter", {"lora_name": "a0"})
     assert status == 200 and answer["was_loaded"] and time.monotonic() - started < 1.0
     # An unload of a name whose load is in flight waits for that load (it fails at its deadline) and no more.
-    status, answer = server.post("/v1/unload_lora_adapter", {"lora_name": "slow0"})
+    status, answer = server.admin_post("/v1/unload_lora_adapter", {"lora_name": "slow0"})
     assert status == 200 and not answer["was_loaded"] and "slow0" in statuses
     for thread in threads:
         thread.join(timeout=30)
@@ -105,7 +105,7 @@ async def test_a_download_shorter_than_its_content_length_is_refused_and_removed
     client = await start_app(config_for(adapter_url_host=("127.0.0.1",), adapter_cache_dir=str(cache)))
     for path in ("short/a.tar.gz", "short/dir/"):
         url = f"http://{misbehaving_source}/{path}"
-        response = await client.post("/v1/load_lora_adapter", json=_load_body("cut", url))
+        response = await client.admin.post("/v1/load_lora_adapter", json=_load_body("cut", url))
         error = await api_error(response, 400, "adapter_source_error", "lora_path", "download_failed")
         assert "ended after 10 of the 1000 bytes" in error["message"]
         assert _files_under(cache) == [] and sorted(os.listdir(cache)) == [".staging"]
@@ -124,7 +124,7 @@ async def test_local_adapter_with_a_gigabyte_of_trailing_bytes_is_refused_fast(s
         f.truncate(weights.stat().st_size + (1 << 30))  # sparse: no gigabyte on disk
     client = await start_app(config_for())
     started = time.monotonic()
-    response = await client.post("/v1/load_lora_adapter", json={**_load_body("trailing", path), "preload": preload})
+    response = await client.admin.post("/v1/load_lora_adapter", json={**_load_body("trailing", path), "preload": preload})
     error = await api_error(response, 400, "adapter_load_error", "lora_path", "adapter_corrupt")
     assert f"{1 << 30} trailing bytes" in error["message"] and time.monotonic() - started < 1.0
     models = await (await client.get("/v1/models")).json()

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -49,13 +50,13 @@ def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 90) -> N
 
 
 def test_serve_from_env_and_flags(material, tmp_path):
-    port = _free_port()
+    port, admin_port = _free_port(), _free_port()
     token = tmp_path / "token"
     token.write_text("t0k3n\n")
     env = {"KUBELORA_MODEL": str(material.model_dir), "KUBELORA_MAX_LORAS": "2", "KUBELORA_MAX_LORA_RANK": "16",
            "KUBELORA_MAX_CPU_LORAS": "4", "KUBELORA_MAX_MODEL_LEN": "256", "KUBELORA_PORT": "1",
            "KUBELORA_SERVED_MODEL_NAME": "tiny", "KUBELORA_ADAPTER_ROOT": str(material.adapter_root),
-           "KUBELORA_ADMIN_TOKEN_FILE": str(token)}
+           "KUBELORA_ADMIN_TOKEN_FILE": str(token), "KUBELORA_ADMIN_PORT": str(admin_port)}
     process = _serve(["--port", str(port), "--host", "127.0.0.1", "--lora", f"a0={material.adapters['a0']}"], env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -65,7 +66,15 @@ def test_serve_from_env_and_flags(material, tmp_path):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny", "a0"]
         assert client.completions.create(model="a0", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
-        request = urllib.request.Request(url + "/v1/unload_lora_adapter", data=b'{"lora_name": "a0"}',
+        admin_url = f"http://127.0.0.1:{admin_port}"
+        for base, token, status in ((url, "t0k3n", 404), (admin_url, None, 401), (admin_url, "wrong", 401)):
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            request = urllib.request.Request(base + "/v1/unload_lora_adapter", data=b'{"lora_name": "a0"}',
+                                             headers=headers, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request)
+            assert refused.value.code == status
+        request = urllib.request.Request(admin_url + "/v1/unload_lora_adapter", data=b'{"lora_name": "a0"}',
                                          headers={"Authorization": "Bearer t0k3n"}, method="POST")
         with urllib.request.urlopen(request) as response:
             assert json.loads(response.read())["was_loaded"]
@@ -74,7 +83,7 @@ def test_serve_from_env_and_flags(material, tmp_path):
         _, stderr = process.communicate(timeout=30)
     assert process.returncode == 0, stderr
     events = [e["event"] for e in _json_lines(stderr)]
-    for event in ("starting", "listening", "adapter_loaded", "engine_ready", "adapter_unloaded", "stopped"):
+    for event in ("starting", "admin_listening", "listening", "adapter_loaded", "engine_ready", "adapter_unloaded", "stopped"):
         assert event in events, events
     assert "t0k3n" not in stderr
 

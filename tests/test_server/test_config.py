@@ -24,6 +24,8 @@ def test_flags_only():
     assert config.engine.model_dir == "/m" and config.engine.served_model_name is None
     assert config.lora == (("a", "/x"), ("b", "/y"))
     assert config.port == 0 and config.engine.max_num_seqs == 64 and config.admin_token is None
+    assert config.admin_port == 8001
+    assert resolve_config(_parse(REQUIRED_FLAGS + ["--admin-port", "9001"]), {}).admin_port == 9001
     assert config.engine == EngineConfig(model_dir="/m", max_loras=2, max_lora_rank=16, max_cpu_loras=4,
                                          max_model_len=256)  # unset engine settings keep EngineConfig's defaults
 
@@ -88,6 +90,8 @@ def test_bad_env_value_names_variable():
     ({"lora": (("../x", "/x"),)}, "must match"),
     ({"lora": (("base", "/x"),), "served_model_name": "base"}, "differ from the base"),
     ({"port": 70000}, "port"),
+    ({"admin_port": -1}, "admin_port must be in"),
+    ({"port": 8000, "admin_port": 8000}, "admin_port must differ from port"),
 ])
 def test_validation(change, match):
     base = dict(model_dir="/m", max_loras=2, max_lora_rank=16, max_cpu_loras=4, max_model_len=256) | change

@@ -8,12 +8,13 @@ import shutil
 
 import pytest
 
-from kubelora.engine.server.app import LIFECYCLE, build_app, build_engine
+from kubelora.engine.server.app import ADMIN_APP, LIFECYCLE, build_app, build_engine
 
 
 async def _start(aiohttp_client, config, factory=build_engine):
     app = build_app(config, factory)
     client = await aiohttp_client(app)
+    client.admin = await aiohttp_client(app[ADMIN_APP])
     await asyncio.wait_for(app[LIFECYCLE].done.wait(), 60)
     assert app[LIFECYCLE].failure is None, app[LIFECYCLE].failure
     return client
@@ -22,7 +23,7 @@ async def _start(aiohttp_client, config, factory=build_engine):
 @pytest.fixture
 async def api(aiohttp_client, config_for, material):
     client = await _start(aiohttp_client, config_for(adapter_url_host=("models.example.com",)))
-    response = await client.post("/v1/load_lora_adapter", json={"lora_name": "a0",
+    response = await client.admin.post("/v1/load_lora_adapter", json={"lora_name": "a0",
                                                                 "lora_path": str(material.adapters["a0"])})
     assert response.status == 200
     return client
@@ -87,7 +88,7 @@ async def test_bad_adapter_loads(api, material, api_error):
         (_load("a0", material.adapters["a1"]), 409, "conflict_error", "lora_name", "adapter_exists"),
     ]
     for body, status, type_, param, code in cases:
-        await api_error(await api.post("/v1/load_lora_adapter", json=body), status, type_, param, code)
+        await api_error(await api.admin.post("/v1/load_lora_adapter", json=body), status, type_, param, code)
     models = await (await api.get("/v1/models")).json()
     assert [m["id"] for m in models["data"]] == ["model", "a0"]  # nothing half-registered
     assert (await api.post("/v1/completions", json=COMPLETION)).status == 200
@@ -96,14 +97,14 @@ async def test_bad_adapter_loads(api, material, api_error):
 async def test_unknown_routes_and_methods(api, api_error):
     await api_error(await api.get("/v1/nothing"), 404, "not_found_error")
     await api_error(await api.get("/v1/completions"), 405, "invalid_request_error")
-    response = await api.post("/v1/unload_lora_adapter", json={"lora_name": "never-loaded"})
+    response = await api.admin.post("/v1/unload_lora_adapter", json={"lora_name": "never-loaded"})
     assert response.status == 200 and not (await response.json())["was_loaded"]
 
 
 async def test_failed_on_demand_load_fails_only_its_requests(api, material, api_error):
     path = material.root / "adapters" / "ondemand"
     shutil.copytree(material.adapters["a5"], path, dirs_exist_ok=True)
-    response = await api.post("/v1/load_lora_adapter", json={**_load("ondemand", path), "preload": False})
+    response = await api.admin.post("/v1/load_lora_adapter", json={**_load("ondemand", path), "preload": False})
     assert (await response.json())["adapter"]["residency"] == "known"
     (path / "adapter_model.safetensors").write_bytes(b"garbage now")
     await api_error(await api.post("/v1/completions", json={**COMPLETION, "model": "ondemand"}), 503,
@@ -205,14 +206,14 @@ async def test_load_from_url(aiohttp_client, config_for, material, served_archiv
     url, digest = served_archive
     client = await _start(aiohttp_client, config_for(adapter_url_host=("127.0.0.1",),
                                                      adapter_cache_dir=str(tmp_path / "cache")))
-    await api_error(await client.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": "0" * 64}), 400,
+    await api_error(await client.admin.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": "0" * 64}), 400,
                  "adapter_source_error", "sha256", "sha256_mismatch")
-    response = await client.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": digest})
+    response = await client.admin.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": digest})
     card = (await response.json())["adapter"]
     assert response.status == 200 and card["source"] == card["root"] == url  # no admin token: no local path
     assert client.app[LIFECYCLE].serving.adapters.get("web").path.startswith(str(tmp_path / "cache"))
     assert card["sha256"] == digest  # echoed, so the operator can tell a changed digest apart after a restart
-    again = await client.post("/v1/load_lora_adapter", json=_load("web", url))
+    again = await client.admin.post("/v1/load_lora_adapter", json=_load("web", url))
     assert (await again.json())["was_loaded"]  # same bytes, same cache directory, same revision
     ok = await client.post("/v1/completions", json={**COMPLETION, "model": "web"})
     assert ok.status == 200

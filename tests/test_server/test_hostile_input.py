@@ -18,7 +18,7 @@ CHAT = {"model": "a0", "messages": [{"role": "user", "content": "Hello"}], "max_
 @pytest.fixture
 async def api(start_app, config_for, material):
     client = await start_app(config_for())
-    response = await client.post("/v1/load_lora_adapter", json={"lora_name": "a0",
+    response = await client.admin.post("/v1/load_lora_adapter", json={"lora_name": "a0",
                                                                 "lora_path": str(material.adapters["a0"])})
     assert response.status == 200
     return client
@@ -64,7 +64,8 @@ async def test_lone_surrogates_are_400(api, api_error, path, body, param):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter"])
 async def test_deep_nesting_is_400(api, api_error, path, depth):
     raw = '{"model": "a0", "prompt": ' + "[" * depth + "]" * depth + "}"
-    error = await api_error(await api.post(path, data=raw), 400, "invalid_request_error", code="invalid_json")
+    port = api.admin if "lora_adapter" in path else api
+    error = await api_error(await port.post(path, data=raw), 400, "invalid_request_error", code="invalid_json")
     assert "nested too deeply" in error["message"]
     await _still_serves(api)
 
@@ -87,8 +88,9 @@ async def _raw_request(client, path: str, headers: bytes, body: bytes) -> tuple[
                                         ("/v1/completions", {"model": "model", "prompt": "Hi", "max_tokens": 1})])
 async def test_non_utf8_authorization_is_not_500(start_app, config_for, admin_token, path, body):
     client = await start_app(config_for(admin_token=admin_token))
+    port = client if path == "/v1/completions" else client.admin
     for header in (b"Authorization: Bearer \xff\xfe\x80\r\n", b"Authorization: \xc3\x28 \xa0\xa1\r\n"):
-        status, answer = await _raw_request(client, path, header, json.dumps(body).encode())
+        status, answer = await _raw_request(port, path, header, json.dumps(body).encode())
         assert status < 500, answer
         if admin_token is not None and path != "/v1/completions":
             assert status == 401 and answer["error"]["type"] == "authentication_error"
@@ -134,7 +136,7 @@ async def test_crafted_safetensors_headers_are_400(api, api_error, material, tmp
     header, data = _header_of(weights)
     header[A_KEY] = CRAFTED[case](header[A_KEY])
     _write_safetensors(weights, header, data)
-    response = await api.post("/v1/load_lora_adapter", json={"lora_name": "crafted", "lora_path": str(adapter),
+    response = await api.admin.post("/v1/load_lora_adapter", json={"lora_name": "crafted", "lora_path": str(adapter),
                                                              "preload": preload})
     await api_error(response, 400, "adapter_load_error", "lora_path", "adapter_corrupt")
     models = await (await api.get("/v1/models")).json()

@@ -55,7 +55,7 @@ def test_inplace_revision_during_stream(material, live_server, reference, prompt
     first = next(iter(stream)).choices[0].text
 
     rev2 = {"lora_name": "tenant", "lora_path": str(material.extra["rev2"])}
-    status, body = server.post("/v1/load_lora_adapter", rev2)
+    status, body = server.admin_post("/v1/load_lora_adapter", rev2)
     assert status == 409 and body["error"]["type"] == "conflict_error" and body["error"]["code"] == "adapter_exists"
     v2 = server.load("tenant", material.extra["rev2"], load_inplace=True)["adapter"]["revision"]
     assert v2 != v1 and _running(server, "tenant") == 1  # the stream is still running, on v1
@@ -78,7 +78,7 @@ def test_unload_during_stream(material, live_server, reference, prompt_tokens):
     stream = _stream(client, "a1")
     first = next(iter(stream)).choices[0].text
 
-    status, body = server.post("/v1/unload_lora_adapter", {"lora_name": "a1"})
+    status, body = server.admin_post("/v1/unload_lora_adapter", {"lora_name": "a1"})
     assert status == 200 and body["was_loaded"]
     assert _running(server, "a1") == 1
     assert "a1" not in [m.id for m in client.models.list().data]
@@ -93,7 +93,7 @@ def test_unload_during_stream(material, live_server, reference, prompt_tokens):
     assert adapters.get("a1") is None
     stats = adapters.stats()
     assert stats.pool_used_bytes == 0 and stats.host_bytes == 0  # device and host memory freed
-    status, body = server.post("/v1/unload_lora_adapter", {"lora_name": "a1"})
+    status, body = server.admin_post("/v1/unload_lora_adapter", {"lora_name": "a1"})
     assert status == 200 and not body["was_loaded"]  # idempotent
 
 
@@ -111,11 +111,15 @@ def test_admin_token(material, live_server):
     server = live_server(admin_token="s3cret")
     body = {"lora_name": "a3", "lora_path": str(material.adapters["a3"])}
     for token in ("", "wrong"):  # no Authorization header, then a wrong token
-        status, error = server.post("/v1/load_lora_adapter", body, token=token)
+        status, error = server.admin_post("/v1/load_lora_adapter", body, token=token)
         assert status == 401 and error["error"]["type"] == "authentication_error"
-    assert server.post("/v1/unload_lora_adapter", {"lora_name": "a3"}, token="wrong")[0] == 401
-    assert server.post("/v1/load_lora_adapter", body)[0] == 200
-    # Inference and listing stay open.
+    assert server.admin_post("/v1/unload_lora_adapter", {"lora_name": "a3"}, token="wrong")[0] == 401
+    assert server.admin_post("/v1/load_lora_adapter", body)[0] == 200
+    # Inference and listing stay open on the serving port, which has no admin endpoints, token or not.
+    assert "a3" in [m.id for m in server.client().models.list().data]
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        status, error = server.post(path, {"lora_name": "a3"}, token="s3cret")
+        assert status == 404, error
     assert "a3" in [m.id for m in server.client().models.list().data]
 
 

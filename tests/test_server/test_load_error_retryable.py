@@ -110,8 +110,8 @@ async def test_admin_api_bodies(start_app, config_for, material, tmp_path: Path)
         (_load("x", material.model_dir), "path_not_allowed", False),
     ]
     for body, code, is_retryable in cases:
-        response = await api.post("/v1/load_lora_adapter", json=body)
+        response = await api.admin.post("/v1/load_lora_adapter", json=body)
         error = (await response.json())["error"]
         assert response.status == 400 and (error["code"], error.get("retryable")) == (code, is_retryable), error
-    response = await api.post("/v1/load_lora_adapter", json={"lora_name": "x"})
+    response = await api.admin.post("/v1/load_lora_adapter", json={"lora_name": "x"})
     assert response.status == 400 and "retryable" not in (await response.json())["error"]

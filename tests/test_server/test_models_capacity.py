@@ -7,7 +7,7 @@ from __future__ import annotations
 async def test_cards_carry_bytes_at_their_own_rank_and_the_pool_budget(start_app, config_for, material):
     api = await start_app(config_for(max_lora_pool_bytes=1 << 20))
     for name in ("a0", "a5"):  # both on q_proj, v_proj; rank 4 and rank 16
-        response = await api.post("/v1/load_lora_adapter", json={"lora_name": name,
+        response = await api.admin.post("/v1/load_lora_adapter", json={"lora_name": name,
                                                                  "lora_path": str(material.adapters[name]),
                                                                  "preload": name == "a0"})
         assert response.status == 200

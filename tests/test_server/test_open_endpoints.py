@@ -1,6 +1,7 @@
-"""No secrets in open endpoints (issue 16): `GET /v1/models` without the admin token redacts the query string
-of an adapter's source and shows no local path; with the token it shows both; `source_digest` identifies the
-full source for every caller. Adapter names with path segments such as `..` are refused."""
+"""No secrets in open endpoints (issue 16): the serving port's `GET /v1/models` redacts the query string of an
+adapter's source and shows no local path, token or not; the admin port shows both to the admin token;
+`source_digest` identifies the full source for every caller. Adapter names with path segments such as `..` are
+refused."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ async def test_models_without_the_token_redact_sources(start_app, config_for, ma
                                         admin_token=admin_token))
     auth = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
     for name, source in (("web", presigned_url), ("local", "a1")):  # "a1": relative to the adapter root
-        response = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": source},
+        response = await client.admin.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": source},
                                      headers=auth)
         answer = await response.text()
         assert response.status == 200, answer
@@ -63,12 +64,16 @@ async def test_models_without_the_token_redact_sources(start_app, config_for, ma
     assert cards["local"]["source"] == cards["local"]["root"] == "a1"
     assert cards["web"]["source_digest"] == _digest(presigned_url) and cards["local"]["source_digest"] == _digest("a1")
     if admin_token:
-        full, _ = await _cards(client, admin_token)
+        full, _ = await _cards(client.admin, admin_token)
         assert full["web"]["source"] == presigned_url and full["web"]["root"].startswith(str(cache))
         assert full["local"]["source"] == "a1" and full["local"]["root"] == str(material.adapters["a1"].resolve())
         assert full["web"]["source_digest"] == cards["web"]["source_digest"]
-        wrong, _ = await _cards(client, "wrong")
-        assert wrong["web"]["source"] == base_url + "?<redacted>"
+        assert (await client.admin.get("/v1/models", headers={"Authorization": "Bearer wrong"})).status == 401
+        public, _ = await _cards(client, admin_token)  # the serving port redacts even for the admin token
+        assert public["web"]["source"] == base_url + "?<redacted>"
+    else:
+        open_admin, _ = await _cards(client.admin)  # no token configured: the admin port redacts too
+        assert open_admin["web"]["source"] == base_url + "?<redacted>"
     one = await (await client.get("/v1/models/web")).json()
     assert one["source"] == base_url + "?<redacted>"
     assert SECRET not in caplog.text and "d3adb33f" not in caplog.text  # nor in the logs
@@ -79,7 +84,7 @@ async def test_operator_plan_matches_a_redacted_card(start_app, config_for, pres
     from kubelora.operator.plan import DesiredAdapter, ObservedAdapter, is_current
 
     client = await start_app(config_for(adapter_url_host=("127.0.0.1",), adapter_cache_dir=str(tmp_path / "c")))
-    response = await client.post("/v1/load_lora_adapter", json={"lora_name": "web", "lora_path": presigned_url})
+    response = await client.admin.post("/v1/load_lora_adapter", json={"lora_name": "web", "lora_path": presigned_url})
     assert response.status == 200
     cards, _ = await _cards(client)
     observed = ObservedAdapter.from_card(cards["web"])
@@ -92,10 +97,10 @@ async def test_adapter_names_with_path_segments_are_refused(start_app, config_fo
     client = await start_app(config_for())
     for path, body in (("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(material.adapters["a0"])}),
                        ("/v1/unload_lora_adapter", {"lora_name": name})):
-        error = await api_error(await client.post(path, json=body), 400, "invalid_request_error", "lora_name",
+        error = await api_error(await client.admin.post(path, json=body), 400, "invalid_request_error", "lora_name",
                                 "invalid_value")
         assert "'..'" in error["message"]
-    ok = await client.post("/v1/load_lora_adapter", json={"lora_name": "org/team.v1:2@x",
+    ok = await client.admin.post("/v1/load_lora_adapter", json={"lora_name": "org/team.v1:2@x",
                                                           "lora_path": str(material.adapters["a0"])})
     assert ok.status == 200
     cards, _ = await _cards(client)
