@@ -1,4 +1,5 @@
-"""The decoder's small ops fused into one Triton launch each: residual add + RMSNorm, SiLU x mul, rotary in place.
+"""The decoder's small ops fused into one Triton launch each: residual add + RMSNorm, SiLU x mul, rotary in place
+(alone, or with the layer's KV-cache write: `rotary_kv_cache_`).
 
 Each op's plain-torch reference sits beside it with the same signature and computes, op for op, what
 engine/model/llama.py (`rms_norm`, `hidden + delta`, `F.silu(gate) * up`) and engine/model/rope.py
@@ -193,12 +194,14 @@ def rotary_torch_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv
 
 
 @triton.jit
-def _rotate_heads(x_ptr, token, first_head, num_heads, token_stride, head_stride, cos, sin, half,
+def _rotate_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_stride, cos, sin, half,
                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotates heads [first_head, first_head + BLOCK_H) of one token's row at x_ptr into out_ptr (may be x_ptr)."""
     heads = first_head + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < num_heads) & (cols[None, :] < half)
-    ptrs = x_ptr + token * token_stride + heads[:, None].to(tl.int64) * head_stride + cols[None, :]
+    ptrs = x_ptr + heads[:, None].to(tl.int64) * head_stride + cols[None, :]
+    out_ptrs = out_ptr + heads[:, None].to(tl.int64) * out_head_stride + cols[None, :]
     x1 = tl.load(ptrs, mask=mask, other=0.0)
     x2 = tl.load(ptrs + half, mask=mask, other=0.0)
     dtype = x1.dtype
@@ -206,16 +209,30 @@ def _rotate_heads(x_ptr, token, first_head, num_heads, token_stride, head_stride
     # Each product is rounded to the dtype before the sum, as apply_rotary's three eager ops round them.
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(ptrs, out1.to(dtype), mask=mask)
-    tl.store(ptrs + half, out2.to(dtype), mask=mask)
+    tl.store(out_ptrs, out1.to(dtype), mask=mask)
+    tl.store(out_ptrs + half, out2.to(dtype), mask=mask)
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, positions_ptr, inv_freq_ptr, attention_scaling, q_token_stride, q_head_stride,
-                   k_token_stride, k_head_stride, num_heads, num_kv_heads, half, BLOCK_H: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr):
+def _copy_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_stride, head_dim,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    heads = first_head + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < num_heads) & (cols[None, :] < head_dim)
+    x = tl.load(x_ptr + heads[:, None].to(tl.int64) * head_stride + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + heads[:, None].to(tl.int64) * out_head_stride + cols[None, :], x, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, key_cache_ptr, value_cache_ptr, slots_ptr,
+                   attention_scaling, q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
+                   v_head_stride, cache_slot_stride, cache_head_stride, num_heads, num_kv_heads, half,
+                   HAS_CACHE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
+    num_q_blocks = tl.cdiv(num_heads, BLOCK_H)
+    num_rotated_blocks = num_q_blocks + tl.cdiv(num_kv_heads, BLOCK_H)
+    slot = tl.load(slots_ptr + token).to(tl.int64)  # without HAS_CACHE: a position, unused
     cols = tl.arange(0, BLOCK_HALF)
     inv_freq = tl.load(inv_freq_ptr + cols, mask=cols < half, other=0.0)
     freqs = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
@@ -223,18 +240,39 @@ def _rotary_kernel(q_ptr, k_ptr, positions_ptr, inv_freq_ptr, attention_scaling,
     dtype = q_ptr.dtype.element_ty
     cos = (tl.cos(freqs) * attention_scaling).to(dtype).to(tl.float32)[None, :]
     sin = (tl.sin(freqs) * attention_scaling).to(dtype).to(tl.float32)[None, :]
-    num_q_blocks = tl.cdiv(num_heads, BLOCK_H)
     if block < num_q_blocks:
-        _rotate_heads(q_ptr, token, block * BLOCK_H, num_heads, q_token_stride, q_head_stride, cos, sin, half,
+        q_row = q_ptr + token * q_token_stride
+        _rotate_heads(q_row, q_row, block * BLOCK_H, num_heads, q_head_stride, q_head_stride, cos, sin, half,
                       BLOCK_H, BLOCK_HALF)
-    else:
-        _rotate_heads(k_ptr, token, (block - num_q_blocks) * BLOCK_H, num_kv_heads, k_token_stride, k_head_stride,
-                      cos, sin, half, BLOCK_H, BLOCK_HALF)
+    elif block < num_rotated_blocks:
+        k_row = k_ptr + token * k_token_stride
+        first = (block - num_q_blocks) * BLOCK_H
+        if HAS_CACHE:  # the rotated k goes straight into the key cache; k itself is left as it was
+            if slot >= 0:
+                _rotate_heads(k_row, key_cache_ptr + slot * cache_slot_stride, first, num_kv_heads, k_head_stride,
+                              cache_head_stride, cos, sin, half, BLOCK_H, BLOCK_HALF)
+        else:
+            _rotate_heads(k_row, k_row, first, num_kv_heads, k_head_stride, k_head_stride, cos, sin, half, BLOCK_H,
+                          BLOCK_HALF)
+    elif slot >= 0:  # HAS_CACHE only: v copied into the value cache as it is
+        _copy_heads(v_ptr + token * v_token_stride, value_cache_ptr + slot * cache_slot_stride,
+                    (block - num_rotated_blocks) * BLOCK_H, num_kv_heads, v_head_stride, cache_head_stride, 2 * half,
+                    BLOCK_H, 2 * BLOCK_HALF)
 
 
 def _rotary_heads_per_program(num_tokens: int, num_heads: int) -> int:
     """One head per program for decode-sized batches (more programs over the SMs), 4 once tokens fill the GPU."""
     return min(1 if num_tokens < 64 else 4, triton.next_power_of_2(num_heads))
+
+
+def _check_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    assert q.dtype in FLOAT_DTYPES and k.dtype == q.dtype and head_dim == 2 * half
+    assert k.shape == (num_tokens, num_kv_heads, head_dim) and q.stride(2) == 1 and k.stride(2) == 1
+    assert positions.shape == (num_tokens,) and positions.stride(0) == 1 and not positions.is_floating_point()
+    assert inv_freq.shape == (half,) and inv_freq.dtype == torch.float32 and inv_freq.stride(0) == 1
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -247,18 +285,70 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
     One launch: a program per (token, block of q or k heads).
     """
     _check_device(q)
+    _check_rotary(q, k, positions, inv_freq)
+    if q.shape[0] == 0:
+        return
+    _launch_rotary(q, k, None, positions, inv_freq, attention_scaling, None, None, None)
+
+
+def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
-    assert q.dtype in FLOAT_DTYPES and k.dtype == q.dtype and head_dim == 2 * half
-    assert k.shape == (num_tokens, num_kv_heads, head_dim) and q.stride(2) == 1 and k.stride(2) == 1
-    assert positions.shape == (num_tokens,) and positions.stride(0) == 1 and not positions.is_floating_point()
-    assert inv_freq.shape == (half,) and inv_freq.dtype == torch.float32 and inv_freq.stride(0) == 1
-    if num_tokens == 0:
-        return
+    has_cache = key_cache is not None
     block_h = _rotary_heads_per_program(num_tokens, max(num_heads, num_kv_heads))
     block_half = triton.next_power_of_2(half)
-    grid = (num_tokens, triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
-    _rotary_kernel[grid](q, k, positions, inv_freq, float(attention_scaling), q.stride(0), q.stride(1), k.stride(0),
-                         k.stride(1), num_heads, num_kv_heads, half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+    num_kv_blocks = triton.cdiv(num_kv_heads, block_h)
+    grid = (num_tokens, triton.cdiv(num_heads, block_h) + num_kv_blocks * (2 if has_cache else 1))
+    v_arg, caches = (v, (key_cache, value_cache, slot_mapping)) if has_cache else (k, (k, k, positions))
+    cache_strides = (key_cache.stride(-3), key_cache.stride(-2)) if has_cache else (0, 0)
+    _rotary_kernel[grid](q, k, v_arg, positions, inv_freq, *caches, float(attention_scaling), q.stride(0),
+                         q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), *cache_strides,
+                         num_heads, num_kv_heads, half, HAS_CACHE=has_cache, BLOCK_H=block_h, BLOCK_HALF=block_half,
                          num_warps=max(min(block_h * block_half // 256, 4), 1))
+
+
+# ---- rotary embedding with the KV-cache write ------------------------------------------------------------------
+
+
+def rotary_kv_cache_torch_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                           inv_freq: torch.Tensor, attention_scaling: float, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Reference: q rotated in place as `rotary_torch_` rotates it; the rotated k and v stored at their flat cache
+    slots (`engine/model/attention.py: write_kv`); k and v themselves are left as they were.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; key_cache, value_cache:
+    [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] integer, flat slot
+    (block * block_size + offset) of each token; a negative slot writes nothing.
+    """
+    rotated_k = k.clone()
+    rotary_torch_(q, rotated_k, positions, inv_freq, attention_scaling)
+    num_kv_heads, head_dim = k.shape[1:]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    key_cache.view(-1, num_kv_heads, head_dim)[slots] = rotated_k[keep]
+    value_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep]
+
+
+def rotary_kv_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     inv_freq: torch.Tensor, attention_scaling: float, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton: `rotary_kv_cache_torch_` in one launch (the rotary and the two cache writes of a layer).
+
+    Same arguments and roundings; q, k, v may be strided views of a fused qkv output (contiguous head_dim); the
+    caches are contiguous in their last two dimensions. A program per (token, block of q, k or v heads); the k
+    programs store the rotated heads in the key cache instead of back into k. Distinct tokens must have distinct
+    slots (as the scheduler's slot mappings do), else which token's K/V a shared slot keeps is unspecified.
+    """
+    _check_device(q)
+    _check_rotary(q, k, positions, inv_freq)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and v.dtype == q.dtype and v.stride(2) == 1
+    for cache in (key_cache, value_cache):
+        assert cache.dtype == q.dtype and cache.shape[-2:] == (num_kv_heads, head_dim)
+        assert cache.stride(-1) == 1 and cache.stride(-2) == head_dim and cache.stride() == key_cache.stride()
+    assert key_cache.stride(-3) == num_kv_heads * head_dim and key_cache.is_contiguous()
+    assert slot_mapping.shape == (num_tokens,) and not slot_mapping.is_floating_point()
+    if num_tokens == 0:
+        return
+    _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping)

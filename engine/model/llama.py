@@ -4,12 +4,13 @@ One forward runs every scheduled token of the step as one flat batch `[num_token
 projection (fused qkv, o, fused gate_up, down) computes its base output and then calls the batched LoRA op
 once for the whole batch with the step's shared metadata. The residual stream is carried beside the hidden
 state so that each residual add is fused with the RMSNorm after it; on CUDA the small ops (residual add +
-RMSNorm, SiLU x mul, rotary) are one Triton launch each (kernels/fused.py), elsewhere their PyTorch references,
-which compute what transformers computes.
+RMSNorm, SiLU x mul, rotary with the KV-cache write) are one Triton launch each (kernels/fused.py), elsewhere
+their PyTorch references, which compute what transformers computes.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused
 from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
+
+SIDE_STREAM_ENV = "KUBELORA_LORA_SIDE_STREAM"
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ class DecoderModel:
         self.scale = config.head_dim**-0.5
         self.windows = set(config.sliding_windows)
         self.is_fused = weights.embed.is_cuda  # Triton small ops (kernels/fused.py) on CUDA
+        # The stream LoRA shrinks run on beside the base matmuls (`_proj`); KUBELORA_LORA_SIDE_STREAM=0 turns it off.
+        is_side = self.is_fused and os.environ.get(SIDE_STREAM_ENV, "1").strip() != "0"
+        self.lora_stream = torch.cuda.Stream(weights.embed.device, priority=-1) if is_side else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,21 +124,39 @@ class DecoderModel:
         q, k, v = self._proj(layer, "qkv", x, ctx).split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if self.is_fused:
-            fused.rotary_(q, k, ctx.positions, self.rope.inv_freq, self.rope.attention_scaling)
-        else:
-            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         key_cache, value_cache = self.kv_cache.key[layer], self.kv_cache.value[layer]
-        write_kv(key_cache, value_cache, k, v, ctx.attention.slot_mapping)
+        if self.is_fused:  # one launch: q rotated in place, the rotated k and v stored in the cache
+            fused.rotary_kv_cache_(q, k, v, ctx.positions, self.rope.inv_freq, self.rope.attention_scaling,
+                                   key_cache, value_cache, ctx.attention.slot_mapping)
+        else:
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+            write_kv(key_cache, value_cache, k, v, ctx.attention.slot_mapping)
         return paged_attention(q, key_cache, value_cache, ctx.attention, cfg.sliding_windows[layer], self.scale)
 
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
+        """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op.
+
+        With the Triton LoRA kernels on CUDA the shrink (x @ A^T, which needs only x) is queued on a side stream
+        before the base matmul and the expand after both, so the small latency-bound shrink runs on the SMs the
+        matmul leaves free (in CUDA graphs too: the fork and join are captured as graph edges)."""
         weights = self.weights.layers[layer]
+        lora = ctx.lora
+        if lora is None:
+            return F.linear(x, weights.weight[kind], weights.bias[kind])
+        buffers, proj = self.lora_buffers[layer], lora.proj[kind]
+        side = self.lora_stream
+        if side is None or lora.backend != "triton" or not lora.step.has_lora or not any(proj.max_rank):
+            y = F.linear(x, weights.weight[kind], weights.bias[kind])
+            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], proj, lora.step, backend=lora.backend)
+            return y
+        from kubelora.kernels.lora_triton import expand_lora_triton, shrink_lora_triton  # TRITON_INTERPRET read late
+
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):  # PDL off: it does not order launches across streams
+            shrunk = shrink_lora_triton(x, buffers.lora_a[kind], buffers.lora_b[kind], proj, lora.step, is_pdl=False)
         y = F.linear(x, weights.weight[kind], weights.bias[kind])
-        if ctx.lora is not None:
-            buffers = self.lora_buffers[layer]
-            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], ctx.lora.proj[kind], ctx.lora.step,
-                     backend=ctx.lora.backend)
+        main.wait_stream(side)
+        expand_lora_triton(y, shrunk, buffers.lora_b[kind], proj, lora.step)
         return y

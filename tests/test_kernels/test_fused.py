@@ -218,13 +218,69 @@ def test_rotary_int32_positions_and_contiguous_qk(fused, device):
     check_rotary(fused, q.contiguous(), k.contiguous(), v, positions.int(), inv_freq, 1.0)
 
 
+def cache_problem(num_tokens, num_kv_heads, head_dim, dtype, device, block_size=4, seed=0):
+    """(key_cache, value_cache, slot_mapping): random caches, distinct slots spread over the blocks, the last -1."""
+    num_blocks = num_tokens // block_size + 3
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = (torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(2))
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    if num_tokens > 1:
+        slots[-1] = -1
+    return key_cache, value_cache, slots.to(device)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 2, 16), (9, 4, 4, 64), (70, 6, 2, 24), (3, 1, 1, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_kv_cache_matches_reference(fused, device, dtype, shape):
+    check_rotary_kv_cache(fused, device, dtype, shape, block_size=4)
+
+
+def check_rotary_kv_cache(fused, device, dtype, shape, block_size):
+    """q rotated as rotary_ rotates it; the rotated k and v land at their slots (none for slot -1); every other
+    cache slot, k and v keep their bits."""
+    num_tokens, num_heads, num_kv_heads, head_dim = shape
+    q, k, v, positions, inv_freq = rotary_problem(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device,
+                                                  max_position=4096, seed=num_tokens)
+    key_cache, value_cache, slots = cache_problem(num_tokens, num_kv_heads, head_dim, dtype, device, block_size,
+                                                  seed=num_tokens)
+    expected = [t.clone() for t in (q, key_cache, value_cache)]
+    k_before, v_before = k.clone(), v.clone()
+    fused.rotary_kv_cache_torch_(*expected[:1], k, v, positions, inv_freq, 0.75, *expected[1:], slots)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before), "the reference wrote into k or v"
+    rotated_q, rotated_k = q.clone(), k.clone()
+    fused.rotary_torch_(rotated_q, rotated_k, positions, inv_freq, 0.75)
+    kept = slots >= 0
+    flat = (num_kv_heads, head_dim)
+    assert torch.equal(expected[0], rotated_q)
+    assert torch.equal(expected[1].view(-1, *flat)[slots[kept]], rotated_k[kept])
+    assert torch.equal(expected[2].view(-1, *flat)[slots[kept]], v[kept])
+
+    magnitude_q = q.abs().amax(-1, keepdim=True).double() * 0.75
+    magnitude_k = k.abs().amax(-1, keepdim=True).double() * 0.75
+    fused.rotary_kv_cache_(q, k, v, positions, inv_freq, 0.75, key_cache, value_cache, slots)
+    share = 1.0 if q.is_cuda else None
+    check_close(q, expected[0], magnitude_q, share)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before), "wrote into k or v"
+    written = torch.zeros(key_cache.shape[0] * key_cache.shape[1], dtype=torch.bool)
+    written[slots[kept].cpu()] = True
+    written = written.to(device)
+    assert torch.equal(key_cache.view(-1, *flat)[~written], expected[1].view(-1, *flat)[~written])
+    assert torch.equal(value_cache.view(-1, *flat), expected[2].view(-1, *flat)), "v is copied bit for bit"
+    check_close(key_cache.view(-1, *flat)[slots[kept]], expected[1].view(-1, *flat)[slots[kept]],
+                magnitude_k[kept], share)
+
+
 def test_zero_tokens(fused, device):
     x = torch.empty(0, 64, device=device)
     normed, summed = fused.add_rms_norm(x, x, torch.ones(64, device=device), 1e-6)
     assert normed.shape == summed.shape == (0, 64)
     assert fused.silu_mul(torch.empty(0, 128, device=device)).shape == (0, 64)
-    q, k, _, positions, inv_freq = rotary_problem(0, 2, 1, 16, torch.float32, device, max_position=16)
+    q, k, v, positions, inv_freq = rotary_problem(0, 2, 1, 16, torch.float32, device, max_position=16)
     fused.rotary_(q, k, positions, inv_freq, 1.0)
+    key_cache, value_cache, slots = cache_problem(0, 1, 16, torch.float32, device)
+    fused.rotary_kv_cache_(q, k, v, positions, inv_freq, 1.0, key_cache, value_cache, slots)
 
 
 # ---- GPU: Llama-7B shapes in bfloat16, CUDA graphs -------------------------------------------------------------
@@ -248,6 +304,7 @@ def test_gpu_llama_7b_bf16(fused, num_tokens):
         q, k, v, positions, inv_freq = rotary_problem(num_tokens, 32, num_kv_heads, 128, torch.bfloat16, "cuda",
                                                       max_position=4096, seed=5)
         check_rotary(fused, q, k, v, positions, inv_freq, 1.0)
+        check_rotary_kv_cache(fused, "cuda", torch.bfloat16, (num_tokens, 32, num_kv_heads, 128), block_size=16)
 
 
 @pytest.mark.gpu

@@ -241,3 +241,55 @@ def test_launch_shapes_are_planned_once_per_step(triton_backend, device, monkeyp
     p.step = prepare_lora_step(p.slots, p.step.num_slots, device)
     check_y(p, run_path(triton_backend, p, "auto"))
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("is_pdl", [True, False])
+def test_shrink_and_expand_halves_add_the_delta(triton_backend, device, is_pdl):
+    """shrink_lora_triton then expand_lora_triton is add_lora; is_pdl False plans configs without PDL."""
+    p = build_problem(64, [[16, 16, 16]] * 8, [48, 16, 16], 40, "uniform", torch.float32, seed=15, device=device)
+    y = p.y0.clone()
+    shrunk = triton_backend.shrink_lora_triton(p.x, p.lora_a, p.lora_b, p.proj, p.step, is_pdl=is_pdl)
+    assert all(group.config.is_pdl <= is_pdl for group in shrunk.groups)
+    triton_backend.expand_lora_triton(y, shrunk, p.lora_b, p.proj, p.step)
+    check_y(p, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_side_stream_shrink_beside_a_matmul(triton_backend, device, in_graph):
+    """The engine's overlap (engine/model/llama.py `_proj`): the shrink on a side stream forked after the kernel
+    that writes x, a long matmul writing y on the main stream, the expand after both; eagerly and in a graph."""
+    p = build_problem(64, [[16, 16, 16]] * 32, [4096, 1024, 1024], 4096, "uniform", torch.bfloat16, seed=16,
+                      device=device)
+    weight = torch.randn(6144, 4096, device=device, dtype=torch.bfloat16) / 64
+    x_source, x = p.x.clone(), torch.empty_like(p.x)
+    y = torch.empty_like(p.y0)
+    side = torch.cuda.Stream(device, priority=-1)
+
+    def call():
+        x.copy_(x_source)
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shrunk = triton_backend.shrink_lora_triton(x, p.lora_a, p.lora_b, p.proj, p.step, is_pdl=False)
+        torch.matmul(x, weight.T, out=y)
+        main.wait_stream(side)
+        triton_backend.expand_lora_triton(y, shrunk, p.lora_b, p.proj, p.step)
+
+    call()
+    torch.cuda.synchronize()
+    p.y0 = x @ weight.T  # the base output check_y adds the deltas to, as cuBLAS rounds it
+    check_y(p, y.clone())
+    x.fill_(math.nan)
+    y.fill_(math.nan)
+    if in_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        x.fill_(math.nan)
+        y.fill_(math.nan)
+        graph.replay()
+    else:
+        call()
+    torch.cuda.synchronize()
+    check_y(p, y)
