@@ -89,12 +89,14 @@ def ensure_images() -> None:
     print(f"[cluster] images checked/built in {time.monotonic() - started:.1f}s", file=sys.stderr)
 
 
-def leftovers() -> list[str]:
-    """Anything of the cluster still on the machine after `down`."""
-    found = [f"netns {name}" for name in network.list_netns()
-             if name.startswith(network.NETNS_PREFIX)]
+def leftovers(netns_names: list[str]) -> list[str]:
+    """What of the cluster is still on the machine after `down`: the pod namespaces its kubelet made
+    (`netns_names`, read before `down`), their veths, its bridge."""
+    present = set(network.list_netns())
+    found = [f"netns {name}" for name in netns_names if name in present]
+    veths = {network.VETH_PREFIX + name.removeprefix(network.NETNS_PREFIX) for name in netns_names}
     found += [f"link {link['ifname']}" for link in network.ip_json("link")
-              if link["ifname"].startswith((network.VETH_PREFIX, network.BRIDGE))]
+              if link["ifname"] in veths or link["ifname"] == network.BRIDGE]
     return found
 
 
@@ -117,6 +119,7 @@ def cluster() -> Iterator[LocalCluster]:
                            config.default_config().state_dir)
     finally:
         if not was_up:
+            created = network.recorded_netns(config.default_config().netns_record_dir)
             run_cluster("down")
-            remaining = leftovers()
+            remaining = leftovers(created)
             assert not remaining, f"e2e/cluster down left {remaining}"

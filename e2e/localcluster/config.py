@@ -71,6 +71,16 @@ class ClusterConfig:
     def network_file(self) -> Path:
         return self.state_dir / "network.json"
 
+    @property
+    def netns_record_dir(self) -> Path:
+        """The kubelet records each pod network namespace it makes here (its --root-dir, then netns/)."""
+        return self.state_dir / "kubelet" / "netns"
+
+    @property
+    def checkout_file(self) -> Path:
+        """The checkout whose `up` started the running daemons (its build/images are what pods run)."""
+        return self.state_dir / "checkout"
+
 
 def default_config() -> ClusterConfig:
     state = os.environ.get("KUBELORA_CLUSTER_STATE", "/tmp/kubelora-cluster")

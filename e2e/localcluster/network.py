@@ -77,19 +77,25 @@ def create_bridge(network: ClusterNetwork) -> None:
     ip("link", "set", BRIDGE, "up")
 
 
-def remove_pod_networking() -> None:
-    """Delete every pod namespace and veth the kubelet made, then the bridge.
+def recorded_netns(record_dir: Path) -> list[str]:
+    """The pod namespaces the kubelet of this cluster made (it records each in its state dir)."""
+    return sorted(p.name for p in record_dir.glob(NETNS_PREFIX + "*")) if record_dir.is_dir() else []
 
-    Runs even when the kubelet died, so `down` always leaves the machine clean.
+
+def remove_pod_networking(record_dir: Path, network_file: Path) -> None:
+    """Delete the pod namespaces and veths this cluster's kubelet made, then its bridge; nothing else, so other
+    `klr-*` namespaces on the machine (another tool's, a cluster of another state dir) stay.
+
+    Runs even when the kubelet died, so `down` always leaves the machine clean of this cluster.
     """
-    for name in list_netns():
-        if name.startswith(NETNS_PREFIX):
-            kill_netns_processes(name)
-            subprocess.run(["ip", "netns", "delete", name], check=False)
-    for link in ip_json("link"):
-        if link["ifname"].startswith(VETH_PREFIX):
-            subprocess.run(["ip", "link", "delete", link["ifname"]], check=False)
-    delete_bridge()
+    for name in recorded_netns(record_dir):
+        kill_netns_processes(name)
+        subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
+        veth = VETH_PREFIX + name.removeprefix(NETNS_PREFIX)
+        if link_exists(veth):
+            subprocess.run(["ip", "link", "delete", veth], check=False)
+    if network_file.exists():  # the bridge is this cluster's: `up` recorded the network it made
+        delete_bridge()
 
 
 def kill_netns_processes(name: str) -> None:

@@ -78,3 +78,13 @@ def is_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def wait_exited(pid: int, timeout_s: float) -> bool:
+    """Wait until `pid` no longer runs; False after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while is_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

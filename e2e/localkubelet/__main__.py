@@ -8,7 +8,7 @@ import threading
 
 from . import network
 from .apiclient import ApiClient
-from .config import parse_args
+from .config import KubeletConfig, parse_args
 from .imagestore import ImageStore
 from .logserver import serve
 from .manager import PodManager
@@ -18,23 +18,23 @@ from .podworker import WorkerDeps
 SHUTDOWN_GRACE_S = 10.0
 
 
-def remove_stale_namespaces() -> None:
-    """Pods of a previous kubelet run are restarted from scratch; free their names first."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for line in listed.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        if name.startswith("klr-"):
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
-            for pid in pids.stdout.split():
-                subprocess.run(["kill", "-KILL", pid], capture_output=True)
-            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+def remove_stale_namespaces(cfg: KubeletConfig) -> list[str]:
+    """Pods of a previous run of this kubelet are restarted from scratch: free the names of the namespaces it
+    recorded (only those: other `klr-*` namespaces on the machine are not ours). Returns their names."""
+    names = network.recorded_netns(cfg.netns_record_dir)
+    for name in names:
+        network.delete_netns(name)
+        (cfg.netns_record_dir / name).unlink(missing_ok=True)
+    return names
 
 
-def remove_stale_containers() -> None:
-    """runc containers of a previous kubelet run (their ids start with the pod's namespace name)."""
+def remove_stale_containers(netns_names: list[str]) -> None:
+    """runc containers of a previous run (their ids start with their pod's namespace name and a dash)."""
+    if not netns_names:
+        return
     listed = subprocess.run(["runc", "list", "-q"], capture_output=True, text=True).stdout
     for container_id in listed.split():
-        if container_id.startswith("klr-"):
+        if container_id.startswith(tuple(f"{name}-" for name in netns_names)):
             subprocess.run(["runc", "delete", "--force", container_id], capture_output=True)
 
 
@@ -42,8 +42,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     cfg = parse_args()
     api = ApiClient(cfg.apiserver, cfg.identity)
-    remove_stale_namespaces()
-    remove_stale_containers()
+    remove_stale_containers(remove_stale_namespaces(cfg))
     images = ImageStore(cfg.image_dirs, cfg.image_cache_dir)
     images.prune()
     cfg.pods_dir.mkdir(parents=True, exist_ok=True)

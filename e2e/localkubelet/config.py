@@ -48,6 +48,11 @@ class KubeletConfig:
     def pods_dir(self) -> Path:
         return self.root_dir / "pods"
 
+    @property
+    def netns_record_dir(self) -> Path:
+        """One empty file per pod network namespace this kubelet made (e2e/cluster down removes those only)."""
+        return self.root_dir / "netns"
+
 
 def parse_args(argv: list[str] | None = None) -> KubeletConfig:
     parser = argparse.ArgumentParser(prog="localkubelet")

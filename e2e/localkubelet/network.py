@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import subprocess
 import threading
+from pathlib import Path
 
 BRIDGE = "klr-br0"
 
@@ -52,10 +53,14 @@ class IpAllocator:
             self._used.discard(address)
 
 
-def create_pod_netns(pod_uid: str, address: str, prefixlen: int) -> str:
-    """Create the namespace and wire it to the bridge; returns the namespace name."""
+def create_pod_netns(pod_uid: str, address: str, prefixlen: int, record_dir: Path) -> str:
+    """Create the namespace and wire it to the bridge; returns the namespace name. Each namespace this kubelet
+    makes is recorded in `record_dir` first (an empty file named after it), so that cleaning up removes these
+    and never another cluster's or tool's `klr-*` namespaces."""
     netns, veth = netns_name(pod_uid), veth_name(pod_uid)
-    delete_pod_netns(pod_uid)  # a leftover from a crashed kubelet would block the names
+    delete_pod_netns(pod_uid, record_dir)  # a leftover from a crashed kubelet would block the names
+    record_dir.mkdir(parents=True, exist_ok=True)
+    (record_dir / netns).touch()
     run("ip", "netns", "add", netns)
     run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
     run("ip", "link", "set", veth, "master", BRIDGE, "up")
@@ -65,14 +70,23 @@ def create_pod_netns(pod_uid: str, address: str, prefixlen: int) -> str:
     return netns
 
 
-def delete_pod_netns(pod_uid: str) -> None:
+def delete_pod_netns(pod_uid: str, record_dir: Path) -> None:
     """Kill anything still inside, then delete the namespace (which takes the veth along)."""
-    netns, veth = netns_name(pod_uid), veth_name(pod_uid)
+    delete_netns(netns_name(pod_uid))
+    (record_dir / netns_name(pod_uid)).unlink(missing_ok=True)
+
+
+def delete_netns(netns: str) -> None:
     pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
     for pid in pids.stdout.split():
         subprocess.run(["kill", "-KILL", pid], capture_output=True)
     subprocess.run(["ip", "netns", "delete", netns], capture_output=True)
-    subprocess.run(["ip", "link", "delete", veth], capture_output=True)
+    subprocess.run(["ip", "link", "delete", "klrv" + netns.removeprefix("klr-")], capture_output=True)
+
+
+def recorded_netns(record_dir: Path) -> list[str]:
+    """The namespaces this kubelet made and has not deleted yet (across its restarts)."""
+    return sorted(p.name for p in record_dir.glob("klr-*")) if record_dir.is_dir() else []
 
 
 def run(*argv: str) -> None:

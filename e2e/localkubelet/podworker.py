@@ -21,7 +21,7 @@ from .launch import LaunchSpec, build_mounts
 from .probes import ProbeTarget
 from .runtime import (DEFAULT_PATH, Bundle, ContainerMount, SecurityError, build_command, build_config,
                       build_exec_command, resolve_user, write_bundle)
-from .status import ConditionClock, PodPhase, PodView, build_pod_status
+from .status import ConditionClock, PodPhase, PodView, build_pod_status, has_drifted
 from .timeutil import now_rfc3339
 from .volumes import VolumeContext, VolumeError, prepare_volumes
 
@@ -63,6 +63,8 @@ class PodWorker(threading.Thread):
         self._start_time = now_rfc3339()
         self._clock = ConditionClock()
         self._last_status = ""
+        self._written: dict | None = None  # the status last written, and the resourceVersion that write made
+        self._written_version = 0
         self._message = ""
         self._stop_requested = threading.Event()
         self._grace_s = float(spec.get("terminationGracePeriodSeconds", 30))
@@ -113,7 +115,8 @@ class PodWorker(threading.Thread):
             return
         address = self._deps.ips.allocate()
         try:
-            self._netns = network.create_pod_netns(self.uid, address, self._deps.ips.prefixlen)
+            self._netns = network.create_pod_netns(self.uid, address, self._deps.ips.prefixlen,
+                                                   self._deps.cfg.netns_record_dir)
         except Exception:
             self._deps.ips.release(address)
             raise
@@ -232,18 +235,29 @@ class PodWorker(threading.Thread):
                        self._is_initialized, self._message)
         status = build_pod_status(view, self._clock)
         encoded = json.dumps(status, sort_keys=True)
-        if encoded == self._last_status:
+        if encoded == self._last_status and not self._has_drifted():
             return
         meta = self.pod["metadata"]
         try:
-            self._deps.api.patch(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
-                                 "/status", {"status": status}, STRATEGIC_PATCH)
-            self._last_status = encoded
+            written = self._deps.api.patch(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+                                           "/status", {"status": status}, STRATEGIC_PATCH)
+            self._last_status, self._written = encoded, status
+            self._written_version = resource_version(written)
         except ApiError as error:
             if error.status == 404:
                 self._stop_requested.set()
             else:
                 log.warning("pod %s: status update failed: %s", self.key, error)
+
+    def _has_drifted(self) -> bool:
+        """Whether the pod as last listed (every sync period) lost the status this kubelet wrote; a listing older
+        than that write cannot tell."""
+        if self._written is None or resource_version(self.pod) < self._written_version:
+            return False
+        if has_drifted(self._written, self.pod.get("status") or {}):
+            log.info("pod %s: its status in the API differs from the kubelet's; writing it again", self.key)
+            return True
+        return False
 
     # -- teardown ----------------------------------------------------------------------------
     def _terminate(self) -> None:
@@ -255,7 +269,7 @@ class PodWorker(threading.Thread):
                 list(pool.map(lambda r: r.kill(self._grace_s), running))
             self._finished.update(r.name for r in running)
         if self._netns:
-            network.delete_pod_netns(self.uid)
+            network.delete_pod_netns(self.uid, self._deps.cfg.netns_record_dir)
             self._deps.ips.release(self._pod_ip)
         if self._delete_from_api:
             self._push_status()
@@ -272,3 +286,12 @@ class PodWorker(threading.Thread):
         except ApiError as error:
             if error.status not in (404, 409):
                 log.warning("pod %s: delete failed: %s", self.key, error)
+
+
+def resource_version(obj: dict) -> int:
+    """etcd revisions, as kube-apiserver's resourceVersions are (opaque to clients in general; this kubelet talks
+    only to its own API server). 0 when absent or not a number: then every listing counts as newer."""
+    try:
+        return int(obj.get("metadata", {}).get("resourceVersion", 0))
+    except ValueError:
+        return 0

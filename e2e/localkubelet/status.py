@@ -69,3 +69,14 @@ def build_pod_status(view: PodView, clock: ConditionClock) -> dict:
     if view.message:
         status["message"] = view.message
     return status
+
+
+def has_drifted(written: dict, listed: dict) -> bool:
+    """True when the API's copy of a pod status (`listed`) lost what this kubelet wrote (`written`): the phase or
+    one of its conditions differs. The node-lifecycle controller marks the pods of a NotReady node not Ready (for
+    instance while the API server was down and heartbeats failed); the real kubelet's status manager compares the
+    API's copy with its own and writes again, and so does this one (conditions others own are not compared)."""
+    if listed.get("phase") != written["phase"] or listed.get("podIP", "") != written.get("podIP", ""):
+        return True
+    statuses = {c["type"]: c.get("status") for c in listed.get("conditions") or []}
+    return any(statuses.get(c["type"]) != c["status"] for c in written["conditions"])
