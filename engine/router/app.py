@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions  -> routing.route(model) -> proxy.forward
     GET  /v1/models                              -> the base model and the pool's adapters, from the placement
+    GET  /placement                              -> the revision routed on and its age (the operator's ack)
     GET  /health, /ready, /metrics
 """
 
@@ -22,12 +23,13 @@ from kubelora.engine.common.errors import InvalidRequest, ModelNotFound, Service
 from kubelora.engine.common.http_errors import error_middleware, to_http
 from kubelora.engine.router import routing
 from kubelora.engine.router.config import RouterConfig
-from kubelora.engine.router.metrics import RouterMetrics
-from kubelora.engine.router.proxy import InFlight, forward
+from kubelora.engine.router.metrics import RouterMetrics, RouterSnapshot
+from kubelora.engine.router.proxy import InFlight, Unreachable, forward
 from kubelora.engine.router.sources import PlacementSource, PlacementStore
 
 MAX_BODY_BYTES = 16 << 20  # the engine's own limit: a larger body would be refused there anyway
 RETRY_AFTER_S = "1"
+MAX_PLACEMENT_WAIT_S = 10.0  # GET /placement?wait=: the longest a caller may hold a request open
 
 
 @dataclass
@@ -36,12 +38,14 @@ class RouterState:
     store: PlacementStore
     source: PlacementSource | None  # None when a test sets the store itself
     in_flight: InFlight = field(default_factory=InFlight)
+    unreachable: Unreachable = field(default_factory=Unreachable)
     session: aiohttp.ClientSession | None = None
     requests_seen: count = field(default_factory=count)  # rotates ties between idle replicas
     metrics: RouterMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = RouterMetrics(lambda: (self.store.placement, self.in_flight.snapshot(), self.store.num_errors))
+        self.metrics = RouterMetrics(lambda: RouterSnapshot(self.store.placement, self.in_flight.snapshot(),
+                                                            self.store.num_errors, self.store.age_s()))
 
 
 STATE = web.AppKey("router_state", RouterState)
@@ -54,6 +58,7 @@ def build_app(config: RouterConfig, store: PlacementStore, source: PlacementSour
     app.router.add_post("/v1/completions", handle_inference)
     app.router.add_post("/v1/chat/completions", handle_inference)
     app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/placement", handle_placement)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/ready", handle_ready)
     app.router.add_get("/metrics", handle_metrics)
@@ -118,7 +123,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         raise
     state.metrics.requests.labels(model, route.candidates[0].pod, route.decision.value).inc()
     with state.metrics.duration.labels(route.decision.value).time():
-        return await forward(request, body, route, state.session, state.in_flight, state.metrics)
+        return await forward(request, body, route, state.session, state.in_flight, state.metrics, state.unreachable)
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -140,13 +145,66 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def handle_ready(request: web.Request) -> web.Response:
-    placement = request.app[STATE].store.placement
+    """503 until a placement with a ready replica is loaded, and once no read has confirmed it for
+    --max-placement-age seconds. A shorter outage (an API-server restart) keeps the router in its Service: the
+    placement it has still routes (a moved adapter is retried on a replica that loads it on demand)."""
+    state = request.app[STATE]
+    placement, age_s, max_age_s = state.store.placement, state.store.age_s(), state.config.max_placement_age
     if placement is None:
         raise Unavailable("the pool's placement is not loaded yet", code="placement_not_loaded")
+    if max_age_s and age_s > max_age_s:
+        raise Unavailable(f"the placement (revision {placement.revision}) could not be read for {age_s:.0f} s, "
+                          f"over --max-placement-age {max_age_s:g} s; last error: {state.store.last_error}",
+                          code="placement_stale")
     if not placement.ready_replicas():
         raise Unavailable("no replica of the pool is ready", code="no_ready_replica")
     return web.json_response({"status": "ready", "revision": placement.revision,
-                              "num_ready_replicas": len(placement.ready_replicas())})
+                              "num_ready_replicas": len(placement.ready_replicas()),
+                              "placement_age_seconds": round(age_s, 3)})
+
+
+async def handle_placement(request: web.Request) -> web.Response:
+    """The revision this router routes on, for the operator (its adapters are Ready once every ready router has
+    taken a revision that includes them). `?min_revision=N&wait=S`: read the ConfigMap now, and answer once the
+    revision is at least N, a read fails, or S seconds (at most MAX_PLACEMENT_WAIT_S) have passed."""
+    state = request.app[STATE]
+    min_revision = _query_number(request, "min_revision", int, 0, 2**62)
+    wait_s = _query_number(request, "wait", float, 0.0, MAX_PLACEMENT_WAIT_S) or 0.0
+    store = state.store
+    if min_revision is not None and _revision(store) < min_revision and wait_s > 0:
+        store.nudge()
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while _revision(store) < min_revision and store.last_error is None:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0 or not await store.wait_read(left):
+                break
+    return web.json_response(placement_report(state))
+
+
+def placement_report(state: RouterState) -> dict:
+    store = state.store
+    placement = store.placement
+    return {"pool": placement.pool if placement else state.config.pool, "revision": _revision(store),
+            "loadedAt": store.loaded_at, "ageSeconds": round(store.age_s(), 3), "lastError": store.last_error,
+            "maxAgeSeconds": state.config.max_placement_age}
+
+
+def _revision(store: PlacementStore) -> int:
+    return store.placement.revision if store.placement is not None else -1
+
+
+def _query_number(request: web.Request, name: str, kind: type, low: float, high: float):
+    text = request.query.get(name)
+    if text is None:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise InvalidRequest(f"query parameter {name!r} must be a {kind.__name__} in [{low:g}, {high:g}], got "
+                             f"{text!r}", param=name, code="invalid_value")
+    return value
 
 
 async def handle_metrics(request: web.Request) -> web.Response:

@@ -34,6 +34,8 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--load-factor", float, "a replica above load-factor x the average in-flight passes a request on",
              default=1.25),
     _setting("--poll-interval", float, "seconds between placement reads", default=1.0),
+    _setting("--max-placement-age", float, "/ready answers 503 once no placement read has succeeded for this many "
+             "seconds (0: never)", default=60.0),
     _setting("--connect-timeout", float, "seconds to connect to a replica before trying the next", default=5.0),
     _setting("--log-level", str, "debug, info, warning or error", default="info"),
 )
@@ -50,6 +52,7 @@ class RouterConfig:
     port: int = 8080
     load_factor: float = 1.25
     poll_interval: float = 1.0
+    max_placement_age: float = 60.0
     connect_timeout: float = 5.0
     log_level: str = "info"
 
@@ -62,6 +65,9 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0.05 <= self.poll_interval <= 60:
             raise ValueError(f"poll_interval must be in [0.05, 60] seconds, got {self.poll_interval}")
+        if self.max_placement_age != 0 and not self.poll_interval < self.max_placement_age <= 86400:
+            raise ValueError(f"max_placement_age must be 0 (never) or in (poll_interval, 86400] seconds, got "
+                             f"{self.max_placement_age}")
         if self.connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be > 0 seconds, got {self.connect_timeout}")
         if self.log_level not in LOG_LEVELS:

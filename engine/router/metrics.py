@@ -7,6 +7,7 @@ state at scrape time, so a replica that left the placement disappears from the n
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,8 +17,7 @@ from kubelora.engine.router.placement import Placement
 
 
 class RouterMetrics:
-    def __init__(self, state: Callable[[], tuple[Placement | None, Mapping[str, int], int]]) -> None:
-        """`state()` -> (placement, in-flight per pod, placement read failures)."""
+    def __init__(self, state: Callable[[], RouterSnapshot]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("kubelora_router_requests", "requests routed to a replica (retries not counted)",
                                 ["model", "pod", "decision"], registry=self.registry)
@@ -36,12 +36,22 @@ class RouterMetrics:
         self.registry.register(_StateCollector(state))
 
 
+@dataclass(frozen=True)
+class RouterSnapshot:
+    """The router's state at scrape time."""
+    placement: Placement | None
+    in_flight: Mapping[str, int]  # pod -> requests in flight
+    num_read_failures: int
+    placement_age_s: float  # since a read last confirmed the placement (since start while none has)
+
+
 class _StateCollector(Collector):
-    def __init__(self, state: Callable[[], tuple[Placement | None, Mapping[str, int], int]]) -> None:
+    def __init__(self, state: Callable[[], RouterSnapshot]) -> None:
         self._state = state
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        placement, in_flight, num_errors = self._state()
+        snapshot = self._state()
+        placement, in_flight, num_errors = snapshot.placement, snapshot.in_flight, snapshot.num_read_failures
         pods = {r.pod for r in placement.replicas} if placement else set()
         busy = GaugeMetricFamily("kubelora_router_in_flight", "requests in flight per replica", labels=["pod"])
         for pod in sorted(pods | {p for p, n in in_flight.items() if n}):
@@ -57,5 +67,8 @@ class _StateCollector(Collector):
         yield replicas
         yield GaugeMetricFamily("kubelora_router_placement_adapters", "adapters in the placement",
                                 value=len(placement.adapters) if placement else 0)
+        yield GaugeMetricFamily("kubelora_router_placement_age_seconds", "seconds since a placement read last "
+                                "succeeded (since start while none has): how stale the placement may be",
+                                value=snapshot.placement_age_s)
         yield CounterMetricFamily("kubelora_router_placement_read_failures",
                                   "placement reads or parses that failed (one per outage)", value=num_errors)

@@ -1,16 +1,20 @@
-"""Forwarding one OpenAI request to a replica: headers in, bytes out chunk by chunk, one retry before any byte.
+"""Forwarding one OpenAI request to a replica: headers in, bytes out chunk by chunk, retries before any byte.
 
 The answer is relayed as it arrives (`iter_any`), so SSE streams pass through unbuffered. A client that goes
 away cancels the handler (the server runs with `handler_cancellation`); closing the upstream response then
 drops the replica connection, and the engine aborts the request. A replica that cannot be reached (connect
-error, reset before the answer's headers) is counted and the request goes once to the next candidate; a
-replica that breaks after the first byte ends an SSE stream with one `error` event and `[DONE]`.
+error, reset before the answer's headers) is counted and the request goes to the next candidate, through every
+ready replica of the placement if need be: on a stale placement (pods deleted since) the holders may all be
+gone, and any other replica loads the adapter on demand. Replicas that failed to connect in the last
+`UNREACHABLE_S` seconds are tried last, so a dead pod costs one connect timeout, not one per request. A replica
+that breaks after the first byte ends an SSE stream with one `error` event and `[DONE]`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import defaultdict
 
 import aiohttp
@@ -30,7 +34,7 @@ log = logging.getLogger("kubelora.engine.router")
 _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                          "transfer-encoding", "upgrade", "host", "content-length", "date", "server"))
 REPLICA_HEADER = "X-Kubelora-Replica"  # which pod answered: for debugging and tests
-MAX_ATTEMPTS = 2  # the first choice and one retry on the next replica
+UNREACHABLE_S = 10.0  # a replica that failed to connect is tried after the others for this long
 
 
 class InFlight:
@@ -43,16 +47,37 @@ class InFlight:
         return {pod: n for pod, n in self.counts.items() if n}
 
 
+class Unreachable:
+    """Replicas whose last connect failed, and when (time.monotonic())."""
+
+    def __init__(self) -> None:
+        self.failed_at: dict[str, float] = {}
+
+    def order(self, candidates: tuple[Replica, ...], now: float) -> list[Replica]:
+        """The candidates with the recently unreachable ones moved to the end (each group keeps its order)."""
+        recent = {pod for pod, at in self.failed_at.items() if now - at < UNREACHABLE_S}
+        return ([r for r in candidates if r.pod not in recent] + [r for r in candidates if r.pod in recent])
+
+    def mark(self, pod: str, now: float) -> None:
+        self.failed_at[pod] = now
+
+    def clear(self, pod: str) -> None:
+        self.failed_at.pop(pod, None)
+
+
 async def forward(request: web.Request, body: bytes, route: Route, session: aiohttp.ClientSession,
-                  in_flight: InFlight, metrics: RouterMetrics) -> web.StreamResponse:
+                  in_flight: InFlight, metrics: RouterMetrics,
+                  unreachable: Unreachable | None = None) -> web.StreamResponse:
     headers = _upstream_headers(request)
-    attempts = route.candidates[:MAX_ATTEMPTS]
+    unreachable = unreachable if unreachable is not None else Unreachable()
+    attempts = unreachable.order(route.candidates, time.monotonic())
     for attempt, replica in enumerate(attempts):
         in_flight.counts[replica.pod] += 1
         try:
             try:
                 upstream = await session.post(replica.url + request.path_qs, data=body, headers=headers)
             except aiohttp.ClientError as exc:  # nothing reached the client yet: the next replica may answer
+                unreachable.mark(replica.pod, time.monotonic())
                 metrics.upstream_errors.labels(replica.pod, "connect").inc()
                 log_event(log, "replica_unreachable", logging.WARNING, pod=replica.pod, url=replica.url,
                           error=f"{type(exc).__name__}: {exc}", is_retried=attempt + 1 < len(attempts))
@@ -61,6 +86,7 @@ async def forward(request: web.Request, body: bytes, route: Route, session: aioh
                     continue
                 raise BadGateway(f"no replica of the pool could be reached (last: {replica.pod}: "
                                  f"{type(exc).__name__})") from None
+            unreachable.clear(replica.pod)
             try:
                 response = await _relay(request, upstream, replica, metrics)
             except BaseException:
