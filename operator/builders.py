@@ -133,9 +133,10 @@ def build_pool_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
 
 
 def build_router_rbac(pool: PoolSpec, owner: dict[str, Any]) -> list[Manifest]:
-    """The router reads its pool's placement ConfigMap (and nothing else)."""
+    """The router reads its pool's placement ConfigMap, by name, with `get` (and nothing else)."""
     name = names.router_name(pool.name)
-    rule = {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}
+    rule = {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [names.placement_configmap_name(pool.name)],
+            "verbs": ["get"]}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(pool, name, "router", owner)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",

@@ -2,7 +2,9 @@
 
 All of it is an optimisation or a copy of something the cluster also holds, so a restarted operator (empty
 memory) converges the same way: the served revisions and refusals are read back from the adapters' status,
-the previous placement and its revision from the published ConfigMap, and retries simply start over.
+the previous placement and its revision from the published ConfigMap, and retries simply start over; after a
+restart every adapter counts as included from the first revision published then, which the routers take within
+that pass.
 """
 
 from __future__ import annotations
@@ -59,3 +61,8 @@ class ReconcileMemory:
     refusals: Mapping[str, Refusal] = field(default_factory=dict)  # adapter -> its standing refusal
     previous: Mapping[str, tuple[str, ...]] | None = None  # adapter -> pods of the last placement (hysteresis)
     published: Published | None = None
+    # adapter -> the first revision of its current run of published revisions listing a holder: a router that
+    # took this revision or a later one routes it (routers.py)
+    included: Mapping[str, int] = field(default_factory=dict)
+    # router pod -> time.time() the operator first saw it behind the published revision (unanswered included)
+    routers_behind: Mapping[str, float] = field(default_factory=dict)

@@ -50,5 +50,10 @@ def engine_selector(pool: str) -> dict[str, str]:
     return {LABEL_POOL: pool, LABEL_COMPONENT: "engine"}
 
 
+def router_selector(pool: str) -> dict[str, str]:
+    """Labels that select a pool's router pods."""
+    return {LABEL_POOL: pool, LABEL_COMPONENT: "router"}
+
+
 def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))

@@ -1,10 +1,14 @@
-"""What a pool's engine pods report: their IPs and readiness (API server) and adapters (`GET /v1/models`)."""
+"""What a pool's pods report: engine IPs, readiness (API server) and adapters (`GET /v1/models`); routers the
+placement revision they route on (`GET /placement`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
+
+import aiohttp
 
 from kubelora.operator import names
 from kubelora.operator.engine_client import EngineClient, EngineError
@@ -54,3 +58,50 @@ async def observe_pool(kube: Kube, client: EngineClient, namespace: str, pool: s
         if budget is not None:
             observation.budgets[name] = budget
     return observation
+
+
+ROUTER_ACK_TIMEOUT_S = 3.0  # one router's GET /placement beyond its wait
+
+
+@dataclass(frozen=True)
+class RouterAck:
+    """What one router pod says about the placement it routes on (`GET /placement`, docs/router.md)."""
+    pod: str
+    ip: str
+    is_ready: bool  # the pod's Ready condition: it is in the pool Service's endpoints
+    revision: int | None = None  # None: it did not answer; -1: it has no placement yet
+    age_s: float | None = None  # since its last successful placement read
+    loaded_at: float | None = None  # time.time() it took `revision`
+    error: str | None = None  # why it did not answer, or its last placement read error
+
+
+def router_url(ip: str) -> str:
+    return f"http://{ip}:{names.ROUTER_PORT}"
+
+
+async def observe_routers(kube: Kube, session: aiohttp.ClientSession, namespace: str, pool: str, revision: int,
+                          wait_s: float, no_wait: Collection[str] = ()) -> dict[str, RouterAck]:
+    """Every router pod of the pool with an IP, asked for the revision it routes on. Each pod not in `no_wait`
+    (those already behind: a stale router must not slow every pass) is asked to read its placement now and
+    answer once it has `revision`, or after `wait_s`: the pass that published it sees it taken, instead of
+    waiting out the router's poll."""
+    pods = [p for p in await kube.list_pods(namespace, names.selector_string(names.router_selector(pool)))
+            if not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("podIP")]
+    acks = await asyncio.gather(*(_ask_router(session, p, revision,
+                                              0.0 if p["metadata"]["name"] in no_wait else wait_s) for p in pods))
+    return {ack.pod: ack for ack in acks}
+
+
+async def _ask_router(session: aiohttp.ClientSession, pod: dict, revision: int, wait_s: float) -> RouterAck:
+    name, ip, is_ready = pod["metadata"]["name"], pod["status"]["podIP"], is_pod_ready(pod)
+    params = {"min_revision": str(revision), "wait": f"{wait_s:g}"}
+    try:
+        async with session.get(router_url(ip) + "/placement", params=params,
+                               timeout=aiohttp.ClientTimeout(total=wait_s + ROUTER_ACK_TIMEOUT_S)) as response:
+            if response.status != 200:
+                return RouterAck(name, ip, is_ready, error=f"GET /placement: HTTP {response.status}")
+            body = await response.json()
+        return RouterAck(name, ip, is_ready, revision=int(body["revision"]), age_s=float(body["ageSeconds"]),
+                         loaded_at=body.get("loadedAt"), error=body.get("lastError"))
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+        return RouterAck(name, ip, is_ready, error=f"GET /placement: {type(exc).__name__}: {exc}")

@@ -1,9 +1,10 @@
-"""One pool's level-based reconcile, the acting half: fetch -> plan -> execute -> report -> publish -> patch.
+"""One pool's level-based reconcile, the acting half: fetch -> plan -> execute -> publish -> ask routers -> patch.
 
 `PoolReconciler.reconcile()` is idempotent and safe to run at any time (the pool's daemon runs it on a
 period and on triggers). Every decision is pure and lives elsewhere: `decide.plan_pass` (which adapters are
 invalid, waiting, refused or desired; placement; the calls that are due), `decide.record_result` (a refusal
-that holds, or a retry with backoff) and `report.build_report` (placement payload and status). This class
+that holds, or a retry with backoff), `report.build_publication` (the placement payload) and
+`report.report_publication` (status, once the routers said which revision they route on). This class
 only reads, calls, posts events and writes, and keeps the one `ReconcileMemory` between passes (memory.py).
 """
 
@@ -24,9 +25,11 @@ from kubelora.operator.decide import CallResult, Event, PassPlan, PoolView, Stor
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube
 from kubelora.operator.memory import ReconcileMemory
-from kubelora.operator.observe import observe_pool
+from kubelora.operator.observe import observe_pool, observe_routers
 from kubelora.operator.plan import Action, Unload
-from kubelora.operator.report import Report, build_report, invalid_pool_status, phase_event
+from kubelora.operator.report import (Publication, Report, build_publication, invalid_pool_status, phase_event,
+                                      report_publication)
+from kubelora.operator.routers import ACK_WAIT_S, RouterView
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.specs import InvalidSpec, PoolSpec
 from kubelora.operator.status import Failure
@@ -47,6 +50,7 @@ class PoolReconciler:
         self.observed_urls: dict[str, str] = {}
         self.admin_token: str | None = None
         self._healed_at = time.monotonic()  # on_pool_spec applied them just now (create, update or resume)
+        self.next_pass_s: float | None = None  # the last pass asks for the next this soon (a router lags)
 
     async def reconcile(self) -> None:
         body = await self._kube.get_custom(names.POOL_PLURAL, self.namespace, self.name)
@@ -61,9 +65,11 @@ class PoolReconciler:
         self.observed_urls = dict(view.observation.urls)
         plan, self._memory = plan_pass(view, self._memory, time.time())
         results = await self._execute(plan, client, view)
-        report = build_report(view, plan, results, self._memory)
-        await self._publish(pool, body, report)
+        publication = build_publication(view, plan, results, self._memory)
+        await self._publish(pool, body, publication.placement)
+        report = report_publication(view, plan, publication, await self._ask_routers(pool, publication))
         self._memory = report.memory  # only once the placement it records is written
+        self.next_pass_s = report.next_pass_s
         if self._on_released is not None and report.released:
             self._on_released(report.released)
         await self._patch_adapters(view.bodies, report)
@@ -146,9 +152,17 @@ class PoolReconciler:
 
     # ---- publish and patch ----
 
-    async def _publish(self, pool: PoolSpec, body: dict, report: Report) -> None:
-        if report.placement is not None:
-            await self._kube.apply(build_placement_configmap(pool, build_owner_reference(body), report.placement))
+    async def _publish(self, pool: PoolSpec, body: dict, placement: dict | None) -> None:
+        if placement is not None:
+            await self._kube.apply(build_placement_configmap(pool, build_owner_reference(body), placement))
+
+    async def _ask_routers(self, pool: PoolSpec, publication: Publication) -> RouterView:
+        """Which revision each router pod routes on, after it was asked to read the one just published."""
+        if not pool.router.is_enabled:
+            return RouterView(now=time.time())
+        acks = await observe_routers(self._kube, self._session, self.namespace, self.name, publication.revision,
+                                     ACK_WAIT_S, no_wait=publication.memory.routers_behind)
+        return RouterView(acks, time.time())
 
     async def _patch_adapters(self, bodies: Mapping[str, dict], report: Report) -> None:
         limit = asyncio.Semaphore(STATUS_WRITES_IN_FLIGHT)

@@ -1,7 +1,10 @@
 """What one pass publishes and writes, pure: the placement payload, each adapter's status and the pool's status.
 
-`build_report` takes what the pass read, its plan, the results of its calls and the memory after them. What a
-pod holds after the pass is the observation with the successful calls applied (`held_after`); the observation
+Two steps, because an adapter's status depends on whether the routers took the placement that lists it:
+`build_publication` takes what the pass read, its plan, the results of its calls and the memory after them, and
+gives the payload to publish; once it is published and the routers were asked (`observe.observe_routers`),
+`report_publication` gives the statuses (`build_report` does both, for a pass that sees no routers). What a pod
+holds after the pass is the observation with the successful calls applied (`held_after`); the observation
 itself is left as it was read.
 """
 
@@ -17,6 +20,7 @@ from kubelora.operator.memory import Published, ReconcileMemory
 from kubelora.operator.observe import Observation
 from kubelora.operator.placement import Placement
 from kubelora.operator.plan import DesiredAdapter, ObservedAdapter, Unload, is_current
+from kubelora.operator.routers import RouterView, judge_routers, unrouted
 from kubelora.operator.specs import AdapterSpec, InvalidSpec
 from kubelora.operator.status import (INSUFFICIENT_CAPACITY, Failure, Phase, ReplicaState, ReplicaStatus,
                                       build_adapter_status, build_pool_status)
@@ -31,6 +35,7 @@ class Report:
     placement: dict | None  # the payload to publish, with its new revision; None: unchanged
     memory: ReconcileMemory  # to keep once the placement is published
     released: frozenset[str] = frozenset()  # adapters being deleted that no observed pod holds any more
+    next_pass_s: float | None = None  # run the next pass this soon (a router lags), not at the resync
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,21 @@ class Holdings:
         return want is None or is_current(have, want, self.memory.served.get((pod, name)))
 
 
-def build_report(view: PoolView, plan: PassPlan, results: Iterable[CallResult], memory: ReconcileMemory) -> Report:
+@dataclass(frozen=True)
+class Publication:
+    """The placement a pass publishes, and what its statuses are built from."""
+    adapters: AdapterSet
+    holdings: Holdings
+    placement: dict | None  # the payload to publish, with its new revision; None: unchanged
+    memory: ReconcileMemory  # with the published revision and what it includes
+
+    @property
+    def revision(self) -> int:
+        return self.memory.published.revision if self.memory.published is not None else 0
+
+
+def build_publication(view: PoolView, plan: PassPlan, results: Iterable[CallResult],
+                      memory: ReconcileMemory) -> Publication:
     adapters = freeze_new_failures(plan.adapters, memory.refusals, plan.pool_fingerprint)
     holdings = Holdings(held_after(view.observation.adapters, results), memory)
     payload = placement_payload(view, adapters, plan.placement, holdings)
@@ -72,14 +91,32 @@ def build_report(view: PoolView, plan: PassPlan, results: Iterable[CallResult], 
     if fingerprint != published.payload:
         published = Published(published.revision + 1, fingerprint)
         update = {**payload, "revision": published.revision}
-    statuses = {name: adapter_status(name, body, adapters, plan, holdings, has_ready_pod=bool(view.observation.urls))
+    # An adapter listed with a holder keeps the revision that first listed it; one dropped starts over.
+    included = {name: memory.included.get(name, published.revision) for name, pods in payload["adapters"].items()
+                if pods}
+    return Publication(adapters, holdings, update, replace(memory, published=published, included=included))
+
+
+def build_report(view: PoolView, plan: PassPlan, results: Iterable[CallResult], memory: ReconcileMemory,
+                 routers: RouterView = RouterView()) -> Report:
+    return report_publication(view, plan, build_publication(view, plan, results, memory), routers)
+
+
+def report_publication(view: PoolView, plan: PassPlan, publication: Publication, routers: RouterView) -> Report:
+    """The statuses once the placement is published and the routers were asked which revision they route on."""
+    adapters, holdings, memory = publication.adapters, publication.holdings, publication.memory
+    judgement = judge_routers(routers, publication.revision, memory.routers_behind)
+    statuses = {name: adapter_status(name, body, adapters, plan, holdings, has_ready_pod=bool(view.observation.urls),
+                                     unrouted=unrouted(name, memory.included, routers.acks))
                 for name, body in view.bodies.items() if not body["metadata"].get("deletionTimestamp")}
     pool = pool_status(view.pool.name, view.pool_body, view.observation, holdings.held, plan.placement,
-                       capacity=view.pool.engine.max_cpu_loras, revision=published.revision,
-                       num_adapters=len(view.bodies), sizes=plan.sizes)
+                       capacity=view.pool.engine.max_cpu_loras, revision=publication.revision,
+                       num_adapters=len(view.bodies), sizes=plan.sizes, routers=judgement.entries,
+                       degraded=judgement.degraded)
     released = frozenset(name for name, body in view.bodies.items() if body["metadata"].get("deletionTimestamp")
                          and not any(name in adapters_here for adapters_here in holdings.held.values()))
-    return Report(statuses, pool, update, replace(memory, published=published), released)
+    return Report(statuses, pool, publication.placement, replace(memory, routers_behind=judgement.behind), released,
+                  judgement.next_pass_s)
 
 
 def held_after(held: HeldByPod, results: Iterable[CallResult]) -> dict[str, dict[str, ObservedAdapter]]:
@@ -108,7 +145,7 @@ def placement_payload(view: PoolView, adapters: AdapterSet, placement: Placement
 
 
 def adapter_status(name: str, body: dict, adapters: AdapterSet, plan: PassPlan, holdings: Holdings, *,
-                   has_ready_pod: bool) -> dict:
+                   has_ready_pod: bool, unrouted: Failure | None = None) -> dict:
     generation = int(body["metadata"].get("generation") or 0)
     try:
         revision = AdapterSpec.from_body(body).source.revision
@@ -134,12 +171,13 @@ def adapter_status(name: str, body: dict, adapters: AdapterSet, plan: PassPlan, 
                                                  "and served on demand")
     return build_adapter_status(generation=generation, revision=revision,
                                 wanted=plan.placement.wanted_by_adapter.get(name, 0), replicas=replicas,
-                                pending=pending, retry_request=retry_request)
+                                pending=pending, retry_request=retry_request, unrouted=unrouted)
 
 
 def pool_status(pool_name: str, body: dict, observation: Observation, held: HeldByPod, placement: Placement | None,
                 *, capacity: int, revision: int, num_adapters: int, invalid: Failure | None = None,
-                sizes: Mapping[str, int] | None = None) -> dict:
+                sizes: Mapping[str, int] | None = None, routers: list[dict] | None = None,
+                degraded: Failure | None = None) -> dict:
     sizes = sizes or {}
     pods = []
     for pod in sorted(observation.pods, key=lambda p: p["metadata"]["name"]):
@@ -157,7 +195,7 @@ def pool_status(pool_name: str, body: dict, observation: Observation, held: Held
         generation=int(body["metadata"].get("generation") or 0),
         spec_replicas=int((body.get("spec") or {}).get("replicas", 1)), num_pods=len(observation.pods), pods=pods,
         selector=names.selector_string(names.engine_selector(pool_name)), num_adapters=num_adapters,
-        placement_revision=revision, invalid=invalid)
+        placement_revision=revision, invalid=invalid, routers=routers, degraded=degraded)
     status["capacityShortage"] = capacity_shortage(placement, sizes)
     return status
 

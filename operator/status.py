@@ -7,8 +7,11 @@ Adapter phases (the enum in crds/loraadapters.yaml):
 - Loading: placed, no placed replica serves the current revision yet (LoadRetrying: a transient failure is
   retried with backoff; the replicas show the last error and the next retry time);
 - Degraded: some placed replicas serve it, not all (or capacity gave fewer copies than asked);
-- Ready: every wanted copy serves the current revision.
-Conditions: Valid, Loaded (every wanted copy), Ready (at least one copy serves the current revision), and
+- Ready: every wanted copy serves the current revision, and every ready router routes it.
+A loaded adapter that some ready router has not taken into its placement yet is Loading with Ready=False
+`WaitingForRouters` (routers.py): a request through that router would get 404.
+Conditions: Valid, Loaded (every wanted copy), Ready (at least one copy serves the current revision and every
+ready router routes it), and
 kstatus's Reconciling (progress is being made) and Stalled (stuck until something changes: Failed, or no
 room), so `kubectl wait --for=condition=Ready`, Flux and Argo CD read the status without custom code.
 """
@@ -77,12 +80,15 @@ class Failure:
 def build_adapter_status(*, generation: int, revision: str, wanted: int, replicas: list[ReplicaStatus],
                          failure: Failure | None = None, pending: Failure | None = None,
                          failed_revision: str | None = None, failed_pool_spec: str | None = None,
-                         retry_request: str | None = None) -> dict:
+                         retry_request: str | None = None, unrouted: Failure | None = None) -> dict:
     """The adapter's status (conditions without lastTransitionTime: merge_conditions adds it).
 
-    retry_request: the kubelora.io/retry annotation this status answers (a refusal holds while it stays)."""
+    retry_request: the kubelora.io/retry annotation this status answers (a refusal holds while it stays);
+    unrouted: why some ready router does not route it yet (it is not Ready then, however many copies serve)."""
     num_ready = sum(1 for r in replicas if r.state is ReplicaState.LOADED)
     phase, conditions = _phase_and_conditions(generation, wanted, num_ready, failure, pending, replicas)
+    if unrouted is not None and phase in (Phase.READY, Phase.DEGRADED):
+        phase, conditions = Phase.LOADING, _waiting_for_routers(conditions, unrouted)
     status = {"observedGeneration": generation, "phase": phase.value, "revision": revision,
               "desiredReplicas": wanted, "readyReplicas": num_ready,
               "replicas": [r.to_dict() for r in replicas], "conditions": conditions}
@@ -141,26 +147,44 @@ def _phase_and_conditions(generation: int, wanted: int, num_ready: int, failure:
                             *kstatus(None if is_short else state, state if is_short else None, state)]
 
 
+def _waiting_for_routers(conditions: list[dict], unrouted: Failure) -> list[dict]:
+    """Ready=False and Reconciling=True with the routers' reason; Valid and Loaded as they were."""
+    replaced = {"Ready": False, "Reconciling": True, "Stalled": False}
+    return [{**c, "status": "True" if replaced[c["type"]] else "False", "reason": unrouted.reason,
+             "message": unrouted.message} if c["type"] in replaced else c for c in conditions]
+
+
 def build_pool_status(*, generation: int, spec_replicas: int, num_pods: int, pods: list[dict], selector: str,
-                      num_adapters: int, placement_revision: int, invalid: Failure | None = None) -> dict:
+                      num_adapters: int, placement_revision: int, invalid: Failure | None = None,
+                      routers: list[dict] | None = None, degraded: Failure | None = None) -> dict:
+    """routers: the pool's router pods and the revision each routes on; degraded: RouterPlacementStale."""
     num_ready = sum(1 for pod in pods if pod.get("ready"))
     if invalid is not None:
         conditions = pool_conditions(generation, False, invalid, is_stalled=True)
     elif spec_replicas == 0:
-        conditions = pool_conditions(generation, True, Failure("ScaledToZero", "spec.replicas is 0"))
+        conditions = pool_conditions(generation, True, Failure("ScaledToZero", "spec.replicas is 0"), degraded=degraded)
     else:
         counted = f"{num_ready}/{spec_replicas} replicas ready"
         is_ready = num_ready >= spec_replicas
         conditions = pool_conditions(generation, is_ready,
-                                     Failure("AllReplicasReady" if is_ready else "ReplicasNotReady", counted))
+                                     Failure("AllReplicasReady" if is_ready else "ReplicasNotReady", counted),
+                                     degraded=degraded)
     status = {"observedGeneration": generation, "replicas": num_pods, "readyReplicas": num_ready,
               "selector": selector, "numAdapters": num_adapters, "placementRevision": placement_revision,
-              "pods": pods, "conditions": conditions}
+              "pods": pods, "routers": routers or [], "conditions": conditions}
     return status
 
 
-def pool_conditions(generation: int, is_ready: bool, state: Failure, *, is_stalled: bool = False) -> list[dict]:
-    """Ready, and kstatus's Reconciling (replicas on their way) and Stalled (an invalid spec)."""
+ROUTERS_CURRENT = Failure("RoutersCurrent", "no router lags the published placement by more than 10 s")
+
+
+def pool_conditions(generation: int, is_ready: bool, state: Failure, *, is_stalled: bool = False,
+                    degraded: Failure | None = None) -> list[dict]:
+    """Ready, kstatus's Reconciling (replicas on their way) and Stalled (an invalid spec), and Degraded
+    (abnormal-true, as kstatus wants extra conditions: RouterPlacementStale while a router routes on an old
+    placement; the engines may all be ready meanwhile, so Ready does not say it)."""
     is_reconciling = not is_ready and not is_stalled
-    return [make_condition(type_, value, state.reason, state.message, generation)
-            for type_, value in (("Ready", is_ready), ("Reconciling", is_reconciling), ("Stalled", is_stalled))]
+    shown = degraded or ROUTERS_CURRENT
+    return [*(make_condition(type_, value, state.reason, state.message, generation)
+              for type_, value in (("Ready", is_ready), ("Reconciling", is_reconciling), ("Stalled", is_stalled))),
+            make_condition("Degraded", degraded is not None, shown.reason, shown.message, generation)]

@@ -76,3 +76,6 @@ def test_pool_health_follows_the_conditions(health):
     assert health("LoRAPool", _adapter(scaling))[0] == "Progressing"
     invalid = build_pool_status(spec_replicas=1, pods=[], invalid=Failure("InvalidSpec", "bad"), **common)
     assert health("LoRAPool", _adapter(invalid)) == ("Degraded", "InvalidSpec: bad")
+    stale = build_pool_status(spec_replicas=1, pods=[{"name": "e0", "ready": True}],
+                              degraded=Failure("RouterPlacementStale", "router r0 routes on revision 6"), **common)
+    assert health("LoRAPool", _adapter(stale)) == ("Degraded", "RouterPlacementStale: router r0 routes on revision 6")

@@ -83,7 +83,9 @@ def test_router_objects_only_when_enabled():
                                              "--placement-configmap",
                                              "p-placement", "--port", "8080"]
     role = next(m for m in with_router if m["kind"] == "Role")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}]
+    # Only its own placement ConfigMap, by name, read with get (the router polls it; docs/router.md).
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["p-placement"],
+                              "verbs": ["get"]}]
 
 
 def test_pool_service_points_at_router_or_engines():

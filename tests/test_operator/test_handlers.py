@@ -78,7 +78,7 @@ async def test_invalid_pool_is_permanent_and_transient_failures_retry(runtime_fo
     (_, _, status), = kube.statuses
     assert status["conditions"][0]["reason"] == "InvalidSpec" and status["observedGeneration"] == 4
     assert {c["type"]: c["status"] for c in status["conditions"]} == {"Ready": "False", "Reconciling": "False",
-                                                                      "Stalled": "True"}
+                                                                      "Stalled": "True", "Degraded": "False"}
     with pytest.raises(kopf.TemporaryError):
         await handlers.on_pool_spec(body=pool_body(), memo=kopf.Memo(runtime=runtime_for(FakeKube(fail_apply=True))),
                                     logger=LOG)

@@ -1,0 +1,103 @@
+"""Whether the pool's routers route on what the operator published. Pure: acks, revisions and `now` in.
+
+An adapter is routable once every ready router pod has taken a placement revision that includes it (one listing
+a holder for it: `ReconcileMemory.included`); until then its Ready condition waits (`WaitingForRouters`). A
+router whose acknowledged revision lags the published one for more than `STALE_AFTER_S`, or that has not read
+its placement for that long, makes the pool `Degraded` (`RouterPlacementStale`). Routers that are not ready are
+out of the pool Service's endpoints, so they do not hold adapters back, but a stale one still degrades the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kubelora.operator.observe import RouterAck
+from kubelora.operator.status import Failure, rfc3339
+
+STALE_AFTER_S = 10.0
+ROUTER_PLACEMENT_STALE = "RouterPlacementStale"
+WAITING_FOR_ROUTERS = "WaitingForRouters"
+RECHECK_BEHIND_S = 1.0  # the next pass while a router is behind but not yet stale (Ready follows its ack)
+RECHECK_STALE_S = 5.0  # while one is stale (Degraded clears soon after it catches up)
+ACK_WAIT_S = 2.0  # how long a pass waits for a current router to take the revision it just published
+
+
+@dataclass(frozen=True)
+class RouterView:
+    acks: Mapping[str, RouterAck] = field(default_factory=dict)  # router pod -> what it answered
+    now: float = 0.0  # time.time() of the pass
+
+
+@dataclass(frozen=True)
+class RouterJudgement:
+    behind: dict[str, float]  # router pod -> since when it lags the published revision (the next memory)
+    entries: list[dict]  # the pool status's `routers`
+    degraded: Failure | None  # RouterPlacementStale, or None
+    next_pass_s: float | None  # a pass sooner than the resync, while a router lags
+
+
+def is_behind(ack: RouterAck, revision: int) -> bool:
+    return ack.revision is None or ack.revision < revision
+
+
+def judge_routers(view: RouterView, revision: int, behind_before: Mapping[str, float]) -> RouterJudgement:
+    behind = {pod: behind_before.get(pod, view.now) for pod, ack in view.acks.items() if is_behind(ack, revision)}
+    entries, stale = [], []
+    for pod in sorted(view.acks):
+        ack = view.acks[pod]
+        lag_s = view.now - behind[pod] if pod in behind else 0.0
+        is_stale = lag_s > STALE_AFTER_S or (ack.age_s is not None and ack.age_s > STALE_AFTER_S)
+        entries.append(_entry(ack, behind.get(pod), is_stale))
+        if is_stale:
+            stale.append(_describe(ack, behind.get(pod)))
+    degraded = None
+    if stale:
+        degraded = Failure(ROUTER_PLACEMENT_STALE, f"placement revision {revision} is published; " + "; ".join(stale)
+                           + " (requests through it are retried on other replicas; see docs/router.md)")
+    next_pass_s = None
+    if behind or stale:
+        next_pass_s = RECHECK_STALE_S if stale else RECHECK_BEHIND_S
+    return RouterJudgement(behind, entries, degraded, next_pass_s)
+
+
+def unrouted(name: str, included: Mapping[str, int], acks: Mapping[str, RouterAck]) -> Failure | None:
+    """Why `name` is not routable through every ready router yet (None: it is, or the pool runs none)."""
+    since = included.get(name)
+    lagging = [ack for _, ack in sorted(acks.items()) if ack.is_ready
+               and (since is None or ack.revision is None or ack.revision < since)]
+    if not lagging:
+        return None
+    where = ", ".join(f"{ack.pod} ({'no answer' if ack.revision is None else f'revision {ack.revision}'})"
+                      for ack in lagging)
+    wanted = f"placement revision {since}" if since is not None else "a placement listing a holder"
+    return Failure(WAITING_FOR_ROUTERS, f"loaded, but not every ready router routes it yet: {where} have not "
+                                        f"taken {wanted}")
+
+
+def _entry(ack: RouterAck, behind_since: float | None, is_stale: bool) -> dict:
+    entry: dict = {"name": ack.pod, "ip": ack.ip, "ready": ack.is_ready, "stale": is_stale}
+    if ack.revision is not None:
+        entry["revision"] = ack.revision
+    if ack.loaded_at:
+        entry["acknowledgedAt"] = rfc3339(ack.loaded_at)
+    if behind_since is not None:
+        entry["behindSince"] = rfc3339(behind_since)
+    if is_stale:  # only then: a steady age would rewrite the status every pass
+        if ack.age_s is not None:
+            entry["placementAgeSeconds"] = int(ack.age_s)
+        if ack.error:
+            entry["lastError"] = ack.error
+    return entry
+
+
+def _describe(ack: RouterAck, behind_since: float | None) -> str:
+    taken = "did not answer" if ack.revision is None else f"routes on revision {ack.revision}"
+    parts = [f"router {ack.pod} {taken}"]
+    if behind_since is not None:
+        parts.append(f"behind since {rfc3339(behind_since)}")
+    if ack.age_s is not None and ack.age_s > STALE_AFTER_S:
+        parts.append(f"its placement reads fail for over {STALE_AFTER_S:g} s")
+    if ack.error:
+        parts.append(f"last error: {ack.error}")
+    return ", ".join(parts)
