@@ -1,7 +1,8 @@
 """Pure manifest builders: a PoolSpec (and its owner reference) in, Kubernetes objects out.
 
 Every object carries the pool's owner reference, so deleting the pool garbage-collects them. A pool that names
-no engine or router image gets the operator's own (`DefaultImages`, from its settings).
+no engine or router image gets the operator's own (`DefaultImages`, from its settings). Engines are closed by
+default (docs/operator.md): an admin token from a Secret, and a NetworkPolicy on their two ports.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 from typing import Any
 
 from kubelora.operator import names
-from kubelora.operator.settings import DefaultImages
+from kubelora.operator.settings import DefaultImages, NetworkPolicySettings
 from kubelora.operator.specs import PoolSpec, Volume
 
 Manifest = dict[str, Any]
@@ -33,7 +34,8 @@ def build_engine_args(pool: PoolSpec) -> list[str]:
     args = ["engine", "serve", "--model", pool.model_path, "--served-model-name", pool.served_name,
             "--max-loras", str(engine.max_loras), "--max-lora-rank", str(engine.max_lora_rank),
             "--max-cpu-loras", str(engine.max_cpu_loras), "--max-model-len", str(engine.max_model_len),
-            "--device", engine.device, "--host", "0.0.0.0", "--port", str(names.ENGINE_PORT)]
+            "--device", engine.device, "--host", "0.0.0.0", "--port", str(names.ENGINE_PORT),
+            "--admin-port", str(names.ENGINE_ADMIN_PORT)]
     if engine.max_num_seqs is not None:
         args += ["--max-num-seqs", str(engine.max_num_seqs)]
     if engine.dtype is not None:
@@ -62,7 +64,8 @@ def _http_probe(path: str, period_s: int, failure_threshold: int) -> dict[str, A
 def build_engine_container(pool: PoolSpec, images: DefaultImages = DefaultImages()) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "engine", "image": pool.image or images.engine, "args": build_engine_args(pool),
-        "ports": [{"name": "http", "containerPort": names.ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": names.ENGINE_PORT, "protocol": "TCP"},
+                  {"name": "admin", "containerPort": names.ENGINE_ADMIN_PORT, "protocol": "TCP"}],
         # /health answers while the model loads (liveness); /ready once it serves (readiness).
         "livenessProbe": _http_probe("/health", period_s=10, failure_threshold=3),
         "readinessProbe": _http_probe("/ready", period_s=2, failure_threshold=2),
@@ -124,6 +127,48 @@ def build_pool_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
     """The address clients use: the router when enabled, else the engine pods directly."""
     component = "router" if pool.router.is_enabled else "engine"
     port = names.ROUTER_PORT if pool.router.is_enabled else names.ENGINE_PORT
+def build_admin_token_secret(pool: PoolSpec, owner: dict[str, Any], token: str) -> Manifest:
+    """The pool's engine admin token (when its spec names none): created once with a random `token`, never
+    applied again (a new token would lock the running engines out); owned by the pool."""
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": _metadata(pool, names.admin_token_secret_name(pool.name), "engine", owner),
+        "stringData": {names.ADMIN_TOKEN_KEY: token},
+    }
+
+
+# Set by the API server on every namespace (Kubernetes >= 1.21): a namespace selector by name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def build_network_policy(pool: PoolSpec, owner: dict[str, Any], network: NetworkPolicySettings) -> Manifest:
+    """Ingress of the pool's engine pods: the admin port from the operator's pods only; the serving port from
+    the pool's routers (with no router: every pod of the pool's namespace, whom the pool Service serves) and
+    from the namespaces in spec.allowedClientNamespaces. Nothing else (a NetworkPolicy that selects a pod
+    refuses every ingress it does not allow)."""
+    operator_peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(network.operator_pod_labels)}}
+    operator_peer["namespaceSelector"] = (
+        {"matchLabels": {NAMESPACE_NAME_LABEL: network.operator_namespace}} if network.operator_namespace else {})
+    clients: list[dict[str, Any]] = [
+        {"podSelector": {"matchLabels": {names.LABEL_POOL: pool.name, names.LABEL_COMPONENT: "router"}}}
+        if pool.router.is_enabled
+        else {"podSelector": {}}]
+    clients += [{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}}}
+                for namespace in pool.allowed_client_namespaces]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _metadata(pool, names.network_policy_name(pool.name), "engine", owner),
+        "spec": {
+            "podSelector": {"matchLabels": names.engine_selector(pool.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [operator_peer], "ports": [{"protocol": "TCP", "port": names.ENGINE_ADMIN_PORT}]},
+                {"from": clients, "ports": [{"protocol": "TCP", "port": names.ENGINE_PORT}]},
+            ],
+        },
+    }
+
+
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": _metadata(pool, pool.name, "pool", owner),
@@ -171,15 +216,18 @@ def build_router_deployment(pool: PoolSpec, owner: dict[str, Any],
     }
 
 
-def build_pool_manifests(pool: PoolSpec, owner: dict[str, Any],
-                         images: DefaultImages = DefaultImages()) -> list[Manifest]:
-    """Everything a pool owns except the placement ConfigMap (written by the reconcile)."""
+def build_pool_manifests(pool: PoolSpec, owner: dict[str, Any], images: DefaultImages = DefaultImages(),
+                         network: NetworkPolicySettings | None = None) -> list[Manifest]:
+    """Everything a pool owns except the placement ConfigMap (written by the reconcile) and the admin token
+    Secret (created once, build_admin_token_secret); the NetworkPolicy when `network` is enabled."""
     manifests = [build_engine_deployment(pool, owner, images), build_engine_service(pool, owner),
                  build_pool_service(pool, owner)]
     if pool.router.is_enabled:
         manifests += build_router_rbac(pool, owner) + [build_router_deployment(pool, owner, images)]
     return manifests
 
+    if network is not None and network.is_enabled:
+        manifests.append(build_network_policy(pool, owner, network))
 
 def build_router_manifest_keys(pool: PoolSpec) -> list[tuple[str, str]]:
     """(kind, name) of the router objects, deleted when the router is switched off."""

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from kubelora.operator.settings import DefaultImages, OperatorSettings
+from kubelora.operator.settings import DefaultImages, NetworkPolicySettings, OperatorSettings
 
 ENV_PREFIX = "KUBELORA_OPERATOR_"
 DEFAULT_LEASE = "kubelora-operator"
@@ -50,7 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-image", default=_env("ROUTER_IMAGE") or defaults.images.router,
                         help=f"router image of pools that name none (default {defaults.images.router})")
     add_election_flags(parser)
+    add_network_policy_flags(parser)
     return parser
+
+
+def add_network_policy_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine NetworkPolicy (one per pool; docs/operator.md, closed by default)")
+    group.add_argument("--network-policy", action=argparse.BooleanOptionalAction,
+                       default=_env("NETWORK_POLICY", "true").lower() not in ("0", "false", "no"),
+                       help="create a NetworkPolicy per pool (env KUBELORA_OPERATOR_NETWORK_POLICY; default on)")
+    group.add_argument("--operator-pod-labels", default=_env("POD_LABELS"), metavar="K=V,...",
+                       help="labels of this operator's pods, the only peers the admin port admits "
+                            "(env KUBELORA_OPERATOR_POD_LABELS; default app.kubernetes.io/component=operator)")
+    group.add_argument("--operator-namespace", default=_env("POD_NAMESPACE"), metavar="NS",
+                       help="this operator's namespace (env KUBELORA_OPERATOR_POD_NAMESPACE, else POD_NAMESPACE, "
+                            "else the service account's; unknown: pods with those labels in any namespace)")
 
 
 def add_election_flags(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +103,20 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
     return OperatorSettings(resync_s=args.resync_seconds, max_concurrent_calls=args.max_concurrent_calls,
                             engine_timeout_s=args.engine_timeout_seconds,
                             backoff_initial_s=args.backoff_initial_seconds, backoff_max_s=args.backoff_max_seconds,
-                            images=DefaultImages(engine=args.engine_image, router=args.router_image))
+                            images=DefaultImages(engine=args.engine_image, router=args.router_image),
+                            network_policy=network_policy_from_args(args))
+
+
+def network_policy_from_args(args: argparse.Namespace) -> NetworkPolicySettings:
+    from kubelora.operator.leader import SERVICE_ACCOUNT_NAMESPACE
+
+    namespace = args.operator_namespace or os.environ.get("POD_NAMESPACE") or ""
+    if not namespace and Path(SERVICE_ACCOUNT_NAMESPACE).is_file():
+        namespace = Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip()
+    if args.operator_pod_labels is None:
+        return NetworkPolicySettings(is_enabled=args.network_policy, operator_namespace=namespace)
+    return NetworkPolicySettings(is_enabled=args.network_policy, operator_namespace=namespace,
+                                 operator_pod_labels=NetworkPolicySettings.parse_labels(args.operator_pod_labels))
 
 
 def settings_from_env() -> OperatorSettings:

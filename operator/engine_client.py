@@ -1,4 +1,8 @@
-"""The engine's admin API over HTTP (docs/server.md): list, load, unload. One client per reconcile."""
+"""The engine's admin API over HTTP (docs/server.md): list, load, unload. One client per reconcile.
+
+Every call goes to a pod's admin port (`observe.pod_admin_url`) with the pool's admin token: with a token
+configured the engine answers nothing there without it, and its serving port has no admin endpoints.
+"""
 
 from __future__ import annotations
 

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import Any
 
 import aiohttp
 import kopf
 
 from kubelora.operator import names
-from kubelora.operator.builders import build_owner_reference, build_pool_manifests, build_router_manifest_keys
+from kubelora.operator.builders import (build_admin_token_secret, build_owner_reference, build_pool_manifests,
+                                        build_router_manifest_keys)
 from kubelora.operator.conditions import build_status_patch, merge_conditions
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube, KubeError, load_connection
-from kubelora.operator.observe import is_pod_ready, pod_url
+from kubelora.operator.observe import is_pod_ready, pod_admin_url
 from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.settings import OperatorSettings
@@ -67,9 +69,14 @@ async def on_pool_spec(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
         await _write_pool_invalid(runtime, body, exc)
         raise kopf.PermanentError(str(exc)) from exc
     owner = build_owner_reference(body)
+    network = runtime.settings.network_policy
     try:
-        for manifest in build_pool_manifests(pool, owner, runtime.settings.images):
+        if pool.is_admin_token_managed:  # before the Deployment: its pods take the token from this Secret
+            await runtime.kube.create(build_admin_token_secret(pool, owner, secrets.token_urlsafe(32)))
+        for manifest in build_pool_manifests(pool, owner, runtime.settings.images, network):
             await runtime.kube.apply(manifest)
+        if not network.is_enabled:
+            await runtime.kube.delete("NetworkPolicy", pool.namespace, names.network_policy_name(pool.name))
         if not pool.router.is_enabled:
             for kind, name in build_router_manifest_keys(pool):
                 await runtime.kube.delete(kind, pool.namespace, name)
@@ -203,7 +210,8 @@ async def on_adapter_delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Lo
         logger.warning("not unloading %s: listing its pool's pods failed: %s", meta["name"], exc)
         pods, token = [], None
     client = EngineClient(runtime.engine_session, token, UNLOAD_ON_DELETE_TIMEOUT_S)
-    results = await asyncio.gather(*(client.unload(pod_url(p), meta["name"]) for p in pods), return_exceptions=True)
+    results = await asyncio.gather(*(client.unload(pod_admin_url(p), meta["name"]) for p in pods),
+                                   return_exceptions=True)
     for pod, result in zip(pods, results):
         if isinstance(result, EngineError):
             logger.warning("unload from %s failed (ignored): %s", pod["metadata"]["name"], result)
@@ -218,9 +226,10 @@ def release_timeout_s(settings: OperatorSettings) -> float:
 
 async def _pool_admin_token(runtime: Runtime, namespace: str, pool_name: str) -> str | None:
     pool = await runtime.kube.get_custom(names.POOL_PLURAL, namespace, pool_name)
-    ref = ((pool or {}).get("spec") or {}).get("adminTokenSecretRef")
-    if not ref:
+    if pool is None:
         return None
+    ref = (pool.get("spec") or {}).get("adminTokenSecretRef") or {"name": names.admin_token_secret_name(pool_name),
+                                                                  "key": names.ADMIN_TOKEN_KEY}
     return await runtime.kube.read_secret_key(namespace, ref["name"], ref.get("key", "token"))
 
 

@@ -25,6 +25,8 @@ KINDS = {
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "Secret": ("/api/v1", "secrets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
 }
 CUSTOM_PREFIX = f"/apis/{names.GROUP}/{names.VERSION}"
 
@@ -98,6 +100,17 @@ class Kube:
         return await self.request("PATCH", path, manifest, params={"fieldManager": names.FIELD_MANAGER,
                                                                    "force": "true"},
                                   content_type="application/apply-patch+yaml")
+
+    async def create(self, manifest: dict) -> bool:
+        """Create the object unless one of its name exists (False then; the existing one is left as it is)."""
+        meta = manifest["metadata"]
+        try:
+            await self.request("POST", self.object_path(manifest["kind"], meta["namespace"]), manifest)
+            return True
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
 
     async def delete(self, kind: str, namespace: str, name: str) -> bool:
         try:

@@ -8,7 +8,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 POOL_PLURAL = "lorapools"
 ADAPTER_PLURAL = "loraadapters"
 
-ENGINE_PORT = 8000
+ENGINE_PORT = 8000  # the engine's serving port: OpenAI API, public model list, probes, metrics
+ENGINE_ADMIN_PORT = 8001  # the engine's admin port: load/unload and the full model list (docs/server.md)
 ROUTER_PORT = 8080
 FIELD_MANAGER = "kubelora-operator"
 
@@ -39,6 +40,18 @@ def router_name(pool: str) -> str:
 
 def placement_configmap_name(pool: str) -> str:
     return f"{pool}-placement"
+
+
+def admin_token_secret_name(pool: str) -> str:
+    """The Secret holding the pool's engine admin token, when the pool names none (key ADMIN_TOKEN_KEY)."""
+    return f"{pool}-engine-admin"
+
+
+ADMIN_TOKEN_KEY = "token"
+
+
+def network_policy_name(pool: str) -> str:
+    return f"{pool}-engine"
 
 
 def pool_labels(pool: str, component: str) -> dict[str, str]:

@@ -26,13 +26,19 @@ def is_pod_ready(pod: dict) -> bool:
 
 
 def pod_url(pod: dict) -> str:
+    """The engine pod's serving port (what status shows, what clients and routers use)."""
     return f"http://{pod['status']['podIP']}:{names.ENGINE_PORT}"
+
+
+def pod_admin_url(pod: dict) -> str:
+    """The engine pod's admin port: every call the operator makes (list, long poll, load, unload)."""
+    return f"http://{pod['status']['podIP']}:{names.ENGINE_ADMIN_PORT}"
 
 
 @dataclass
 class Observation:
     pods: list[dict]  # engine pods not being deleted
-    urls: dict[str, str] = field(default_factory=dict)  # ready pods that answered GET /v1/models
+    urls: dict[str, str] = field(default_factory=dict)  # ready pods that answered GET /v1/models: admin URLs
     adapters: dict[str, dict[str, ObservedAdapter]] = field(default_factory=dict)
     all_urls: dict[str, str] = field(default_factory=dict)  # every pod with an IP, ready or not
     budgets: dict[str, int] = field(default_factory=dict)  # observed pod -> device adapter pool bytes
@@ -45,7 +51,7 @@ async def observe_pool(kube: Kube, client: EngineClient, namespace: str, pool: s
     observation = Observation(pods=pods, all_urls={p["metadata"]["name"]: pod_url(p) for p in pods
                                                    if (p.get("status") or {}).get("podIP")})
     ready = [p for p in pods if is_pod_ready(p)]
-    results = await asyncio.gather(*(client.list_models(pod_url(p)) for p in ready), return_exceptions=True)
+    results = await asyncio.gather(*(client.list_models(pod_admin_url(p)) for p in ready), return_exceptions=True)
     for pod, result in zip(ready, results):
         name = pod["metadata"]["name"]
         if isinstance(result, EngineError):
@@ -53,7 +59,7 @@ async def observe_pool(kube: Kube, client: EngineClient, namespace: str, pool: s
             continue
         if isinstance(result, BaseException):
             raise result
-        observation.urls[name] = pod_url(pod)
+        observation.urls[name] = pod_admin_url(pod)
         observation.adapters[name], budget = result
         if budget is not None:
             observation.budgets[name] = budget

@@ -83,7 +83,7 @@ class PoolReconciler:
         unchanged objects writes nothing, and needs no RBAC beyond what creating them does (no list/watch)."""
         self._healed_at = time.monotonic()
         owner = build_owner_reference(body)
-        for manifest in build_pool_manifests(pool, owner, self._settings.images):
+        for manifest in build_pool_manifests(pool, owner, self._settings.images, self._settings.network_policy):
             await self._kube.apply(manifest)
         published = self._memory.published
         if published is not None and published.payload:  # "" right after a restart: the next change writes it

@@ -34,6 +34,36 @@ class DefaultImages:
 
 
 @dataclass(frozen=True)
+class NetworkPolicySettings:
+    """Per pool, a NetworkPolicy on the engine pods (docs/operator.md, "Closed by default"): the admin port only
+    from the operator's pods, the serving port only from the pool's routers and its allowed client namespaces.
+
+    `operator_namespace` and `operator_pod_labels` select the operator's pods; the chart renders both. An empty
+    namespace admits pods with those labels in any namespace (an operator run outside the chart).
+    """
+
+    is_enabled: bool = True
+    operator_namespace: str = ""
+    operator_pod_labels: dict[str, str] = field(default_factory=lambda: {"app.kubernetes.io/component": "operator"})
+
+    def __post_init__(self) -> None:
+        if self.is_enabled and not self.operator_pod_labels:
+            raise ValueError("operator_pod_labels must name at least one label when the network policy is on "
+                             "(an empty selector would admit every pod)")
+
+    @staticmethod
+    def parse_labels(text: str) -> dict[str, str]:
+        """`k=v,k2=v2` (a label selector of equalities) -> {k: v, k2: v2}; ValueError naming the bad item."""
+        labels = {}
+        for item in (i.strip() for i in text.split(",") if i.strip()):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"operator pod labels: expected KEY=VALUE, got {item!r}")
+            labels[key.strip()] = value.strip()
+        return labels
+
+
+@dataclass(frozen=True)
 class OperatorSettings:
     resync_s: float = 30.0  # full reconcile of each pool at least this often, besides event triggers
     debounce_s: float = 0.2  # triggers within this window share one reconcile
@@ -43,6 +73,7 @@ class OperatorSettings:
     backoff_initial_s: float = 1.0  # first retry after a transient engine failure; doubles per failure
     backoff_max_s: float = 60.0
     images: DefaultImages = field(default_factory=DefaultImages)
+    network_policy: NetworkPolicySettings = field(default_factory=NetworkPolicySettings)
 
     def __post_init__(self) -> None:
         for name in ("resync_s", "engine_timeout_s", "backoff_initial_s", "backoff_max_s"):

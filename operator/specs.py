@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubelora.operator import names
+
 ALL_REPLICAS = "all"
 
 
@@ -82,7 +84,11 @@ class PoolSpec:
     resources: dict[str, Any] = field(default_factory=dict)
     adapter_roots: tuple[str, ...] = ()
     adapter_url_hosts: tuple[str, ...] = ()
+    # The engine admin token: spec.adminTokenSecretRef, else the Secret the operator creates for the pool
+    # (names.admin_token_secret_name; is_admin_token_managed). None only in specs built by hand (tests).
     admin_token: SecretRef | None = None
+    is_admin_token_managed: bool = False
+    allowed_client_namespaces: tuple[str, ...] = ()  # besides the pool's routers, these reach the serving port
     router: RouterSettings = RouterSettings()
     pod_labels: dict[str, str] = field(default_factory=dict)
     node_selector: dict[str, str] = field(default_factory=dict)
@@ -112,7 +118,10 @@ class PoolSpec:
             resources=dict(spec.get("resources") or {}),
             adapter_roots=tuple(spec.get("adapterRoots") or ()),
             adapter_url_hosts=tuple(spec.get("adapterUrlHosts") or ()),
-            admin_token=SecretRef(token["name"], token.get("key", "token")) if token else None,
+            admin_token=(SecretRef(token["name"], token.get("key", "token")) if token else
+                         SecretRef(names.admin_token_secret_name(meta["name"]), names.ADMIN_TOKEN_KEY)),
+            is_admin_token_managed=not token,
+            allowed_client_namespaces=tuple(spec.get("allowedClientNamespaces") or ()),
             router=RouterSettings(is_enabled=router.get("enabled", False), replicas=router.get("replicas", 1),
                                   image=router.get("image") or None),
             pod_labels=dict(spec.get("podLabels") or {}), node_selector=dict(spec.get("nodeSelector") or {}),

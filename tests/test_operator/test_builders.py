@@ -1,8 +1,12 @@
 import json
 
+import pytest
+
 from kubelora.operator import names
-from kubelora.operator.builders import (build_engine_args, build_engine_deployment, build_owner_reference,
-                                        build_placement_configmap, build_pool_manifests, build_pool_service)
+from kubelora.operator.builders import (build_admin_token_secret, build_engine_args, build_engine_deployment,
+                                        build_network_policy, build_owner_reference, build_placement_configmap,
+                                        build_pool_manifests, build_pool_service)
+from kubelora.operator.settings import NetworkPolicySettings
 from kubelora.operator.specs import PoolSpec
 
 BODY = {"apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool",
@@ -66,7 +70,9 @@ def test_defaults_without_optional_fields():
     assert spec.served_name == "base" and spec.replicas == 1 and spec.image is None
     container = build_engine_deployment(spec, OWNER)["spec"]["template"]["spec"]["containers"][0]
     assert "resources" not in container and "volumeMounts" not in container
-    assert not any(e["name"] == "KUBELORA_ADMIN_TOKEN" for e in container["env"])
+    # No adminTokenSecretRef: the token comes from the Secret the operator creates for the pool.
+    assert {"name": "KUBELORA_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "q-engine-admin", "key": "token"}}
+            } in container["env"]
 
 
 def test_router_objects_only_when_enabled():
@@ -115,3 +121,74 @@ def test_engine_pods_carry_the_pool_spec_digest():
     scaled = {**body, "spec": {**body["spec"], "replicas": 3, "router": {"enabled": True}}}
     raised = {**body, "spec": {**body["spec"], "engine": {"maxLoraRank": 16}}}
     assert len(digest(body)) == 16 and digest(scaled) == digest(body) != digest(raised)
+
+
+def _without_token_ref(**spec):
+    body = json.loads(json.dumps(BODY))
+    del body["spec"]["adminTokenSecretRef"]
+    body["spec"].update(spec)
+    return PoolSpec.from_body(body)
+
+
+def test_engines_get_the_admin_port_and_a_token_from_the_pools_secret():
+    args = build_engine_args(pool())
+    assert dict(zip(args[2::2], args[3::2]))["--admin-port"] == "8001"
+    managed = _without_token_ref()
+    assert managed.is_admin_token_managed and managed.admin_token.name == "p-engine-admin"
+    assert not pool().is_admin_token_managed and pool().admin_token.name == "tok"  # the pool's own Secret wins
+    container = build_engine_deployment(managed, OWNER)["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "KUBELORA_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "p-engine-admin", "key": "token"}}
+            } in container["env"]
+    assert {"name": "admin", "containerPort": 8001, "protocol": "TCP"} in container["ports"]
+    assert container["readinessProbe"]["httpGet"]["port"] == 8000  # probes stay on the serving port
+    secret = build_admin_token_secret(managed, OWNER, "r4nd0m")
+    assert secret["metadata"]["name"] == "p-engine-admin" and secret["metadata"]["ownerReferences"] == [OWNER]
+    assert secret["stringData"] == {"token": "r4nd0m"} and secret["type"] == "Opaque"
+
+
+NETWORK = NetworkPolicySettings(operator_namespace="kubelora-system",
+                                operator_pod_labels={"app.kubernetes.io/name": "kubelora",
+                                                     "app.kubernetes.io/component": "operator"})
+
+
+def test_network_policy_admits_the_operator_to_the_admin_port_and_routers_to_the_serving_port():
+    policy = build_network_policy(pool(router={"enabled": True}, allowedClientNamespaces=["team-a", "monitoring"]),
+                                  OWNER, NETWORK)
+    assert policy["kind"] == "NetworkPolicy" and policy["metadata"]["ownerReferences"] == [OWNER]
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": names.engine_selector("p")} and spec["policyTypes"] == ["Ingress"]
+    admin, serving = spec["ingress"]
+    assert admin["ports"] == [{"protocol": "TCP", "port": 8001}]
+    assert admin["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kubelora-system"}},
+                              "podSelector": {"matchLabels": NETWORK.operator_pod_labels}}]
+    assert serving["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert serving["from"] == [
+        {"podSelector": {"matchLabels": {"kubelora.io/pool": "p", "app.kubernetes.io/component": "router"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_network_policy_without_router_or_operator_namespace():
+    policy = build_network_policy(pool(), OWNER, NetworkPolicySettings())
+    admin, serving = policy["spec"]["ingress"]
+    # Unknown operator namespace: operator-labelled pods in any namespace; no router: the pool's own namespace.
+    assert admin["from"] == [{"namespaceSelector": {},
+                              "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}}}]
+    assert serving["from"] == [{"podSelector": {}}]
+
+
+def test_network_policy_is_in_the_pool_manifests_only_when_enabled():
+    kinds = lambda network: [m["kind"] for m in build_pool_manifests(pool(), OWNER, network=network)]  # noqa: E731
+    assert "NetworkPolicy" in kinds(NETWORK)
+    assert "NetworkPolicy" not in kinds(NetworkPolicySettings(is_enabled=False))
+    assert "NetworkPolicy" not in kinds(None)
+    assert "Secret" not in kinds(NETWORK)  # created once by the handler, never applied
+
+
+def test_network_policy_settings_parse_and_refuse_an_empty_selector():
+    assert NetworkPolicySettings.parse_labels("a=b, c = d,") == {"a": "b", "c": "d"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        NetworkPolicySettings.parse_labels("a")
+    with pytest.raises(ValueError, match="operator_pod_labels"):
+        NetworkPolicySettings(operator_pod_labels={})
+    assert NetworkPolicySettings(is_enabled=False, operator_pod_labels={}).operator_pod_labels == {}

@@ -51,7 +51,7 @@ class Flag:
 
 @pytest.fixture
 async def cluster(aiohttp_server, monkeypatch):
-    monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
+    monkeypatch.setattr(observe_module, "pod_admin_url", lambda p: p["metadata"]["annotations"]["test-url"])
     kube = CountingKube()
     kube.objects[("lorapools", "p")] = pool_object(8, 16)
     engines = {name: FakeEngine() for name in ("e0", "e1", "e2")}

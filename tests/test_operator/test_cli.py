@@ -37,3 +37,20 @@ def test_package_imports_only_as_kubelora_operator():
 def test_settings_from_env_for_kopf_run(monkeypatch):
     monkeypatch.setenv("KUBELORA_OPERATOR_BACKOFF_MAX_S", "7")
     assert cli.settings_from_env() == OperatorSettings(backoff_max_s=7)
+
+
+def test_network_policy_settings_from_flags_and_env(monkeypatch):
+    from kubelora.operator.settings import NetworkPolicySettings
+
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    monkeypatch.setenv("KUBELORA_OPERATOR_POD_NAMESPACE", "kubelora-system")
+    monkeypatch.setenv("KUBELORA_OPERATOR_POD_LABELS", "app.kubernetes.io/name=kubelora,app.kubernetes.io/instance=r")
+    network = cli.settings_from_env().network_policy
+    assert network == NetworkPolicySettings(operator_namespace="kubelora-system", operator_pod_labels={
+        "app.kubernetes.io/name": "kubelora", "app.kubernetes.io/instance": "r"})
+    monkeypatch.setenv("KUBELORA_OPERATOR_NETWORK_POLICY", "false")
+    assert not cli.settings_from_env().network_policy.is_enabled
+    args = cli.build_parser().parse_args(["--network-policy"])
+    assert cli.settings_from_args(args).network_policy.is_enabled
+    monkeypatch.setenv("KUBELORA_OPERATOR_POD_LABELS", "nolabel")
+    assert cli.main(["--resync-seconds", "3"]) == 2  # a bad label list is a settings error, not a crash

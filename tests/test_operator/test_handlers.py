@@ -20,7 +20,16 @@ LOG = logging.getLogger("test")
 class FakeKube:
     def __init__(self, pods=(), fail_apply=False):
         self.pods, self.fail_apply = list(pods), fail_apply
-        self.applied, self.deleted, self.statuses = [], [], []
+        self.applied, self.deleted, self.statuses, self.created = [], [], [], []
+        self.existing: set[tuple[str, str]] = set()
+
+    async def create(self, manifest):
+        key = (manifest["kind"], manifest["metadata"]["name"])
+        self.created.append((*key, manifest))
+        if key in self.existing:
+            return False
+        self.existing.add(key)
+        return True
 
     async def list_pods(self, namespace, selector):
         return self.pods
@@ -66,8 +75,36 @@ async def test_pool_objects_applied_router_removed_and_daemon_triggered(runtime_
     runtime = runtime_for(kube)
     wake = runtime.trigger_for("ns", "p")
     await handlers.on_pool_spec(body=pool_body(), memo=kopf.Memo(runtime=runtime), logger=LOG)
-    assert kube.applied == [("Deployment", "p-engine"), ("Service", "p-engine"), ("Service", "p")]
+    assert kube.applied == [("Deployment", "p-engine"), ("Service", "p-engine"), ("Service", "p"),
+                            ("NetworkPolicy", "p-engine")]
     assert ("Deployment", "p-router") in kube.deleted and wake.is_set()
+
+
+async def test_the_admin_token_secret_is_created_once_with_a_random_token(runtime_for):
+    kube = FakeKube()
+    runtime = runtime_for(kube)
+    for _ in range(2):  # create, then an update: the second create finds the Secret and leaves it alone
+        await handlers.on_pool_spec(body=pool_body(), memo=kopf.Memo(runtime=runtime), logger=LOG)
+    (kind, name, first), (_, _, second) = kube.created
+    assert (kind, name) == ("Secret", "p-engine-admin") and first["metadata"]["ownerReferences"][0]["uid"] == "u"
+    token = first["stringData"]["token"]
+    assert len(token) >= 32 and token != second["stringData"]["token"]  # random per call, but only one was stored
+    assert kube.created[0][0] == "Secret" and ("Secret", "p-engine-admin") not in kube.applied
+    kube.created.clear()
+    await handlers.on_pool_spec(body=pool_body(adminTokenSecretRef={"name": "mine"}), memo=kopf.Memo(runtime=runtime),
+                                logger=LOG)
+    assert kube.created == []  # the pool names its own Secret: nothing created
+
+
+async def test_a_disabled_network_policy_is_deleted(runtime_for):
+    from kubelora.operator.settings import NetworkPolicySettings
+
+    kube = FakeKube()
+    runtime = runtime_for(kube)
+    runtime.settings = OperatorSettings(network_policy=NetworkPolicySettings(is_enabled=False))
+    await handlers.on_pool_spec(body=pool_body(), memo=kopf.Memo(runtime=runtime), logger=LOG)
+    assert ("NetworkPolicy", "p-engine") in kube.deleted
+    assert "NetworkPolicy" not in [kind for kind, _ in kube.applied]
 
 
 async def test_invalid_pool_is_permanent_and_transient_failures_retry(runtime_for):

@@ -62,7 +62,7 @@ class WatchableEngine(FakeEngine):
 
 @pytest.fixture
 async def watched(aiohttp_server, monkeypatch):
-    monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
+    monkeypatch.setattr(observe_module, "pod_admin_url", lambda p: p["metadata"]["annotations"]["test-url"])
     kube = CountingKube()
     kube.objects[("lorapools", "p")] = pool_object(4, 8)
     engines = {name: WatchableEngine() for name in ("e0", "e1")}

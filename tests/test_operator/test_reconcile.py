@@ -135,7 +135,7 @@ def pod(name: str, url: str) -> dict:
 
 @pytest.fixture
 async def world(aiohttp_server, monkeypatch):
-    monkeypatch.setattr(observe_module, "pod_url", lambda p: p["metadata"]["annotations"]["test-url"])
+    monkeypatch.setattr(observe_module, "pod_admin_url", lambda p: p["metadata"]["annotations"]["test-url"])
     engines = {name: FakeEngine() for name in ("e0", "e1")}
     kube = FakeKube()
     kube.objects[("lorapools", "p")] = pool_object(2, 4, adapterUrlHosts=["models.example"])
@@ -322,4 +322,4 @@ async def test_owned_objects_are_reapplied_once_per_resync(world):
     await reconciler.reconcile()
     assert {"p-engine", "p", "p-placement"} <= set(kube.applied)
     assert kube.applied["p-placement"]["data"] == placement["data"]  # the same payload and revision
-    assert kube.applied["p-engine"]["kind"] in ("Deployment", "Service")
+    assert kube.applied["p-engine"]["kind"] in ("Deployment", "Service", "NetworkPolicy")
