@@ -19,6 +19,13 @@ BUILT_IMAGES = {"KUBELORA_OPERATOR_ENGINE_IMAGE": "kubelora-engine:0.1.0",
 # Leader election is on by default; POD_NAME and POD_NAMESPACE come from the downward API (no value).
 ELECTION = {"KUBELORA_OPERATOR_LEADER_ELECT": "true", "KUBELORA_OPERATOR_LEADER_ELECT_LEASE": "rel-kubelora",
             "POD_NAME": None, "POD_NAMESPACE": None}
+# The engine NetworkPolicies are on by default and admit the operator's own pods (its selector labels).
+OPERATOR_LABELS = "app.kubernetes.io/name=kubelora,app.kubernetes.io/instance=rel,app.kubernetes.io/component=operator"
+
+
+def network(namespace: str = NS, enabled: str = "true") -> dict[str, str]:
+    return {"KUBELORA_OPERATOR_NETWORK_POLICY": enabled, "KUBELORA_OPERATOR_POD_NAMESPACE": namespace,
+            "KUBELORA_OPERATOR_POD_LABELS": OPERATOR_LABELS}
 
 
 def container(rendered: dict) -> dict:
@@ -31,10 +38,11 @@ def env(rendered: dict) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container(rendered)["env"]}
 
 
-def rules(rendered: dict, name: str) -> dict[tuple[str, str], set[str]]:
-    """(apiGroup, resource) -> verbs of one ClusterRole."""
+def rules(rendered: dict, name: str, kind: str = "ClusterRole", namespace: str | None = None
+          ) -> dict[tuple[str, str], set[str]]:
+    """(apiGroup, resource) -> verbs of one ClusterRole (or Role)."""
     table: dict[tuple[str, str], set[str]] = {}
-    for rule in rendered[("ClusterRole", name, None)]["rules"]:
+    for rule in rendered[(kind, name, namespace)]["rules"]:
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 table.setdefault((group, resource), set()).update(rule["verbs"])
@@ -51,7 +59,8 @@ def test_defaults_render_a_cluster_wide_operator(render):
     operator = container(rendered)
     assert operator["image"] == "kubelora-operator:0.1.0"  # appVersion
     assert operator["args"] == ["operator"]
-    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION}  # unset: defaults
+    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION,
+                             **network()}  # unset: defaults
     for probe in ("livenessProbe", "readinessProbe"):
         assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert operator["ports"] == [{"name": "healthz", "containerPort": 8081, "protocol": "TCP"}]
@@ -62,8 +71,25 @@ def test_defaults_render_a_cluster_wide_operator(render):
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kubelora", "namespace": NS}]
 
 
+POOL_RULES = {
+    ("kubelora.io", "lorapools"): {"get", "list", "watch", "patch"},
+    ("kubelora.io", "loraadapters"): {"get", "list", "watch", "patch"},
+    ("kubelora.io", "lorapools/status"): {"get", "patch"}, ("kubelora.io", "loraadapters/status"): {"get", "patch"},
+    ("kubelora.io", "lorapools/finalizers"): {"update"}, ("kubelora.io", "loraadapters/finalizers"): {"update"},
+    **{key: {"get", "create", "update", "patch", "delete"} for key in (
+        ("apps", "deployments"), ("", "services"), ("", "serviceaccounts"), ("", "configmaps"),
+        ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings"))},
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "events"): {"create", "patch"}, ("events.k8s.io", "events"): {"create", "patch"},
+    # The pool's admin token Secret is created once; Secrets are never listed, watched, updated or deleted.
+    ("", "secrets"): {"get", "create"},
+    ("networking.k8s.io", "networkpolicies"): {"create", "patch", "delete"},
+}
+
+
 def test_rbac_is_least_privilege(render):
     pools = rules(render(CI["default-values"]), "rel-kubelora-pools")
+    assert pools == POOL_RULES
     assert pools[("kubelora.io", "lorapools")] == pools[("kubelora.io", "loraadapters")] == {
         "get", "list", "watch", "patch"}
     assert pools[("kubelora.io", "lorapools/status")] == {"get", "patch"}
@@ -72,10 +98,10 @@ def test_rbac_is_least_privilege(render):
     for key in (("apps", "deployments"), ("", "services"), ("", "serviceaccounts"),
                 ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings")):
         assert pools[key] == owned, key
-    assert pools[("", "configmaps")] == owned | {"list", "watch"}
+    assert pools[("", "configmaps")] == owned  # the router Role grants only get, by name
     assert pools[("", "pods")] == {"get", "list", "watch"}
     assert pools[("", "events")] == {"create", "patch"}
-    assert pools[("", "secrets")] == {"get"}
+    assert pools[("", "secrets")] == {"get", "create"}
     everything = {verb for verbs in pools.values() for verb in verbs}
     assert not everything & {"*", "escalate", "bind", "impersonate", "deletecollection"}
     assert not any("*" in key for key in pools)
@@ -84,21 +110,40 @@ def test_rbac_is_least_privilege(render):
                          ("", "namespaces"): {"get", "list", "watch"}}
 
 
-def test_watched_namespaces_get_role_bindings_and_settings_become_env(render):
+def test_watched_namespaces_get_roles_and_bindings_and_settings_become_env(render):
     rendered = render(CI["namespaced-values"], namespace="ops")
+    # Nothing for pools cluster-wide: no ClusterRole to bind, no ClusterRoleBinding; Secrets only in team-a/b.
     assert ("ClusterRoleBinding", "rel-kubelora-pools", None) not in rendered
+    assert ("ClusterRole", "rel-kubelora-pools", None) not in rendered
+    cluster_wide = [m for (kind, _, _), m in rendered.items() if kind == "ClusterRole"]
+    assert all(rule["resources"] != ["secrets"] for role in cluster_wide for rule in role["rules"])
     for namespace in ("team-a", "team-b"):
+        assert rules(rendered, "rel-kubelora-pools", "Role", namespace) == POOL_RULES
         binding = rendered[("RoleBinding", "rel-kubelora-pools", namespace)]
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                       "name": "rel-kubelora-pools"}
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kubelora", "namespace": "ops"}]
+    roles = {(kind, namespace) for kind, name, namespace in rendered if kind in ("Role", "RoleBinding")
+             and name == "rel-kubelora-pools"}
+    assert roles == {(kind, ns) for kind in ("Role", "RoleBinding") for ns in ("team-a", "team-b")}
     operator = container(rendered)
     assert operator["image"] == "registry.example.com/kubelora/operator:v0.1.0-test"
     assert operator["args"] == ["operator", "--engine-timeout-seconds", "60"]
     assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION,
                              "KUBELORA_OPERATOR_NAMESPACES": "team-a,team-b", "KUBELORA_OPERATOR_RESYNC_S": "15",
                              "KUBELORA_OPERATOR_MAX_CONCURRENT_CALLS": "8", "KUBELORA_OPERATOR_VERBOSE": "true",
-                             "EXTRA": "1"}
+                             **network("ops"), "EXTRA": "1"}
+
+
+def test_network_policies_are_on_by_default_and_switch_off(render):
+    assert env(render(CI["default-values"]))["KUBELORA_OPERATOR_NETWORK_POLICY"] == "true"
+    off = render(CI["default-values"], "networkPolicy.enabled=false")
+    assert env(off) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION,
+                        **network(enabled="false")}
+    # The labels the operator puts in the policies select its own pods.
+    [deployment] = [m for (kind, _, _), m in off.items() if kind == "Deployment"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert dict(item.split("=") for item in OPERATOR_LABELS.split(",")).items() <= pod_labels.items()
 
 
 def test_leader_election_gets_a_lease_role_in_the_release_namespace(render, helm):
@@ -164,7 +209,8 @@ def test_every_object_is_labelled_by_the_release(render, name):
                                         ("watchNamespaces={Team_A}", "watchNamespaces"),
                                         ("operator.maxConcurrentCalls=0", "maxConcurrentCalls"),
                                         ("metrics.serviceMonitor.interval=often", "interval"),
-                                        ("operater.verbose=true", "operater")])
+                                        ("operater.verbose=true", "operater"),
+                                        ("networkPolicy.enabled=maybe", "enabled")])
 def test_values_schema_refuses_bad_values(helm, bad, field):
     result = subprocess.run([helm, "template", "rel", str(CHART), "--kube-version", KUBE_VERSION, "--set", bad],
                             capture_output=True, text=True, timeout=60)

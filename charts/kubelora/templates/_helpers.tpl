@@ -23,6 +23,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* The selector labels as `k=v,k=v`: the operator's KUBELORA_OPERATOR_POD_LABELS (its pods, as the engine
+NetworkPolicies name them). */}}
+{{- define "kubelora.selectorLabelList" -}}
+{{- include "kubelora.selectorLabels" . | replace ": " "=" | replace "\n" "," -}}
+{{- end -}}
+
 {{- define "kubelora.labels" -}}
 {{ include "kubelora.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
