@@ -3,7 +3,8 @@ operator's work, the operator Deployment Ready; then `helm uninstall` removes wh
 
 The operator watches only this test's namespace (watchNamespaces), so it never touches pools of other suites
 sharing the cluster. The probe pool has 0 engine replicas: the operator still applies every object a pool owns
-(Deployments, Services, the router's ServiceAccount, Role and RoleBinding, the placement ConfigMap) and writes
+(Deployments, Services, the router's ServiceAccount, Role and RoleBinding, the placement ConfigMap, the admin
+token Secret, the engine NetworkPolicy) and writes
 status, which is what the chart's RBAC must allow. A `helm upgrade` of one setting then rolls the operator.
 """
 
@@ -62,15 +63,22 @@ def test_install_runs_the_operator_and_uninstall_cleans_up(cluster, helm):
         for crd in CRDS:
             wait_for(f"CRD {crd} established", lambda crd=crd: _established(cluster, crd), timeout_s=60)
         assert cluster.get_json("serviceaccount", name, "-n", namespace)
-        assert cluster.get_json("rolebinding", f"{name}-pools", "-n", namespace)["roleRef"]["kind"] == "ClusterRole"
-        for role in (f"{name}-pools", f"{name}-discovery"):
-            assert cluster.get_json("clusterrole", role)
-        assert cluster.kubectl("get", "clusterrolebinding", f"{name}-pools", check=False).returncode != 0
+        # watchNamespaces: a Role and RoleBinding there, nothing cluster-wide for pools.
+        assert cluster.get_json("rolebinding", f"{name}-pools", "-n", namespace)["roleRef"]["kind"] == "Role"
+        assert cluster.get_json("role", f"{name}-pools", "-n", namespace)
+        assert cluster.get_json("clusterrole", f"{name}-discovery")
+        for kind in ("clusterrole", "clusterrolebinding"):
+            assert cluster.kubectl("get", kind, f"{name}-pools", check=False).returncode != 0
         # Least privilege, as the API server evaluates it for the operator's ServiceAccount.
         assert _can(cluster, namespace, name, "patch", "lorapools.kubelora.io", namespace)
         assert _can(cluster, namespace, name, "create", "roles", namespace)
         assert _can(cluster, namespace, name, "get", "secrets", namespace)
+        assert _can(cluster, namespace, name, "create", "secrets", namespace)  # a pool's admin token, once
         assert not _can(cluster, namespace, name, "list", "secrets", namespace)
+        assert not _can(cluster, namespace, name, "update", "secrets", namespace)
+        assert not _can(cluster, namespace, name, "get", "secrets", "default")  # Secrets only where it watches
+        assert _can(cluster, namespace, name, "create", "networkpolicies.networking.k8s.io", namespace)
+        assert not _can(cluster, namespace, name, "list", "configmaps", namespace)
         assert not _can(cluster, namespace, name, "create", "deployments", "default")  # not a watched namespace
         assert not _can(cluster, namespace, name, "create", "pods", namespace)
 
@@ -97,7 +105,8 @@ def test_install_runs_the_operator_and_uninstall_cleans_up(cluster, helm):
         assert json.loads(json.loads(placement)["data"]["placement.json"])["replicas"] == []
         for kind, obj in (("deployment", "rbac-probe-engine"), ("deployment", "rbac-probe-router"),
                           ("role", "rbac-probe-router"), ("rolebinding", "rbac-probe-router"),
-                          ("serviceaccount", "rbac-probe-router"), ("service", "rbac-probe")):
+                          ("serviceaccount", "rbac-probe-router"), ("service", "rbac-probe"),
+                          ("secret", "rbac-probe-engine-admin"), ("networkpolicy", "rbac-probe-engine")):
             wait_for(f"{kind}/{obj}", lambda kind=kind, obj=obj: cluster.get_json(kind, obj, "-n", namespace),
                      timeout_s=60)
         status = wait_for("pool status", lambda: cluster.get_json("lorapool", "rbac-probe", "-n", namespace)
@@ -113,8 +122,8 @@ def test_install_runs_the_operator_and_uninstall_cleans_up(cluster, helm):
     finally:
         run_helm(helm, "uninstall", release, *kube, "--wait", "--timeout", "60s")
     assert cluster.kubectl("get", "deployment", name, "-n", namespace, check=False).returncode != 0
-    for role in (f"{name}-pools", f"{name}-discovery"):
-        assert cluster.kubectl("get", "clusterrole", role, check=False).returncode != 0
+    assert cluster.kubectl("get", "clusterrole", f"{name}-discovery", check=False).returncode != 0
+    assert cluster.kubectl("get", "role", f"{name}-pools", "-n", namespace, check=False).returncode != 0
     for crd in CRDS:  # Helm never deletes CRDs (that would delete every pool and adapter)
         assert _established(cluster, crd)
     cluster.kubectl("delete", "namespace", namespace, "--timeout=90s")
