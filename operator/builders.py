@@ -180,8 +180,8 @@ def build_network_policy(pool: PoolSpec, owner: dict[str, Any], network: Network
 def build_router_rbac(pool: PoolSpec, owner: dict[str, Any]) -> list[Manifest]:
     """The router reads its pool's placement ConfigMap, by name, with `get` (and nothing else)."""
     name = names.router_name(pool.name)
-    rule = {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [names.placement_configmap_name(pool.name)],
-            "verbs": ["get"]}
+    rule = {"apiGroups": [""], "resources": ["configmaps"],
+            "resourceNames": [names.placement_configmap_name(pool.name)], "verbs": ["get"]}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(pool, name, "router", owner)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",

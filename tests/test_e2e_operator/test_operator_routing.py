@@ -1,0 +1,154 @@
+"""Ready means routable, stale placement (issue 18), on a real API server with the router reached by pod IP
+(the local cluster has no kube-proxy):
+
+- after an adapter turns `Ready`, the very next request through the router succeeds (every trial), and apply ->
+  Ready stays within 2 s p50;
+- with the router's placement unreadable (its ServiceAccount deleted: the token it holds no longer
+  authenticates, as with a lost token mount) the pool turns Degraded/RouterPlacementStale within ~10 s, the
+  pool status shows the router's revision and error, and once the adapter's holders are deleted, requests
+  through the stale router still succeed on another replica of its view, which loads the adapter on demand;
+- a fresh router pod takes the current placement and the condition clears.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pytest_cluster import wait_for
+
+from .test_operator_lifecycle import ADMIN_TOKEN, ready_engine_pods
+
+POOL = """
+apiVersion: kubelora.io/v1alpha1
+kind: LoRAPool
+metadata: {{name: rpool}}
+spec:
+  model: {{path: /models/tiny, servedName: tiny}}
+  modelVolume: {{hostPath: {models}, mountPath: /models}}
+  adapterVolume: {{hostPath: {adapters}, mountPath: /adapters}}
+  adapterRoots: [/adapters]
+  adminTokenSecretRef: {{name: engine-admin, key: token}}
+  replicas: 3
+  router: {{enabled: true, replicas: 1}}
+  engine: {{device: cpu, maxLoras: 2, maxLoraRank: 8, maxCpuLoras: 8, maxModelLen: 256, maxNumSeqs: 8}}
+"""
+ADAPTER = """
+apiVersion: kubelora.io/v1alpha1
+kind: LoRAAdapter
+metadata: {{name: {name}}}
+spec: {{pool: rpool, source: {{path: {path}}}, replicas: {replicas}}}
+"""
+ENGINES = "kubelora.io/pool=rpool,app.kubernetes.io/component=engine"
+ROUTERS = "kubelora.io/pool=rpool,app.kubernetes.io/component=router"
+NUM_TRIALS = 6
+
+
+def complete(router_ip: str, model: str, timeout_s: float = 60) -> tuple[int, str]:
+    """(HTTP status, the replica that answered or the error body) of one completion through the router."""
+    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 2, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://{router_ip}:8080/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.headers.get("X-Kubelora-Replica", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def pool_status(env) -> dict:
+    return env.cluster.get_json("lorapool", "rpool", "-n", env.namespace).get("status") or {}
+
+
+def condition(status: dict, type_: str) -> dict:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    """A kubernetes client on the cluster (polling a status every 20 ms is what kubectl cannot do)."""
+    from kubernetes import client, config
+
+    return client.CustomObjectsApi(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
+
+
+def wait_ready(api, namespace: str, name: str, timeout_s: float = 60) -> float:
+    """Poll the adapter every 20 ms until its phase is Ready; the time.monotonic() it was seen Ready."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = api.get_namespaced_custom_object("kubelora.io", "v1alpha1", namespace, "loraadapters", name)
+        if (body.get("status") or {}).get("phase") == "Ready":
+            return time.monotonic()
+        time.sleep(0.02)
+    raise AssertionError(f"{name} not Ready within {timeout_s} s: {body.get('status')}")
+
+
+def test_ready_means_routable_and_a_stale_router_degrades_the_pool(operator_env, material, api) -> None:
+    env = operator_env
+    env.cluster.kubectl("create", "secret", "generic", "engine-admin", "-n", env.namespace,
+                        f"--from-literal=token={ADMIN_TOKEN}")
+    env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir),
+                      namespace=env.namespace)
+    wait_for("3 ready engines", lambda: len(ready_engine_pods(env, ENGINES)) == 3, timeout_s=240)
+    (_, router_ip), = wait_for("a ready router", lambda: ready_engine_pods(env, ROUTERS), timeout_s=120).items()
+    wait_for("the pool Ready", lambda: condition(pool_status(env), "Ready").get("status") == "True", timeout_s=60)
+
+    # Ready means routable: the first request after Ready, through the router, succeeds.
+    took = []
+    for trial in range(NUM_TRIALS):
+        name = f"t{trial}"
+        applied = time.monotonic()
+        env.cluster.apply(ADAPTER.format(name=name, path=f"/adapters/{'a1' if trial % 2 else 'a2'}", replicas=1),
+                          namespace=env.namespace)
+        took.append(wait_ready(api, env.namespace, name) - applied)
+        status, replica = complete(router_ip, name)
+        assert status == 200, f"trial {trial}: the first request after Ready got {status}: {replica}"
+    print(f"[routing-e2e] apply -> Ready: {[round(t, 2) for t in took]} s", flush=True)
+    assert statistics.median(took) <= 2.0
+    status = pool_status(env)
+    assert [(r["revision"], r["stale"]) for r in status["routers"]] == [(status["placementRevision"], False)]
+    assert condition(status, "Degraded")["status"] == "False"
+
+    # An adapter on two of the three engines; the router knows them as its holders.
+    env.cluster.apply(ADAPTER.format(name="moved", path="/adapters/a1", replicas=2), namespace=env.namespace)
+    wait_ready(api, env.namespace, "moved")
+    holders = [r["pod"] for r in env.cluster.get_json("loraadapter", "moved", "-n", env.namespace)
+               ["status"]["replicas"]]
+    assert len(holders) == 2 and complete(router_ip, "moved")[0] == 200
+
+    # The router's placement becomes unreadable: its ServiceAccount is deleted (the operator recreates it, with a
+    # new UID, so the token the router holds is refused from now on).
+    env.cluster.kubectl("delete", "serviceaccount", "rpool-router", "-n", env.namespace)
+    started = time.monotonic()
+    degraded = wait_for("the pool Degraded", lambda: (lambda c: c if c.get("status") == "True" else None)(
+        condition(pool_status(env), "Degraded")), timeout_s=45)
+    print(f"[routing-e2e] Degraded after {time.monotonic() - started:.1f} s: {degraded['message']}", flush=True)
+    assert degraded["reason"] == "RouterPlacementStale"
+    (router,) = pool_status(env)["routers"]
+    assert router["stale"] and "401" in router.get("lastError", ""), router
+
+    # The adapter's holders go away; the operator publishes a placement the router cannot read.
+    stale_revision = router["revision"]
+    env.cluster.kubectl("delete", "pod", *holders, "-n", env.namespace, "--timeout=90s", timeout_s=100)  # gone
+    wait_for("a newer placement published", lambda: pool_status(env)["placementRevision"] > stale_revision,
+             timeout_s=60)
+    # Its view still names the deleted holders (the router's header names the view's pod, so which pod answered
+    # is not told apart when an IP was reused): every request succeeds anyway.
+    results = [complete(router_ip, "moved") for _ in range(6)]
+    assert all(status == 200 for status, _ in results), results
+    metrics = urllib.request.urlopen(f"http://{router_ip}:8080/metrics", timeout=10).read().decode()
+    age = next(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("kubelora_router_placement_age_seconds "))
+    assert age > 10
+    assert condition(pool_status(env), "Degraded")["reason"] == "RouterPlacementStale"
+
+    # A new router pod gets a valid token, takes the current placement, and the pool is no longer Degraded.
+    env.cluster.kubectl("delete", "pod", "-n", env.namespace, "-l", ROUTERS, "--wait=false")
+    wait_for("Degraded cleared", lambda: condition(pool_status(env), "Degraded").get("status") == "False",
+             timeout_s=120)
+    status = pool_status(env)
+    assert all(r["revision"] == status["placementRevision"] and not r["stale"] for r in status["routers"])
