@@ -44,6 +44,10 @@ def build_engine_args(pool: PoolSpec) -> list[str]:
         args += ["--adapter-root", root]
     for host in pool.adapter_url_hosts:
         args += ["--adapter-url-host", host]
+    for bucket in pool.adapter_s3_buckets:
+        args += ["--adapter-s3-bucket", bucket]
+    for endpoint in pool.adapter_s3_endpoints:
+        args += ["--adapter-s3-endpoint", endpoint]
     return args + list(engine.extra_args)
 
 

@@ -19,7 +19,7 @@ from kubelora.operator.memory import PodAdapter, Published, ReconcileMemory, Ref
 from kubelora.operator.observe import Observation
 from kubelora.operator.placement import Placement, PlacementRequest, place
 from kubelora.operator.plan import Action, DesiredAdapter, Load, ObservedAdapter, Unload, is_current, plan_pod
-from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
+from kubelora.operator.specs import S3_SECRET_KEYS, AdapterSpec, InvalidSpec, PoolSpec, S3Access
 from kubelora.operator.status import Failure, ReplicaState
 from kubelora.operator.validation import DECLARED_MISMATCHES, check_declared, validate_adapter
 
@@ -46,7 +46,8 @@ class PoolView:
     pool_body: dict  # the LoRAPool as read
     pool: PoolSpec  # parsed from pool_body
     bodies: Mapping[str, dict]  # adapter name -> LoRAAdapter naming the pool (those being deleted too)
-    tokens: Mapping[str, str | None]  # adapter -> the token its authSecretRef names (None: Secret or key missing)
+    # adapter -> what its authSecretRef names: a url's token, an s3 url's S3Access (None: Secret or keys missing)
+    tokens: Mapping[str, str | S3Access | None]
     observation: Observation
     stored: StoredPlacement | None = None  # read only while the memory holds no previous placement
 
@@ -167,17 +168,19 @@ def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterS
         except InvalidSpec as exc:
             invalid[name] = Failure(exc.reason, str(exc))
             continue
-        secret = spec.source.auth_secret
-        if secret is not None and not view.tokens.get(name):
+        secret, credentials = spec.source.auth_secret, view.tokens.get(name)
+        if secret is not None and not credentials:
             # Not final: checked again every pass, so creating the Secret is enough.
+            keys = f"keys {S3_SECRET_KEYS[0]} and {S3_SECRET_KEYS[1]}" if spec.source.is_s3 else f"key {secret.key!r}"
             blocked[name] = Failure("SecretNotFound", f"spec.source.authSecretRef: Secret "
-                                     f"{view.pool.namespace}/{secret.name} has no key {secret.key!r}")
+                                     f"{view.pool.namespace}/{secret.name} has no {keys}")
             continue
         revision = spec.source.revision
         for pod, served_revision in served_by_status(body):
             served.setdefault((pod, name), served_revision)
         want = DesiredAdapter(name, spec.source.lora_path, spec.source.sha256, revision,
-                              auth_token=view.tokens.get(name), declared_rank=spec.rank,
+                              auth_token=credentials if isinstance(credentials, str) else None,
+                              s3=_s3_access(spec, credentials), declared_rank=spec.rank,
                               declared_targets=spec.targets, generation=spec.generation)
         refusal = standing_refusal(body, revision, view.pool.fingerprint, refusals.pop(name, None),
                                    retry_requests[name])
@@ -313,3 +316,11 @@ def _on_pods(values: Mapping[PodAdapter, object], pods: Iterable[str]) -> dict:
 
 def _without(values: Mapping, key: object) -> dict:
     return {k: v for k, v in values.items() if k != key}
+
+
+def _s3_access(spec: AdapterSpec, credentials: str | S3Access | None) -> S3Access | None:
+    """An s3 source's load field: the Secret's keys (or none: the engine's default chain) with the spec's
+    endpoint and region; None for other sources."""
+    if not spec.source.is_s3:
+        return None
+    return (credentials if isinstance(credentials, S3Access) else S3Access()).with_spec(spec.source)

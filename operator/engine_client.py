@@ -80,6 +80,8 @@ class EngineClient:
             payload["sha256"] = adapter.sha256
         if adapter.auth_token:
             payload["auth_token"] = adapter.auth_token  # kubelora's engine: a bearer token for the source host
+        if adapter.s3 is not None:
+            payload["s3"] = adapter.s3.as_payload()  # kubelora's engine: endpoint, region and keys of an s3 source
         body = await self._call("POST", f"{base_url}/v1/load_lora_adapter", payload)
         return LoadResult(card=body.get("adapter") or {}, was_loaded=bool(body.get("was_loaded")))
 

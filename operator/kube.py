@@ -134,6 +134,11 @@ class Kube:
         return body.get("items", [])
 
     async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        data = await self.read_secret_data(namespace, name)
+        return None if data is None else data.get(key)
+
+    async def read_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """The Secret's keys, decoded and stripped; None when there is no such Secret."""
         import base64
 
         try:
@@ -142,8 +147,7 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
-        value = (secret.get("data") or {}).get(key)
-        return None if value is None else base64.b64decode(value).decode().strip()
+        return {key: base64.b64decode(value).decode().strip() for key, value in (secret.get("data") or {}).items()}
 
     async def list_custom(self, plural: str, namespace: str) -> list[dict]:
         body = await self.request("GET", f"{CUSTOM_PREFIX}/namespaces/{namespace}/{plural}")

@@ -14,6 +14,8 @@ import hashlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from kubelora.operator.specs import S3Access
+
 RESIDENT = ("host", "device")
 
 
@@ -61,6 +63,7 @@ class DesiredAdapter:
     sha256: str | None
     source_revision: str
     auth_token: str | None = field(default=None, repr=False, compare=False)  # from spec.source.authSecretRef
+    s3: S3Access | None = field(default=None, repr=False, compare=False)  # an s3 source's endpoint and keys
     declared_rank: int | None = field(default=None, compare=False)  # spec.rank, checked against the files
     declared_targets: tuple[str, ...] = field(default=(), compare=False)  # spec.targets, likewise
     generation: int = field(default=0, compare=False)  # the LoRAAdapter's metadata.generation

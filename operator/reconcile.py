@@ -31,7 +31,7 @@ from kubelora.operator.report import (Publication, Report, build_publication, in
                                       report_publication)
 from kubelora.operator.routers import ACK_WAIT_S, RouterView
 from kubelora.operator.settings import OperatorSettings
-from kubelora.operator.specs import InvalidSpec, PoolSpec
+from kubelora.operator.specs import InvalidSpec, PoolSpec, S3Access
 from kubelora.operator.status import Failure
 
 log = logging.getLogger("kubelora.operator")
@@ -105,16 +105,24 @@ class PoolReconciler:
                 await self._kube.get("ConfigMap", self.namespace, names.placement_configmap_name(self.name)))
         return PoolView(body, pool, bodies, tokens, observation, stored), client
 
-    async def _source_tokens(self, bodies: Iterable[dict]) -> dict[str, str | None]:
-        """adapter -> the token its spec.source.authSecretRef names (None: Secret or key missing)."""
+    async def _source_tokens(self, bodies: Iterable[dict]) -> dict[str, str | S3Access | None]:
+        """adapter -> what its spec.source.authSecretRef names: a url's token, an s3 url's key pair (None: the
+        Secret or its keys are missing)."""
         refs = {}
         for body in bodies:
-            ref = ((body.get("spec") or {}).get("source") or {}).get("authSecretRef")
+            source = (body.get("spec") or {}).get("source") or {}
+            ref = source.get("authSecretRef")
             if ref and ref.get("name") and not body["metadata"].get("deletionTimestamp"):
-                refs[body["metadata"]["name"]] = (ref["name"], ref.get("key", "token"))
-        values = await asyncio.gather(*(self._kube.read_secret_key(self.namespace, name, key)
-                                        for name, key in refs.values()))
+                refs[body["metadata"]["name"]] = (ref["name"], ref.get("key", "token"),
+                                                  str(source.get("url") or "").startswith("s3://"))
+        values = await asyncio.gather(*(self._read_credentials(*ref) for ref in refs.values()))
         return dict(zip(refs, values))
+
+    async def _read_credentials(self, secret: str, key: str, is_s3: bool) -> str | S3Access | None:
+        if not is_s3:
+            return await self._kube.read_secret_key(self.namespace, secret, key)
+        data = await self._kube.read_secret_data(self.namespace, secret)
+        return None if data is None else S3Access.from_secret_data(data)
 
     async def _admin_token(self, pool: PoolSpec) -> str | None:
         if pool.admin_token is None:

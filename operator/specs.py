@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kubelora.operator import names
@@ -84,6 +84,8 @@ class PoolSpec:
     resources: dict[str, Any] = field(default_factory=dict)
     adapter_roots: tuple[str, ...] = ()
     adapter_url_hosts: tuple[str, ...] = ()
+    adapter_s3_buckets: tuple[str, ...] = ()  # bucket patterns s3:// sources may name; none refuses them
+    adapter_s3_endpoints: tuple[str, ...] = ()  # http(s)://host[:port] an s3 source may name as its endpoint
     # The engine admin token: spec.adminTokenSecretRef, else the Secret the operator creates for the pool
     # (names.admin_token_secret_name; is_admin_token_managed). None only in specs built by hand (tests).
     admin_token: SecretRef | None = None
@@ -118,6 +120,8 @@ class PoolSpec:
             resources=dict(spec.get("resources") or {}),
             adapter_roots=tuple(spec.get("adapterRoots") or ()),
             adapter_url_hosts=tuple(spec.get("adapterUrlHosts") or ()),
+            adapter_s3_buckets=tuple(spec.get("adapterS3Buckets") or ()),
+            adapter_s3_endpoints=tuple(spec.get("adapterS3Endpoints") or ()),
             admin_token=(SecretRef(token["name"], token.get("key", "token")) if token else
                          SecretRef(names.admin_token_secret_name(meta["name"]), names.ADMIN_TOKEN_KEY)),
             is_admin_token_managed=not token,
@@ -134,13 +138,22 @@ class AdapterSource:
     path: str | None = None
     url: str | None = None
     sha256: str | None = None
-    auth_secret: SecretRef | None = None  # a bearer token for the url's host, from a Secret in the namespace
+    # http(s) url: a bearer token for its host; s3:// url: the Secret's S3_SECRET_KEYS (the key is not used).
+    auth_secret: SecretRef | None = None
+    s3_endpoint: str | None = None  # spec.source.s3.endpoint: an S3-compatible server (else the Secret's, or AWS)
+    s3_region: str | None = None  # spec.source.s3.region
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.url is None):
             raise InvalidSpec("InvalidSpec", "spec.source needs exactly one of path and url")
         if self.auth_secret is not None and self.url is None:
             raise InvalidSpec("InvalidSpec", "spec.source.authSecretRef is for url sources only")
+        if (self.s3_endpoint is not None or self.s3_region is not None) and not self.is_s3:
+            raise InvalidSpec("InvalidSpec", "spec.source.s3 is for s3:// urls only")
+
+    @property
+    def is_s3(self) -> bool:
+        return self.url is not None and self.url.startswith("s3://")
 
     @property
     def lora_path(self) -> str:
@@ -156,6 +169,8 @@ class AdapterSource:
         fields = {"path": self.path, "url": self.url, "sha256": self.sha256}
         if self.auth_secret is not None:  # absent otherwise, so revisions of older specs do not change
             fields["auth"] = [self.auth_secret.name, self.auth_secret.key]
+        if self.s3_endpoint is not None or self.s3_region is not None:  # likewise
+            fields["s3"] = [self.s3_endpoint, self.s3_region]
         canonical = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:10]
 
@@ -180,14 +195,48 @@ class AdapterSpec:
     def from_body(cls, body: dict[str, Any]) -> AdapterSpec:
         meta, spec = body["metadata"], body.get("spec") or {}
         source = spec.get("source") or {}
+        s3 = source.get("s3") or {}
         return cls(
             name=meta["name"], namespace=meta["namespace"], pool=spec.get("pool", ""),
             source=AdapterSource(path=source.get("path"), url=source.get("url"), sha256=source.get("sha256"),
-                                 auth_secret=_secret_ref(source.get("authSecretRef"))),
+                                 auth_secret=_secret_ref(source.get("authSecretRef")),
+                                 s3_endpoint=s3.get("endpoint") or None, s3_region=s3.get("region") or None),
             replicas=parse_replicas(spec.get("replicas", 1)), rank=spec.get("rank"),
             targets=tuple(spec.get("targets") or ()), generation=int(meta.get("generation") or 0),
             uid=meta.get("uid", ""),
         )
+
+
+# The keys an s3 source's Secret holds: named as the AWS SDKs' environment variables, so that
+# `kubectl create secret generic NAME --from-env-file=...` takes the same file. Only the key pair is required.
+S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                  "AWS_REGION")
+
+
+@dataclass(frozen=True)
+class S3Access:
+    """What the engine's load call gets for an s3 source: the Secret's S3_SECRET_KEYS (none: the engine's
+    default credential chain), with spec.source.s3's endpoint and region over the Secret's. Never logged."""
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    endpoint: str | None = None
+    region: str | None = None
+
+    @classmethod
+    def from_secret_data(cls, data: dict[str, str]) -> S3Access | None:
+        """None when the key pair is not both there."""
+        values = [data.get(key) or None for key in S3_SECRET_KEYS]
+        return cls(*values) if values[0] and values[1] else None
+
+    def with_spec(self, source: AdapterSource) -> S3Access:
+        return replace(self, endpoint=source.s3_endpoint or self.endpoint, region=source.s3_region or self.region)
+
+    def as_payload(self) -> dict[str, str]:
+        """The engine's `s3` load field."""
+        return {k: v for k, v in (("endpoint", self.endpoint), ("region", self.region),
+                                  ("access_key_id", self.access_key_id), ("secret_access_key", self.secret_access_key),
+                                  ("session_token", self.session_token)) if v is not None}
 
 
 def _secret_ref(value: dict | None) -> SecretRef | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import posixpath
+import re
 from urllib.parse import urlsplit
 
 from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
@@ -27,6 +28,9 @@ def validate_adapter(adapter: AdapterSpec, pool: PoolSpec) -> None:
                                                f"{sorted(SUPPORTED_TARGETS)}")
     if adapter.source.path is not None:
         check_path_allowed(adapter.source.path, pool.adapter_roots)
+    elif adapter.source.is_s3:
+        check_s3_allowed(adapter.source.url or "", adapter.source.s3_endpoint, pool.adapter_s3_buckets,
+                         pool.adapter_s3_endpoints)
     else:
         check_url_allowed(adapter.source.url or "", pool.adapter_url_hosts)
 
@@ -80,6 +84,33 @@ def check_url_allowed(url: str, hosts: tuple[str, ...]) -> None:
     if not any(host_matches(parts.hostname, parts.port, pattern) for pattern in hosts):
         raise InvalidSpec("UrlNotAllowed", f"spec.source.url host {parts.hostname!r} is not in the pool's "
                                            f"adapterUrlHosts {list(hosts)}")
+
+
+S3_BUCKET_RULE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # as the engine's s3.BUCKET_RULE
+
+
+def check_s3_allowed(url: str, endpoint: str | None, buckets: tuple[str, ...], endpoints: tuple[str, ...]) -> None:
+    """An s3://bucket/key url: a valid bucket the pool's adapterS3Buckets allow; a spec.source.s3.endpoint in
+    its adapterS3Endpoints. (An endpoint from the Secret is known only to the pass that reads it: the engine
+    checks that one against the same list, rendered as --adapter-s3-endpoint.)"""
+    parts = urlsplit(url)
+    if "@" in parts.netloc or parts.query or parts.fragment or "?" in url or "#" in url:
+        raise InvalidSpec("UrlNotAllowed", "spec.source.url: s3 urls carry no credentials, query or fragment")
+    if not S3_BUCKET_RULE.fullmatch(parts.netloc):
+        raise InvalidSpec("UrlNotAllowed", f"spec.source.url bucket {parts.netloc!r} is not a valid S3 bucket name")
+    if ".." in parts.path.split("/"):
+        raise InvalidSpec("UrlNotAllowed", f"spec.source.url {url!r} must not contain '..'")
+    if not any(fnmatch.fnmatchcase(parts.netloc, pattern) for pattern in buckets):
+        raise InvalidSpec("UrlNotAllowed", f"spec.source.url bucket {parts.netloc!r} is not in the pool's "
+                                           f"adapterS3Buckets {list(buckets)}")
+    if endpoint is not None and normalize_endpoint(endpoint) not in {normalize_endpoint(e) for e in endpoints}:
+        raise InvalidSpec("UrlNotAllowed", f"spec.source.s3.endpoint {endpoint!r} is not in the pool's "
+                                           f"adapterS3Endpoints {list(endpoints)}")
+
+
+def normalize_endpoint(endpoint: str) -> str:
+    """scheme://host[:port] lowercased, no trailing slash: the form endpoints are compared in."""
+    return endpoint.strip().rstrip("/").lower()
 
 
 def host_matches(host: str, port: int | None, pattern: str) -> bool:

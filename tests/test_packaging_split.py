@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_STACK = {"torch", "triton", "transformers", "safetensors", "tokenizers", "numpy", "xgrammar"}
+ENGINE_STACK = {"torch", "triton", "transformers", "safetensors", "tokenizers", "numpy", "xgrammar", "obstore"}
 # Installed by the control plane's image; kubelora.operator.main registers every handler on import.
 TORCH_FREE_IMPORTS = "import kubelora.operator.main, kubelora.operator.cli, kubelora.engine.router.app, " \
                      "kubelora.engine.router.cli, kubelora.cli.main"

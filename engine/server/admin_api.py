@@ -59,7 +59,8 @@ def base_card(serving: Serving) -> dict:
 
 def load_adapter(serving: Serving, req: LoadAdapterRequest) -> tuple[AdapterInfo, bool]:
     """Blocking: fetch or confine the source, then register (and stage) it. True when it was already there."""
-    source = resolve_source(serving.sources, req.lora_path, req.sha256, auth_token=req.auth_token)
+    source = resolve_source(serving.sources, req.lora_path, req.sha256, auth_token=req.auth_token,
+                            s3=req.s3)
     before = serving.adapters.get(req.lora_name)
     info = serving.adapters.load(req.lora_name, source.path, load_inplace=req.is_inplace, preload=req.is_preload)
     is_same = before is not None and not before.is_unloading and before.revision == info.revision

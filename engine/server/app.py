@@ -49,6 +49,7 @@ def build_engine(config: EngineConfig):
 
 def source_config(config: ServerConfig) -> SourceConfig:
     return SourceConfig(roots=tuple(Path(r) for r in config.adapter_root), allowed_hosts=config.adapter_url_host,
+                        allowed_s3_buckets=config.adapter_s3_bucket, allowed_s3_endpoints=config.adapter_s3_endpoint,
                         cache_dir=Path(config.adapter_cache_dir), max_bytes=config.max_adapter_bytes,
                         timeout_s=min(SourceConfig.timeout_s, config.adapter_download_timeout),
                         deadline_s=config.adapter_download_timeout)
@@ -124,7 +125,8 @@ def _load_startup_adapter(serving: Serving, name: str, path: str) -> None:
     """Adapters named on the command line are trusted: local paths need no root (URLs still need a host)."""
     if name == serving.model_name:
         raise ValueError(f"--lora name {name!r} is the base model's served name")
-    local = resolve_source(serving.sources, path).path if path.startswith(("http://", "https://")) else path
+    local = resolve_source(serving.sources, path).path if path.startswith(("http://", "https://", "s3://")) \
+        else path
     info = serving.adapters.load(name, local)
     serving.remember_source(name, info.revision, path)  # before the loop serves any request
     log_event(log, "adapter_loaded", adapter=name, revision=info.revision, residency=info.tier,

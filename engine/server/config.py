@@ -67,6 +67,10 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--admin-token-file", str, "file holding the bearer token for the adapter admin endpoints"),
     _setting("--adapter-root", str, "directory local adapter paths must lie under (repeatable)", is_list=True),
     _setting("--adapter-url-host", str, "host[:port] adapter URLs may name (repeatable)", is_list=True),
+    _setting("--adapter-s3-bucket", str, "bucket (fnmatch pattern) s3:// adapter sources may name (repeatable)",
+             is_list=True),
+    _setting("--adapter-s3-endpoint", str, "http(s)://host[:port] of an S3-compatible server a load may name "
+             "(repeatable)", is_list=True),
     _setting("--adapter-cache-dir", str, "where downloaded adapters are stored", default="/tmp/kubelora-adapters"),
     _setting("--max-adapter-bytes", int, "largest adapter download or archive content", default=2 << 30),
     _setting("--adapter-download-timeout", float, "seconds one adapter's download may take in all", default=600.0),
@@ -87,6 +91,8 @@ class ServerConfig:
     admin_token: str | None = field(default=None, repr=False)
     adapter_root: tuple[str, ...] = ()
     adapter_url_host: tuple[str, ...] = ()
+    adapter_s3_bucket: tuple[str, ...] = ()
+    adapter_s3_endpoint: tuple[str, ...] = ()
     adapter_cache_dir: str = "/tmp/kubelora-adapters"
     admin_port: int = 8001  # the admin endpoints listen here only (docs/server.md, "Two ports")
     max_adapter_bytes: int = 2 << 30

@@ -5,13 +5,14 @@ Bounded three ways: `max_bytes`, `timeout_s` per socket read, and `deadline_s` f
 seconds hold a worker for as long as it likes; at the deadline every socket of the download is shut down, which
 wakes the blocked read. A body shorter than its Content-Length is refused (urllib would return it as if
 complete). Redirects are followed only to URLs `is_allowed` accepts: an allowed host must not bounce the engine
-to an arbitrary one.
+to an arbitrary one. An error answer's S3-style `<Code>` (AccessDenied, NoSuchKey...) is added to the message.
 """
 
 from __future__ import annotations
 
 import hashlib
 import http.client
+import re
 import socket
 import threading
 import urllib.error
@@ -109,9 +110,22 @@ TRANSIENT_HTTP = frozenset({404, 408, 425, 429})
 
 def _fail(url: str, why: str, *, is_transient: bool) -> AdapterSourceError:
     """is_transient: a network failure, a deadline, a cut body or a transient HTTP status; False: the size limit,
-    an HTTP status that will not change by itself (401, 403, 410, ...)."""
+    an HTTP status that will not change by itself (401, 403, 410, ...). `url` is shown redacted."""
     return AdapterSourceError(f"cannot download {redact_source(url)}: {why}", param="lora_path",
                               code="download_failed", is_transient=is_transient)
+
+
+MAX_ERROR_BODY_BYTES = 4096
+_S3_ERROR_CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
+
+
+def _error_code(error: urllib.error.HTTPError) -> str:
+    """' (NoSuchKey)' from an S3-style XML error body, else ""; reads at most MAX_ERROR_BODY_BYTES."""
+    try:
+        match = _S3_ERROR_CODE.search(error.read(MAX_ERROR_BODY_BYTES) or b"")
+    except (OSError, http.client.HTTPException):
+        return ""
+    return f" ({match.group(1).decode()})" if match else ""
 
 
 def is_transient_http(status: int) -> bool:
@@ -120,14 +134,16 @@ def is_transient_http(status: int) -> bool:
 
 def download(url: str, dest: Path, *, max_bytes: int, timeout_s: float, deadline_s: float,
              is_allowed: Callable[[str], bool], auth_token: str | None = None,
-             total_deadline_s: float | None = None) -> str:
+             total_deadline_s: float | None = None, shown: str | None = None) -> str:
     """Write the body of `url` to `dest`; return its sha256 hex digest. auth_token: a bearer token for url's host.
 
     deadline_s: the seconds left for this download; total_deadline_s: the deadline its error names (the whole
-    adapter's, when this is one of its files)."""
+    adapter's, when this is one of its files); shown: what errors name instead of the redacted `url` (the
+    s3:// object a presigned URL stands for)."""
+    named = shown or url
     late = f"it did not finish within the {total_deadline_s or deadline_s:g} s deadline of the adapter download"
     if deadline_s <= 0:
-        raise _fail(url, late, is_transient=True)
+        raise _fail(named, late, is_transient=True)
     deadline = _Deadline(deadline_s)
     opener = urllib.request.build_opener(_CheckedRedirects(is_allowed), _HTTPHandler(deadline),
                                          _HTTPSHandler(deadline))
@@ -137,19 +153,20 @@ def download(url: str, dest: Path, *, max_bytes: int, timeout_s: float, deadline
     request = urllib.request.Request(url, headers=headers)
     try:
         with opener.open(request, timeout=min(timeout_s, deadline_s)) as response:
-            digest = _copy(url, response, dest, max_bytes)
+            digest = _copy(named, response, dest, max_bytes)
     except urllib.error.HTTPError as exc:
-        raise _fail(url, f"HTTP {exc.code} {exc.reason}", is_transient=is_transient_http(exc.code)) from None
+        raise _fail(named, f"HTTP {exc.code} {exc.reason}{_error_code(exc)}",
+                    is_transient=is_transient_http(exc.code)) from None
     except (AdapterSourceError, urllib.error.URLError, http.client.HTTPException, OSError) as exc:
         if deadline.is_expired:
-            raise _fail(url, late, is_transient=True) from None
+            raise _fail(named, late, is_transient=True) from None
         if isinstance(exc, AdapterSourceError):
             raise
-        raise _fail(url, str(getattr(exc, "reason", exc)) or type(exc).__name__, is_transient=True) from None
+        raise _fail(named, str(getattr(exc, "reason", exc)) or type(exc).__name__, is_transient=True) from None
     finally:
         deadline.cancel()
     if deadline.is_expired:  # the shut-down socket reads as the end of a body that has no length
-        raise _fail(url, late, is_transient=True)
+        raise _fail(named, late, is_transient=True)
     return digest
 
 

@@ -1,5 +1,5 @@
-"""Where an adapter's files come from: a local directory under an `--adapter-root`, or an http(s) URL on an
-allowed host, downloaded into the cache directory.
+"""Where an adapter's files come from: a local directory under an `--adapter-root`, an http(s) URL on an
+allowed host, or an `s3://` object or prefix in an allowed bucket (`s3.py`), downloaded into the cache directory.
 
 An adapter manifest must not make a pod read arbitrary files or reach arbitrary hosts (DESIGN "Sources of
 adapters"): local paths are resolved (symlinks included) and must stay under a root, every file inside the
@@ -22,6 +22,7 @@ from pathlib import Path
 from kubelora.engine.common.errors import AdapterSourceError
 from kubelora.engine.server.archives import ARCHIVE_SUFFIXES, extract_archive, find_adapter_dir
 from kubelora.engine.server.downloads import download
+from kubelora.engine.server.s3 import S3Access, S3Object, check_s3_allowed, parse_s3_url, sign_get
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -31,6 +32,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 class SourceConfig:
     roots: tuple[Path, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    allowed_s3_buckets: tuple[str, ...] = ()  # fnmatch patterns; none refuses s3:// sources
+    allowed_s3_endpoints: tuple[str, ...] = ()  # http(s)://host[:port] a load request may name as its endpoint
     cache_dir: Path = Path("/tmp/kubelora-adapters")
     max_bytes: int = 2 << 30
     timeout_s: float = 60.0  # per socket read
@@ -60,14 +63,22 @@ def _refuse(message: str, code: str = "path_not_allowed") -> AdapterSourceError:
 
 
 def resolve_source(config: SourceConfig, source: str, sha256: str | None = None, *,
-                   auth_token: str | None = None) -> ResolvedSource:
-    """auth_token: sent as a bearer token to an http(s) source's host (not across redirects to another host)."""
+                   auth_token: str | None = None, s3: S3Access | None = None) -> ResolvedSource:
+    """auth_token: sent as a bearer token to an http(s) source's host (not across redirects to another host);
+    s3: endpoint, region and key pair of an s3:// source (None: the default credential chain)."""
     scheme = urllib.parse.urlsplit(source).scheme.lower()
+    if s3 is not None and scheme != "s3":
+        raise _refuse("s3 settings are for s3:// sources only", "unsupported_scheme")
     if scheme in ("http", "https"):
         return ResolvedSource(fetch_url(config, source, sha256, auth_token), source, sha256)
+    if scheme == "s3":
+        if auth_token is not None:
+            raise _refuse("auth_token is for http(s) sources; s3:// sources take s3 credentials",
+                          "unsupported_scheme")
+        return ResolvedSource(fetch_s3(config, source, sha256, s3 or S3Access()), source, sha256)
     if scheme not in ("", "file"):
-        raise _refuse(f"lora_path scheme {scheme!r} is not supported; use a path, file://, http:// or https://",
-                      "unsupported_scheme")
+        raise _refuse(f"lora_path scheme {scheme!r} is not supported; use a path, file://, http://, https:// "
+                      "or s3://", "unsupported_scheme")
     path = confine_local(config.roots, source)
     if sha256 is not None:
         _check_digest(_file_sha256(path / WEIGHTS_FILE), sha256, WEIGHTS_FILE)
@@ -134,34 +145,63 @@ def host_allowed(allowed_hosts: tuple[str, ...], url: str) -> bool:
 
 
 def fetch_url(config: SourceConfig, url: str, sha256: str | None, auth_token: str | None = None) -> Path:
-    """Download an archive, or the two adapter files under a URL "directory"; return the local directory.
-
-    Downloads land in `cache_dir/<url digest>/<content digest>`, so the same bytes always give the same
-    directory (the engine sees one revision), and a changed artifact behind the same URL gives a new one.
-    """
+    """Download an archive, or the two adapter files under a URL "directory"; return the local directory."""
     parts = urllib.parse.urlsplit(url)
     if parts.username or parts.password:
         raise _refuse("adapter URLs must not carry credentials", "url_not_allowed")
     if not host_allowed(config.allowed_hosts, url):
         raise _refuse(f"host {parts.netloc!r} is not an allowed adapter host (--adapter-url-host)",
                       "url_not_allowed")
-    # The staging directory is shared by every URL, so that a failed download leaves nothing behind.
+
+    def get_for(deadline_at: float) -> Get:
+        def get(file_url: str, dest: Path) -> str:
+            return download(file_url, dest, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
+                            deadline_s=deadline_at - time.monotonic(), total_deadline_s=config.deadline_s,
+                            is_allowed=lambda target: host_allowed(config.allowed_hosts, target),
+                            auth_token=auth_token)
+        return get
+
+    return _fetch_cached(config, url, url, sha256, get_for)
+
+
+def fetch_s3(config: SourceConfig, source: str, sha256: str | None, access: S3Access) -> Path:
+    """As fetch_url, for an s3:// archive object or prefix: each object through a presigned GET (s3.py)."""
+    root = parse_s3_url(source)
+    check_s3_allowed(root, access, config.allowed_s3_buckets, config.allowed_s3_endpoints)
+
+    def get_for(deadline_at: float) -> Get:
+        def get(object_url: str, dest: Path) -> str:
+            obj = S3Object(root.bucket, urllib.parse.urlsplit(object_url).path.lstrip("/"))
+            signed = sign_get(obj, access, timeout_s=min(config.timeout_s, max(deadline_at - time.monotonic(), 1)))
+            signing_host = urllib.parse.urlsplit(signed).netloc
+            return download(signed, dest, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
+                            deadline_s=deadline_at - time.monotonic(), total_deadline_s=config.deadline_s,
+                            is_allowed=lambda target: urllib.parse.urlsplit(target).netloc == signing_host,
+                            shown=f"s3://{obj.bucket}/{obj.key}")
+        return get
+
+    # Another endpoint holding the same bucket and key is another artifact.
+    return _fetch_cached(config, source, f"{access.endpoint or ''} {source}", sha256, get_for)
+
+
+def _fetch_cached(config: SourceConfig, source: str, cache_key: str, sha256: str | None,
+                  get_for: Callable[[float], Get]) -> Path:
+    """Fetch `source` (an archive, or a "directory" of the adapter files) through `get_for(deadline)`.
+
+    Downloads land in `cache_dir/<cache key digest>/<content digest>`, so the same bytes always give the same
+    directory (the engine sees one revision), and a changed artifact behind the same source gives a new one.
+    """
+    # The staging directory is shared by every source, so that a failed download leaves nothing behind.
     staging_root = config.cache_dir / ".staging"
     staging_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="download-", dir=staging_root))
-    deadline_at = time.monotonic() + config.deadline_s  # for the whole adapter: one file or two, redirects too
-
-    def get(file_url: str, dest: Path) -> str:
-        return download(file_url, dest, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
-                        deadline_s=deadline_at - time.monotonic(), total_deadline_s=config.deadline_s,
-                        is_allowed=lambda target: host_allowed(config.allowed_hosts, target), auth_token=auth_token)
-
+    get = get_for(time.monotonic() + config.deadline_s)  # for the whole adapter: one file or two, redirects too
     try:
-        is_archive = parts.path.lower().endswith(ARCHIVE_SUFFIXES)
-        digest = (_fetch_archive if is_archive else _fetch_files)(config, url, staging, sha256, get)
-        url_dir = config.cache_dir / hashlib.sha256(url.encode()).hexdigest()[:24]
-        url_dir.mkdir(exist_ok=True)
-        final = url_dir / digest[:32]
+        is_archive = urllib.parse.urlsplit(source).path.lower().endswith(ARCHIVE_SUFFIXES)
+        digest = (_fetch_archive if is_archive else _fetch_files)(config, source, staging, sha256, get)
+        source_dir = config.cache_dir / hashlib.sha256(cache_key.encode()).hexdigest()[:24]
+        source_dir.mkdir(exist_ok=True)
+        final = source_dir / digest[:32]
         try:
             os.rename(staging / "content", final)
         except OSError:

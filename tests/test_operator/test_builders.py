@@ -46,6 +46,14 @@ def test_engine_args_render_every_setting():
     assert args[-2:] == ["--log-level", "debug"]
 
 
+def test_engine_args_render_the_s3_source_policy():
+    args = build_engine_args(pool(adapterS3Buckets=["team-*", "shared"], adapterS3Endpoints=["http://minio:9000"]))
+    pairs = list(zip(args, args[1:]))
+    assert [v for f, v in pairs if f == "--adapter-s3-bucket"] == ["team-*", "shared"]
+    assert [v for f, v in pairs if f == "--adapter-s3-endpoint"] == ["http://minio:9000"]
+    assert "--adapter-s3-bucket" not in build_engine_args(pool())
+
+
 def test_engine_deployment_probes_volumes_gpu_and_token():
     deployment = build_engine_deployment(pool(), OWNER)
     assert deployment["metadata"]["ownerReferences"] == [OWNER]

@@ -6,15 +6,17 @@ that nothing handed in changed.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from kubelora.operator.decide import (CallResult, Event, StoredPlacement, classify_adapters, freeze_new_failures,
                                       plan_pass, record_result, standing_refusal)
 from kubelora.operator.engine_client import EngineError
 from kubelora.operator.memory import Published, ReconcileMemory, Refusal, Retry
 from kubelora.operator.plan import DesiredAdapter, Load, Unload
+from kubelora.operator.specs import PoolSpec, S3Access
 from kubelora.operator.status import Failure
 
-from .conftest import POOL, REFUSED, adapter, backoff_s, card, view
+from .conftest import POOL, POOL_BODY, REFUSED, adapter, backoff_s, card, view
 
 
 def revision_of(body: dict) -> str:
@@ -333,3 +335,30 @@ def test_an_observed_copy_that_contradicts_the_spec_is_refused_without_any_call(
         assert "a" in fixed.desired and not fixed.mismatched
     unchanged = adapter("a", targets=["q_proj", "k_proj"], status=status)
     assert set(classify_adapters(view(unchanged), memory)[0].mismatched) == {"a"}  # no new call needed
+
+
+def test_an_s3_source_gets_the_secrets_keys_with_the_specs_endpoint_over_the_secrets():
+    s3_pool = {**POOL_BODY, "spec": {**POOL_BODY["spec"], "adapterS3Buckets": ["team-a"],
+                                     "adapterS3Endpoints": ["http://minio:9000", "http://other:9000"]}}
+    private, public = adapter("private"), adapter("public")
+    private["spec"]["source"] = {"url": "s3://team-a/x.tar.gz", "authSecretRef": {"name": "s3-creds"},
+                                 "s3": {"endpoint": "http://minio:9000"}}
+    public["spec"]["source"] = {"url": "s3://team-a/y/", "s3": {"region": "eu-west-1"}}
+    secret = S3Access.from_secret_data({"AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": "SK",
+                                        "AWS_ENDPOINT_URL": "http://other:9000", "AWS_REGION": "us-west-2"})
+    pool_view = replace(view(private, public, tokens={"private": secret}), pool_body=s3_pool,
+                        pool=PoolSpec.from_body(s3_pool))
+    adapters, _ = classify_adapters(pool_view, ReconcileMemory())
+    assert not adapters.blocked and not adapters.invalid, (adapters.blocked, adapters.invalid)
+    assert adapters.desired["private"].s3.as_payload() == {
+        "endpoint": "http://minio:9000", "region": "us-west-2", "access_key_id": "AK", "secret_access_key": "SK"}
+    assert adapters.desired["private"].auth_token is None
+    # No Secret named: the engine's default credential chain (web identity), with the spec's settings only.
+    assert adapters.desired["public"].s3.as_payload() == {"region": "eu-west-1"}
+    assert "SK" not in repr(adapters.desired["private"]) and "SK" not in repr(secret)
+    # A Secret without the key pair blocks the adapter, naming the keys it needs.
+    incomplete = S3Access.from_secret_data({"AWS_ACCESS_KEY_ID": "AK"})
+    pool_view = replace(pool_view, tokens={"private": incomplete})
+    adapters, _ = classify_adapters(pool_view, ReconcileMemory())
+    assert incomplete is None and adapters.blocked["private"].reason == "SecretNotFound"
+    assert "AWS_SECRET_ACCESS_KEY" in adapters.blocked["private"].message

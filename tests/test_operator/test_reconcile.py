@@ -6,6 +6,7 @@ off and heal; a restarted (empty) pod and manual drift heal the same way; a dele
 from __future__ import annotations
 
 import asyncio
+import json
 import copy
 
 import aiohttp
@@ -92,6 +93,10 @@ class FakeKube:
 
     async def read_secret_key(self, namespace, name, key):
         return self.secrets.get((name, key))
+
+    async def read_secret_data(self, namespace, name):
+        data = {key: value for (secret, key), value in self.secrets.items() if secret == name}
+        return data or None
 
     async def create_event(self, involved, event_type, reason, message):
         self.events.append((involved["metadata"]["name"], event_type, reason))
@@ -251,6 +256,30 @@ async def test_source_credentials_come_from_a_secret(world):
     assert kube.status("private")["phase"] == "Failed"
     assert not any(call == ("unload", "private") for e in engines.values() for call in e.calls)
     assert any("private" in e.adapters for e in engines.values())
+
+
+async def test_s3_credentials_come_from_a_secret_and_travel_as_the_s3_field(world):
+    kube, engines, reconciler = world
+    kube.objects[("lorapools", "p")] = pool_object(2, 4, adapterS3Buckets=["team-a"],
+                                                   adapterS3Endpoints=["http://minio:9000"])
+    kube.add_adapter("s3a", "/unused")
+    kube.objects[("loraadapters", "s3a")]["spec"]["source"] = {
+        "url": "s3://team-a/s3a.tar.gz", "authSecretRef": {"name": "s3-creds"}, "s3": {"endpoint": "http://minio:9000"}}
+
+    def loads() -> list[dict]:
+        return [p for e in engines.values() for p in e.payloads if p["lora_name"] == "s3a"]
+
+    kube.secrets[("s3-creds", "AWS_ACCESS_KEY_ID")] = "AK"  # half a key pair: blocked, nothing sent
+    await reconciler.reconcile()
+    assert kube.status("s3a")["phase"] == "Failed" and not loads()
+    kube.secrets[("s3-creds", "AWS_SECRET_ACCESS_KEY")] = "SK"
+    kube.secrets[("s3-creds", "AWS_REGION")] = "eu-west-1"
+    await reconciler.reconcile()
+    assert kube.status("s3a")["phase"] == "Ready"
+    assert {json.dumps(p["s3"], sort_keys=True) for p in loads()} == {json.dumps(
+        {"endpoint": "http://minio:9000", "region": "eu-west-1", "access_key_id": "AK", "secret_access_key": "SK"},
+        sort_keys=True)}
+    assert all("auth_token" not in p for p in loads())
 
 
 async def test_transient_errors_back_off_and_heal(world):

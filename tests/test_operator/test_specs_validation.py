@@ -77,3 +77,48 @@ def test_sources_need_configured_roots_or_hosts():
         validate_adapter(adapter(), pool())
     with pytest.raises(InvalidSpec, match="adapterUrlHosts"):
         validate_adapter(adapter(source={"url": "http://h/a"}), pool())
+
+
+S3_POOL = {"adapterS3Buckets": ["team-*", "shared"], "adapterS3Endpoints": ["http://minio.storage:9000"]}
+
+
+@pytest.mark.parametrize("source, reason", [
+    ({"url": "s3://other/a.tar.gz"}, "UrlNotAllowed"),  # a bucket the pool does not list
+    ({"url": "s3://Team-A/a"}, "UrlNotAllowed"),  # not a valid bucket name
+    ({"url": "s3://ak:sk@team-a/a"}, "UrlNotAllowed"),  # credentials belong in a Secret
+    ({"url": "s3://team-a/a?versionId=1"}, "UrlNotAllowed"),
+    ({"url": "s3://team-a/x/../y"}, "UrlNotAllowed"),
+    ({"url": "s3://team-a/a", "s3": {"endpoint": "http://evil:9000"}}, "UrlNotAllowed"),
+    ({"path": "/adapters/a", "s3": {"region": "eu-west-1"}}, "InvalidSpec"),  # s3 settings on a path source
+    ({"url": "https://models.local/a", "s3": {"region": "eu-west-1"}}, "InvalidSpec"),
+])
+def test_invalid_s3_sources_name_their_reason(source, reason):
+    with pytest.raises(InvalidSpec) as info:
+        validate_adapter(adapter(source=source), pool(adapterRoots=["/adapters"], adapterUrlHosts=["models.local"],
+                                                      **S3_POOL))
+    assert info.value.reason == reason
+
+
+@pytest.mark.parametrize("source", [
+    {"url": "s3://team-a/adapters/a.tar.gz"},
+    {"url": "s3://shared/adapters/a/"},
+    {"url": "s3://shared", "authSecretRef": {"name": "s3-creds"}},
+    {"url": "s3://team-b/a", "s3": {"endpoint": "http://MINIO.storage:9000/", "region": "eu-west-1"}},
+])
+def test_valid_s3_sources_pass(source):
+    validate_adapter(adapter(source=source), pool(**S3_POOL))
+
+
+def test_s3_sources_need_configured_buckets_and_their_settings_are_a_new_revision():
+    with pytest.raises(InvalidSpec, match="adapterS3Buckets"):
+        validate_adapter(adapter(source={"url": "s3://team-a/a"}), pool(adapterUrlHosts=["team-a"]))
+    base = AdapterSource(url="s3://team-a/a")
+    assert base.is_s3 and not AdapterSource(url="https://h/a").is_s3
+    assert base.revision == AdapterSource(url="s3://team-a/a").revision
+    assert base.revision != AdapterSource(url="s3://team-a/a", s3_endpoint="http://minio:9000").revision
+    assert base.revision != AdapterSource(url="s3://team-a/a", s3_region="eu-west-1").revision
+    spec = adapter(source={"url": "s3://team-a/a", "s3": {"endpoint": "http://m:9000", "region": "eu-west-1"}})
+    assert (spec.source.s3_endpoint, spec.source.s3_region) == ("http://m:9000", "eu-west-1")
+    parsed = pool(**S3_POOL)
+    assert parsed.adapter_s3_buckets == ("team-*", "shared")
+    assert parsed.adapter_s3_endpoints == ("http://minio.storage:9000",)
