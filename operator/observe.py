@@ -66,7 +66,7 @@ async def observe_pool(kube: Kube, client: EngineClient, namespace: str, pool: s
     return observation
 
 
-ROUTER_ACK_TIMEOUT_S = 3.0  # one router's GET /placement beyond its wait
+ROUTER_ACK_TIMEOUT_S = 2.0  # one router's GET /placement beyond its wait
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,17 @@ def router_url(ip: str) -> str:
 
 
 async def observe_routers(kube: Kube, session: aiohttp.ClientSession, namespace: str, pool: str, revision: int,
-                          wait_s: float, no_wait: Collection[str] = ()) -> dict[str, RouterAck]:
-    """Every router pod of the pool with an IP, asked for the revision it routes on. Each pod not in `no_wait`
-    (those already behind: a stale router must not slow every pass) is asked to read its placement now and
-    answer once it has `revision`, or after `wait_s`: the pass that published it sees it taken, instead of
-    waiting out the router's poll."""
+                          wait_s: float, behind: Collection[str] = (), behind_wait_s: float = 0.0
+                          ) -> dict[str, RouterAck]:
+    """Every router pod of the pool with an IP, asked for the revision it routes on. Each is asked to read its
+    placement now and answer once it has `revision` (or its read fails), or after `wait_s`: the pass that
+    published it sees it taken, instead of waiting out the router's poll. Pods in `behind` (behind in the last
+    pass) get `behind_wait_s`, so a router that cannot read does not slow every pass down."""
     pods = [p for p in await kube.list_pods(namespace, names.selector_string(names.router_selector(pool)))
             if not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("podIP")]
     acks = await asyncio.gather(*(_ask_router(session, p, revision,
-                                              0.0 if p["metadata"]["name"] in no_wait else wait_s) for p in pods))
+                                              behind_wait_s if p["metadata"]["name"] in behind else wait_s)
+                                  for p in pods))
     return {ack.pod: ack for ack in acks}
 
 

@@ -29,7 +29,7 @@ from kubelora.operator.observe import observe_pool, observe_routers
 from kubelora.operator.plan import Action, Unload
 from kubelora.operator.report import (Publication, Report, build_publication, invalid_pool_status, phase_event,
                                       report_publication)
-from kubelora.operator.routers import ACK_WAIT_S, RouterView
+from kubelora.operator.routers import ACK_WAIT_S, BEHIND_ACK_WAIT_S, RouterView
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.specs import InvalidSpec, PoolSpec, S3Access
 from kubelora.operator.status import Failure
@@ -169,7 +169,8 @@ class PoolReconciler:
         if not pool.router.is_enabled:
             return RouterView(now=time.time())
         acks = await observe_routers(self._kube, self._session, self.namespace, self.name, publication.revision,
-                                     ACK_WAIT_S, no_wait=publication.memory.routers_behind)
+                                     ACK_WAIT_S, behind=publication.memory.routers_behind,
+                                     behind_wait_s=BEHIND_ACK_WAIT_S)
         return RouterView(acks, time.time())
 
     async def _patch_adapters(self, bodies: Mapping[str, dict], report: Report) -> None:

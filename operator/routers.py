@@ -21,6 +21,7 @@ WAITING_FOR_ROUTERS = "WaitingForRouters"
 RECHECK_BEHIND_S = 1.0  # the next pass while a router is behind but not yet stale (Ready follows its ack)
 RECHECK_STALE_S = 5.0  # while one is stale (Degraded clears soon after it catches up)
 ACK_WAIT_S = 2.0  # how long a pass waits for a current router to take the revision it just published
+BEHIND_ACK_WAIT_S = 0.5  # for a router behind in the last pass (it answers as soon as its read fails)
 
 
 @dataclass(frozen=True)

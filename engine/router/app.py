@@ -165,18 +165,21 @@ async def handle_ready(request: web.Request) -> web.Response:
 
 async def handle_placement(request: web.Request) -> web.Response:
     """The revision this router routes on, for the operator (its adapters are Ready once every ready router has
-    taken a revision that includes them). `?min_revision=N&wait=S`: read the ConfigMap now, and answer once the
-    revision is at least N, a read fails, or S seconds (at most MAX_PLACEMENT_WAIT_S) have passed."""
+    taken a revision that includes them). `?min_revision=N&wait=S`: read the ConfigMap now (without `wait`: the
+    read is started, the answer does not wait), and answer once the revision is at least N, a read fails, or S
+    seconds (at most MAX_PLACEMENT_WAIT_S) have passed."""
     state = request.app[STATE]
     min_revision = _query_number(request, "min_revision", int, 0, 2**62)
     wait_s = _query_number(request, "wait", float, 0.0, MAX_PLACEMENT_WAIT_S) or 0.0
     store = state.store
-    if min_revision is not None and _revision(store) < min_revision and wait_s > 0:
+    if min_revision is not None and _revision(store) < min_revision:
         store.nudge()
         deadline = asyncio.get_running_loop().time() + wait_s
-        while _revision(store) < min_revision and store.last_error is None:
+        while True:  # at least the nudged read, so a router that just recovered answers its new revision
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0 or not await store.wait_read(left):
+                break
+            if _revision(store) >= min_revision or store.last_error is not None:
                 break
     return web.json_response(placement_report(state))
 
