@@ -1,6 +1,10 @@
-"""`kubelora demo --engine-only`: the engine server on a tiny built-in model, adapters hot-loaded over HTTP,
+"""`kubelora demo --engine-only`: the engine server on the demo's tiny model, adapters hot-loaded over HTTP,
 tenants calling it with the openai SDK in one mixed batch. `--offline` runs the same adapters through the
 offline `LLM` API. The default, the whole system on a local Kubernetes control plane, is demo_cluster.py.
+
+The model and the adapters are trained here in seconds (story.py): a tiny Llama and one adapter per tenant,
+each answering in its tenant's style (a pirate, a lawyer, a poet). Every answer is greedy and is printed with
+whether it equals transformers+PEFT's answer on the same files.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,46 +22,60 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-# (name, rank, alpha, targets): different ranks and target sets, served together in one batch.
-DEMO_ADAPTERS = (
-    ("tenant-a", 4, 8, "q_proj,v_proj"),
-    ("tenant-b", 8, 16, "q_proj,k_proj,v_proj,o_proj"),
-    ("tenant-c", 16, 16, "all-linear"),
-)
-DEMO_PROMPTS = ("The operator watches the cluster", "Colors of the garden:", "Hello! How are you")
-MAX_TOKENS = 12
+from kubelora.cli import story
+
+# (name, rank, alpha, targets), one per tenant: different ranks and target sets, served together in one batch.
+DEMO_ADAPTERS = tuple((name, rank, alpha, targets) for name, (rank, alpha, targets, _) in story.TENANTS.items())
+DEMO_PROMPTS = story.PROMPTS
+MAX_TOKENS = story.MAX_TOKENS
+# The adapter the served demo only registers (it loads on its first request) and the one streamed in chat.
+LAZY_ADAPTER, CHAT_ADAPTER = "haiku", "pirate"
 READY_TIMEOUT_S = 120
 
 
 def build_demo_material(workdir: Path) -> tuple[Path, dict[str, Path]]:
-    from kubelora.cli.tiny import make_adapter, make_tiny_model
+    """The demo's model and adapters under workdir (trained once, then copied from the cache)."""
+    if not (story.cache_dir() / "references.json").exists():
+        print(f"   training them (once, about 30 s on 2 cores; cached in {story.cache_dir()})", flush=True)
+    return story.copy_artifacts(workdir, progress=lambda line: print(line, flush=True))
 
-    model_dir = workdir / "model"
-    if not (model_dir / "config.json").exists():
-        make_tiny_model(model_dir, arch="llama", seed=0)
-    adapters = {}
-    for seed, (name, rank, alpha, targets) in enumerate(DEMO_ADAPTERS, start=1):
-        path = workdir / "adapters" / name
-        if not (path / "adapter_config.json").exists():
-            make_adapter(path, model_dir, rank=rank, alpha=alpha, targets=targets, seed=seed)
-        adapters[name] = path
-    return model_dir, adapters
+
+def check_answer(model: str | None, prompt: str, text: str, form: str = "completion") -> bool:
+    """Print whether `text` equals transformers+PEFT's greedy answer; True when it does."""
+    expected = story.references()[form][story.reference_key(model, prompt)]
+    if text == expected:
+        print(f"   {'':>9}  = transformers+PEFT's answer")
+        return True
+    print(f"   {'':>9}  != transformers+PEFT's answer: {expected!r}")
+    return False
+
+
+def print_answer(model: str | None, prompt: str, text: str) -> None:
+    print(f"   [{model or 'base':>9}] {prompt} ->{text}")
 
 
 def run_demo(workdir: str | None = None, device: str = "cpu", mode: str = "cluster", keep: bool = False) -> int:
-    """mode: "cluster" (the whole system), "engine" (one engine server, no Kubernetes), "offline" (LLM API)."""
+    """mode: "cluster" (the whole system), "engine" (one engine server, no Kubernetes), "offline" (LLM API).
+    Without workdir the demo works in a temporary folder, removed afterwards unless keep."""
     root = Path(workdir).resolve() if workdir else Path(tempfile.mkdtemp(prefix="kubelora-demo-"))
-    if mode == "cluster":
-        from kubelora.cli.demo_cluster import run_cluster_demo
+    try:
+        if mode == "cluster":
+            from kubelora.cli.demo_cluster import run_cluster_demo
 
-        root.mkdir(parents=True, exist_ok=True)
-        root.chmod(0o755)  # engine pods read the model and adapters through hostPath volumes
-        return run_cluster_demo(root, keep=keep)
-    print(f"== building a tiny Llama model and {len(DEMO_ADAPTERS)} PEFT adapters in {root}")
-    model_dir, adapters = build_demo_material(root)
-    if mode == "offline":
-        return _run_offline(model_dir, adapters, device)
-    return _run_served(root, model_dir, device)
+            root.mkdir(parents=True, exist_ok=True)
+            root.chmod(0o755)  # engine pods read the model and adapters through hostPath volumes
+            return run_cluster_demo(root, keep=keep)
+        print(f"== the demo's tiny Llama model and {len(DEMO_ADAPTERS)} PEFT adapters "
+              f"({', '.join(story.TENANTS)}) in {root}", flush=True)
+        model_dir, adapters = build_demo_material(root)
+        if mode == "offline":
+            return _run_offline(model_dir, adapters, device)
+        return _run_served(root, model_dir, device)
+    finally:
+        if workdir is None and not keep:
+            shutil.rmtree(root, ignore_errors=True)
+        elif workdir is None:
+            print(f"== kept {root}")
 
 
 def _requests() -> list[tuple[str, str | None]]:
@@ -74,9 +93,16 @@ def _run_offline(model_dir: Path, adapters: dict[str, Path], device: str) -> int
     results = llm.generate([p for p, _ in pairs], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
                            adapters=[a for _, a in pairs])
     print(f"== {len(pairs)} requests, {len(adapters)} adapters + base, one batch (offline API)")
+    same = 0
     for (prompt, name), result in zip(pairs, results):
-        print(f"[{name or 'base':>9}] {prompt!r} -> {result.text!r} ({result.finish_reason})")
-    return 0
+        print_answer(name, prompt, result.text)
+        same += check_answer(name, prompt, result.text)
+    return _summary(same, len(pairs))
+
+
+def _summary(same: int, total: int) -> int:
+    print(f"== {same} of {total} answers equal transformers+PEFT's")
+    return 0 if same == total else 1
 
 
 def _free_port() -> int:
@@ -140,13 +166,13 @@ async def _complete_all(base_url: str) -> list[tuple[str, str | None, str]]:
         await client.close()
 
 
-async def _stream_chat(base_url: str, adapter: str) -> str:
+async def _stream_chat(base_url: str, adapter: str, prompt: str) -> str:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="demo")
     try:
         stream = await client.chat.completions.create(
-            model=adapter, messages=[{"role": "user", "content": "Hello there"}], max_tokens=MAX_TOKENS,
+            model=adapter, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS,
             temperature=0.0, stream=True)
         return "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
     finally:
@@ -172,35 +198,42 @@ def _run_served(root: Path, model_dir: Path, device: str) -> int:
     port, admin_port = _free_port(), _free_port()
     base_url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     print(f"== starting `kubelora engine serve` on {base_url}, admin API on {admin_url} (max-loras 2: three "
-          "adapters share two slots)")
+          "adapters share two slots)", flush=True)
     server = _start_server(root, model_dir, device, port, admin_port)
     try:
         _wait_ready(base_url, server)
-        _run_scenario(base_url, admin_url)
+        return _run_scenario(base_url, admin_url)
     finally:
         server.terminate()
         server.wait(timeout=30)
-    return 0
 
 
-def _run_scenario(base_url: str, admin_url: str) -> None:
-    print("== hot-loading adapters over HTTP (tenant-c registered only: it loads on its first request)")
+def _run_scenario(base_url: str, admin_url: str) -> int:
+    print(f"== hot-loading adapters over HTTP ({LAZY_ADAPTER} registered only: it loads on its first request)")
     for name, *_ in DEMO_ADAPTERS:
-        body = {"lora_name": name, "lora_path": name, "preload": name != "tenant-c"}
+        body = {"lora_name": name, "lora_path": name, "preload": name != LAZY_ADAPTER}
         status, answer = _http("POST", f"{admin_url}/v1/load_lora_adapter", body)
         print(f"   load {name}: {status} {answer.get('message') if isinstance(answer, dict) else answer}")
-    _show_models(base_url)
+    _show_models(admin_url)
     print(f"== {len(_requests())} concurrent completions through the openai SDK, every adapter and the base model")
+    same = total = 0
     for prompt, adapter, text in asyncio.run(_complete_all(base_url)):
-        print(f"   [{adapter or 'base':>9}] {prompt!r} -> {text!r}")
-    print(f"== streamed chat with tenant-b: {asyncio.run(_stream_chat(base_url, 'tenant-b'))!r}")
+        print_answer(adapter, prompt, text)
+        same, total = same + check_answer(adapter, prompt, text), total + 1
+    prompt = DEMO_PROMPTS[0]
+    print(f"== streamed chat with {CHAT_ADAPTER}: {prompt}")
+    text = asyncio.run(_stream_chat(base_url, CHAT_ADAPTER, prompt))
+    print(f"   [{CHAT_ADAPTER:>9}] {text}")
+    same, total = same + check_answer(CHAT_ADAPTER, prompt, text, form="chat"), total + 1
     print("== bad input gets a clear error, and the server keeps serving")
     status, answer = _http("POST", f"{admin_url}/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../../etc"})
     print(f"   load ../../etc: {status} {answer['error']['message'] if isinstance(answer, dict) else answer}")
-    status, answer = _http("POST", f"{admin_url}/v1/unload_lora_adapter", {"lora_name": "tenant-a"})
-    print(f"   unload tenant-a: {status}")
-    status, answer = _http("POST", f"{base_url}/v1/completions", {"model": "tenant-a", "prompt": "hi"})
-    print(f"   completion for the unloaded tenant-a: {status} {answer['error']['message']}")
-    _show_models(base_url)
+    gone = DEMO_ADAPTERS[0][0]
+    status, answer = _http("POST", f"{admin_url}/v1/unload_lora_adapter", {"lora_name": gone})
+    print(f"   unload {gone}: {status}")
+    status, answer = _http("POST", f"{base_url}/v1/completions", {"model": gone, "prompt": "hi"})
+    print(f"   completion for the unloaded {gone}: {status} {answer['error']['message']}")
+    _show_models(admin_url)
     print("== a few metrics from /metrics")
     _show_metrics(base_url)
+    return _summary(same, total)

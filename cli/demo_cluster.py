@@ -14,7 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from kubelora.cli.demo import DEMO_ADAPTERS, DEMO_PROMPTS, MAX_TOKENS, build_demo_material
+from kubelora.cli.demo import (DEMO_ADAPTERS, DEMO_PROMPTS, MAX_TOKENS, build_demo_material, check_answer,
+                               print_answer)
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "kubelora-demo"
@@ -22,10 +23,16 @@ POOL = "demo"
 SERVED_NAME = "tiny-llama"
 ROUTER_PORT = 8080
 WAIT_S = 240
+# The adapter placed on every engine replica, and the one the demo deletes at the end.
+EVERYWHERE, DELETED = "pirate", "legal"
+
+
+_STARTED = time.monotonic()
 
 
 def _step(message: str) -> None:
-    print(f"== {message}", flush=True)
+    """A step of the demo, with the seconds since the demo started (where a cached demo spends its time)."""
+    print(f"== [{time.monotonic() - _STARTED:5.1f} s] {message}", flush=True)
 
 
 def _run(*command: str, env: dict | None = None, check: bool = True, timeout: float = 900) -> str:
@@ -136,45 +143,53 @@ def _apply_pool_and_adapters(kubectl: Kubectl, root: Path) -> None:
     _step(f"kubectl apply: LoRAPool {POOL} (2 engine replicas, router) and {len(DEMO_ADAPTERS)} LoRAAdapters")
     kubectl.apply(_pool_manifest(root))
     for name, rank, _, _ in DEMO_ADAPTERS:
-        kubectl.apply(_adapter_manifest(name, rank, "all" if name == "tenant-a" else 1))
+        kubectl.apply(_adapter_manifest(name, rank, "all" if name == EVERYWHERE else 1))
     names = [f"loraadapter/{name}" for name, *_ in DEMO_ADAPTERS]
     kubectl("wait", "-n", NAMESPACE, "--for=jsonpath={.status.phase}=Ready", *names, f"--timeout={WAIT_S}s")
     print(kubectl("get", "lorapools,loraadapters", "-n", NAMESPACE), end="")
 
 
-def _call_through_router(router_ip: str) -> None:
+def _call_through_router(router_ip: str) -> tuple[int, int]:
+    """Every prompt to the base model and each tenant's adapter; returns (answers equal to transformers+PEFT's,
+    answers)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://{router_ip}:{ROUTER_PORT}/v1", api_key="demo")
     _step(f"tenants call the router at {router_ip}:{ROUTER_PORT} with the openai SDK")
+    same = total = 0
     for prompt in DEMO_PROMPTS:
-        for model in (SERVED_NAME, *(name for name, *_ in DEMO_ADAPTERS)):
-            text = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+        for adapter in (None, *(name for name, *_ in DEMO_ADAPTERS)):
+            text = client.completions.create(model=adapter or SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
                                              temperature=0.0).choices[0].text
-            print(f"   [{model:>10}] {prompt!r} -> {text!r}")
+            print_answer(adapter, prompt, text)
+            same, total = same + check_answer(adapter, prompt, text), total + 1
+    return same, total
 
 
 def _show_unload(kubectl: Kubectl, router_ip: str) -> None:
     from openai import NotFoundError, OpenAI
 
-    _step("kubectl delete loraadapter tenant-b: the operator unloads it from its engines")
-    kubectl("delete", "loraadapter", "tenant-b", "-n", NAMESPACE, "--wait=true", f"--timeout={WAIT_S}s")
+    _step(f"kubectl delete loraadapter {DELETED}: the operator unloads it from its engines")
+    kubectl("delete", "loraadapter", DELETED, "-n", NAMESPACE, "--wait=true", f"--timeout={WAIT_S}s")
     client = OpenAI(base_url=f"http://{router_ip}:{ROUTER_PORT}/v1", api_key="demo")
 
     def refused() -> str | None:
         try:
-            client.completions.create(model="tenant-b", prompt="hi", max_tokens=1)
+            client.completions.create(model=DELETED, prompt="hi", max_tokens=1)
         except NotFoundError as err:
             return str(err)
         return None
 
-    print(f"   a request for tenant-b now: {_wait('tenant-b to be gone from the router', refused)}")
+    print(f"   a request for {DELETED} now: {_wait(f'{DELETED} to be gone from the router', refused)}")
 
 
 def run_cluster_demo(workdir: Path, keep: bool) -> int:
     if not (REPO / "e2e" / "cluster").exists():
         raise SystemExit("the cluster demo needs the repository checkout (e2e/, charts/); try --engine-only")
-    _step(f"building a tiny Llama model and {len(DEMO_ADAPTERS)} PEFT adapters in {workdir}")
+    global _STARTED
+    _STARTED = time.monotonic()
+    _step(f"the demo's tiny Llama model and {len(DEMO_ADAPTERS)} PEFT adapters "
+          f"({', '.join(name for name, *_ in DEMO_ADAPTERS)}) in {workdir}")
     build_demo_material(workdir)
     was_running = _cluster("status", check=False).returncode == 0
     helm = _build_helm()
@@ -183,8 +198,10 @@ def run_cluster_demo(workdir: Path, keep: bool) -> int:
         _install_chart(kubectl, helm)
         _apply_pool_and_adapters(kubectl, workdir)
         router_ip = _wait("a ready router pod", lambda: _ready_pod_ip(kubectl, "router"))
-        _call_through_router(router_ip)
+        same, total = _call_through_router(router_ip)
         _show_unload(kubectl, router_ip)
+        print(f"== {same} of {total} answers equal transformers+PEFT's")
+        status = 0 if same == total else 1
     finally:
         if keep:
             _step(f"left running: KUBECONFIG={kubectl.env['KUBECONFIG']} e2e/kubectl get pods -A -o wide")
@@ -193,4 +210,4 @@ def run_cluster_demo(workdir: Path, keep: bool) -> int:
         else:
             _step("stopping the cluster (e2e/cluster down)")
             _cluster("down", check=False)
-    return 0
+    return status
