@@ -6,7 +6,8 @@ h // (num_heads / num_kv_heads). With a sliding window w a query at position q s
 positions before the window are never read (their blocks may be freed or reused).
 
 Decode ("flash decoding"): one program per (context split, kv head, sequence) computes every query head of that kv
-head, so each K/V byte is read once; a second kernel merges the splits by their log-sum-exp. The grid and all
+head, so each K/V byte is read once; the last split of a (sequence, kv head) to finish merges the splits by their
+log-sum-exp (an arrival counter, kernels/arrivals.py), so a decode step is one launch a layer. The grid and all
 constexprs depend on shapes only, never on context_lens, so a captured CUDA graph replays with new lengths and tables.
 Prefill: one program per (head, BLOCK_M query tokens, sequence), online softmax over the KV tiles of its causal range.
 Scores are kept in log2 units (scale * log2(e) folded in) so the kernels use exp2.
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kubelora.kernels.arrivals import arrival_counters
 
 LOG2E = 1.4426950408889634
 TARGET_PROGRAMS_PER_SM = 2  # default decode splits aim at this many (sequence, kv head, split) programs per SM
@@ -98,11 +101,11 @@ def _softmax_step(s, v, m, l, acc, IS_DOT: tl.constexpr, PRECISION: tl.constexpr
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, part_ptr, lse_ptr, scale_log2, window, num_splits,
+    q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, part_ptr, lse_ptr, arrivals_ptr, scale_log2, window, num_splits,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_table, stride_os, stride_oh,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr, IS_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
@@ -139,26 +142,39 @@ def _decode_kernel(
     has_keys = l > 0
     o = acc / tl.where(has_keys, l, 1.0)[:, None]
     if IS_SPLIT:
-        part = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [num_seqs, num_heads, num_splits]
+        num_heads = GROUP * tl.num_programs(1)
+        part = (seq * num_heads + heads) * num_splits + split  # [num_seqs, num_heads, num_splits]
         tl.store(lse_ptr + part, tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf")),
                  mask=is_row)
         tl.store(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=is_row[:, None])
+        # The last split of (sequence, kv head) to arrive merges them all (no second launch). The barrier makes
+        # every thread's partial visible before the (release) atomic; that program resets the counter.
+        tl.debug_barrier()
+        counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            for g in tl.static_range(GROUP):
+                _merge_splits(part_ptr, lse_ptr, out_ptr, seq, kv_head * GROUP + g, num_heads, num_splits,
+                              stride_os, stride_oh, HEAD_DIM, SPLITS)
+            tl.store(counter, 0)
     else:
         out = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=is_row[:, None])
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, num_splits, stride_os, stride_oh, HEAD_DIM: tl.constexpr,
-                    SPLITS: tl.constexpr):
-    head, seq = tl.program_id(0), tl.program_id(1)
+def _merge_splits(part_ptr, lse_ptr, out_ptr, seq, head, num_heads, num_splits, stride_os, stride_oh,
+                  HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    """out[seq, head] = the splits' partial outputs weighted by their log-sum-exp (read through L2: other programs
+    of the launch wrote them)."""
     offs_s, offs_d = tl.arange(0, SPLITS), tl.arange(0, HEAD_DIM)
     is_split = offs_s < num_splits
-    part = (seq * tl.num_programs(0) + head) * num_splits + offs_s
-    lse = tl.load(lse_ptr + part, mask=is_split, other=float("-inf"))
+    part = (seq * num_heads + head) * num_splits + offs_s
+    lse = tl.load(lse_ptr + part, mask=is_split, other=float("-inf"), cache_modifier=".cg")
     top = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits (lse -inf) weigh 0
-    o = tl.load(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=is_split[:, None], other=0.0)
+    o = tl.load(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=is_split[:, None], other=0.0,
+                cache_modifier=".cg")
     total = tl.sum(weight, 0)
     o = tl.sum(o * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
@@ -262,21 +278,20 @@ def launch_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     out = torch.empty_like(query) if out is None else out
     is_split = num_splits > 1
     part = lse = out  # unused unless split
+    arrivals = context_lens
     if is_split:  # caching-allocator memory: safe under graph capture (the capture pool)
         part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        arrivals = arrival_counters(query.device, num_seqs * num_kv_heads, "decode_attention")
     rows = max(16, triton.next_power_of_2(group)) if tiles.is_dot else 1
     _decode_kernel[(num_splits, num_kv_heads, num_seqs)](
-        query, key_cache, value_cache, block_tables, context_lens, out, part, lse, scale * LOG2E, window or 0,
-        num_splits, query.stride(0), query.stride(1), *key_cache.stride()[:3], block_tables.stride(0),
+        query, key_cache, value_cache, block_tables, context_lens, out, part, lse, arrivals, scale * LOG2E,
+        window or 0, num_splits, query.stride(0), query.stride(1), *key_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None, IS_SPLIT=is_split, IS_DOT=tiles.is_dot,
-        PRECISION=_precision(query.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PRECISION=_precision(query.dtype), SPLITS=triton.next_power_of_2(num_splits), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
-    if is_split:
-        _combine_kernel[(num_heads, num_seqs)](part, lse, out, num_splits, out.stride(0), out.stride(1),
-                                               HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits),
-                                               num_warps=4)
     return out
 
 

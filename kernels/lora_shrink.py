@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kubelora.kernels.arrivals import arrival_counters as shared_counters
 from kubelora.kernels.lora import LoRAProj, LoRAStep
 from kubelora.kernels.lora_config import (BLOCK_R, GEMV_PROGRAMS, MAX_SLICES, MAX_SPLIT, KernelConfig, dot_precision,
                                           num_lanes, pad_slices)
@@ -206,18 +207,9 @@ def _gemv_shrink_kernel(
     tl.store(t_ptr + t_rows, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
-_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
 def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
-    """Per-device int32 counters, zero between launches (each launch's last arrivals reset theirs).
-
-    Allocated once per device and grown when a step needs more; one stream at a time may use them.
-    """
-    counters = _arrivals.get(device)
-    if counters is None or counters.numel() < size:
-        counters = _arrivals[device] = torch.zeros(max(size, 4096), device=device, dtype=torch.int32)
-    return counters
+    """The split shrink's arrival counters (kernels/arrivals.py), zero between launches."""
+    return shared_counters(device, size, "lora_shrink")
 
 
 def new_workspace(*shape: int, device: torch.device) -> torch.Tensor:

@@ -10,7 +10,6 @@ their PyTorch references, which compute what transformers computes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +21,6 @@ from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused
 from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
-
-SIDE_STREAM_ENV = "KUBELORA_LORA_SIDE_STREAM"
 
 
 @dataclass(frozen=True)
@@ -76,9 +73,6 @@ class DecoderModel:
         self.scale = config.head_dim**-0.5
         self.windows = set(config.sliding_windows)
         self.is_fused = weights.embed.is_cuda  # Triton small ops (kernels/fused.py) on CUDA
-        # The stream LoRA shrinks run on beside the base matmuls (`_proj`); KUBELORA_LORA_SIDE_STREAM=0 turns it off.
-        is_side = self.is_fused and os.environ.get(SIDE_STREAM_ENV, "1").strip() != "0"
-        self.lora_stream = torch.cuda.Stream(weights.embed.device, priority=-1) if is_side else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -135,28 +129,11 @@ class DecoderModel:
         return paged_attention(q, key_cache, value_cache, ctx.attention, cfg.sliding_windows[layer], self.scale)
 
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op.
-
-        With the Triton LoRA kernels on CUDA the shrink (x @ A^T, which needs only x) is queued on a side stream
-        before the base matmul and the expand after both, so the small latency-bound shrink runs on the SMs the
-        matmul leaves free (in CUDA graphs too: the fork and join are captured as graph edges)."""
+        """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
         weights = self.weights.layers[layer]
-        lora = ctx.lora
-        if lora is None:
-            return F.linear(x, weights.weight[kind], weights.bias[kind])
-        buffers, proj = self.lora_buffers[layer], lora.proj[kind]
-        side = self.lora_stream
-        if side is None or lora.backend != "triton" or not lora.step.has_lora or not any(proj.max_rank):
-            y = F.linear(x, weights.weight[kind], weights.bias[kind])
-            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], proj, lora.step, backend=lora.backend)
-            return y
-        from kubelora.kernels.lora_triton import expand_lora_triton, shrink_lora_triton  # TRITON_INTERPRET read late
-
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):  # PDL off: it does not order launches across streams
-            shrunk = shrink_lora_triton(x, buffers.lora_a[kind], buffers.lora_b[kind], proj, lora.step, is_pdl=False)
         y = F.linear(x, weights.weight[kind], weights.bias[kind])
-        main.wait_stream(side)
-        expand_lora_triton(y, shrunk, buffers.lora_b[kind], proj, lora.step)
+        if ctx.lora is not None:
+            buffers = self.lora_buffers[layer]
+            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], ctx.lora.proj[kind], ctx.lora.step,
+                     backend=ctx.lora.backend)
         return y
