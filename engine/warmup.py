@@ -24,9 +24,17 @@ from kubelora.engine.scheduler import Batch
 log = logging.getLogger(__name__)
 
 
+OFF_GRID_SIZE = 100  # a step length that is no multiple of 16
+
+
 def warm_up_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Step sizes whose launch shapes differ (LoRA tile heights 16/32/64, attention query blocks)."""
-    return sorted({n for n in (16, 64, 512, max_num_batched_tokens) if n <= max_num_batched_tokens})
+    """Step sizes whose launch shapes differ: every power of two from 16 up (the LoRA kernels' tile heights, tile
+    counts and K splits and the attention query blocks change with them), the step budget itself, and one length
+    off the multiples of 16 (Triton specializes integer arguments on divisibility by 16, so such lengths compile
+    variants of their own). On a fresh machine a size missing here costs its first request about a second."""
+    top = max_num_batched_tokens
+    sizes = {1 << k for k in range(4, top.bit_length())} | {top, OFF_GRID_SIZE}
+    return sorted(n for n in sizes if 16 <= n <= top)
 
 
 def warm_up(runner: ModelRunner, sizes: list[int], pad_block: int, max_lora_rank: int) -> float:

@@ -107,7 +107,8 @@ def test_paged_metadata_matches_the_gather_path(window):
 def test_warm_up_writes_only_the_pad_block(llama):
     from kubelora.engine.warmup import warm_up, warm_up_sizes
 
-    assert warm_up_sizes(2048) == [16, 64, 512, 2048] and warm_up_sizes(100) == [16, 64, 100]
+    assert warm_up_sizes(2048) == [16, 32, 64, 100, 128, 256, 512, 1024, 2048]
+    assert warm_up_sizes(100) == [16, 32, 64, 100] and warm_up_sizes(40) == [16, 32, 40]
     llm = LLM(llama.model_dir, max_loras=2, max_lora_rank=8, max_num_seqs=4)
     try:
         engine = llm.engine
