@@ -86,8 +86,10 @@ def test_up_right_after_a_sigterm_replaces_the_apiserver(cluster: LocalCluster, 
 
 
 def test_up_refuses_a_cluster_started_from_another_checkout(cluster: LocalCluster, tmp_path: Path) -> None:
-    other_e2e = tmp_path / "other-checkout" / "e2e"
-    shutil.copytree(E2E_DIR, other_e2e, ignore=shutil.ignore_patterns("__pycache__", "k8s", "helm", "kstatus"))
+    other_e2e = tmp_path / "other-checkout" / "e2e"  # what `up` runs: the script and its two packages
+    for package in ("localcluster", "localkubelet"):
+        shutil.copytree(E2E_DIR / package, other_e2e / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(E2E_DIR / "cluster", other_e2e / "cluster")
     up = subprocess.run([sys.executable, "-P", str(other_e2e / "cluster"), "up"], capture_output=True, text=True,
                         timeout=120)
     assert up.returncode == 1
@@ -148,3 +150,17 @@ def test_the_cli_prints_a_failure_without_a_traceback(tmp_path: Path) -> None:
                             capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 1
     assert f"build failed: {fake_go} not found" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_drift_is_the_phase_ip_or_a_condition_the_kubelet_wrote() -> None:
+    from localkubelet.status import has_drifted
+
+    written = {"phase": "Running", "podIP": "10.0.0.2",
+               "conditions": [{"type": "Ready", "status": "True"}, {"type": "Initialized", "status": "True"}]}
+    listed = {**written, "conditions": [*written["conditions"], {"type": "DisruptionTarget", "status": "True"}]}
+    assert not has_drifted(written, listed)  # conditions others own do not count
+    not_ready = {**listed, "conditions": [{"type": "Ready", "status": "False"}, {"type": "Initialized", "status": "True"}]}
+    assert has_drifted(written, not_ready)
+    assert has_drifted(written, {**listed, "phase": "Pending"})
+    assert has_drifted(written, {**listed, "podIP": ""})
+    assert has_drifted(written, {})
