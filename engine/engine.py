@@ -42,11 +42,12 @@ from kubelora.engine.sequence import Sequence, SequenceStatus
 from kubelora.engine.structured.compiler import GrammarCompiler
 from kubelora.engine.structured.matcher import Advance, advance, new_matcher
 from kubelora.engine import setup
-from kubelora.engine.warmup import warm_up, warm_up_sizes
+from kubelora.engine.warmup import warm_up, warm_up_adapter_shape, warm_up_sizes
 
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_SHAPES = 2  # adapter shapes whose LoRA decode graphs are captured ahead of their first step
+MAX_WARM_SHAPES = 8  # adapters' module ranks whose prefill kernels are run ahead of their first request (CUDA)
 IDLE_STEP_SLEEP_S = 0.002  # an empty step (requests only wait for adapter loads) yields the CPU briefly
 
 
@@ -81,6 +82,7 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._last_batch = (0, 0, 0)
+        self._warmed_shapes: set[tuple[tuple[str, int], ...]] = set()  # see pending_warm_ups
         self._num_steps = 0
         self._is_async = setup.uses_async_scheduling(config)
         self._inflight: LaunchedStep | None = None  # launched, its sampled ids not read yet (engine thread only)
@@ -298,6 +300,18 @@ class LLMEngine:
         the two most common adapter shapes (projection kinds, rank rounded to 16), `lora_graph_keys` of each."""
         return self._graph_plan()[0]
 
+    def pending_warm_ups(self) -> list[tuple[tuple[str, int], ...]]:
+        """Registered adapters' module ranks whose eager (prefill) LoRA kernels have not run yet (CUDA only):
+        the most common MAX_WARM_SHAPES of them."""
+        if self.device.type != "cuda":
+            return []
+        counts: dict[tuple, int] = {}
+        for info in self.adapters.list():
+            ranks = tuple(sorted((m, r) for m, r in info.ranks.items() if r > 0))
+            counts[ranks] = counts.get(ranks, 0) + 1
+        common = sorted(counts, key=lambda ranks: -counts[ranks])[:MAX_WARM_SHAPES]
+        return [ranks for ranks in common if ranks and ranks not in self._warmed_shapes]
+
     def _graph_plan(self) -> tuple[list, list]:
         """(the graphs not captured yet, every graph wanted) for the registered adapters' shapes."""
         decoder = self._runner.decoder
@@ -315,12 +329,22 @@ class LLMEngine:
         return [(bucket, key) for bucket, key in wanted if not decoder.has_graph(bucket, key)], wanted
 
     def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:
-        """Capture pending graphs for up to budget_s (one at least); True while some remain. Only while no step
-        is in flight: the engine thread calls it when it has no work."""
+        """Warm up pending adapter shapes' prefill kernels, then capture pending graphs, for up to budget_s (one
+        of either at least); True while some remain. Only while no step is in flight: the engine thread calls it
+        when it has no work."""
+        started = time.perf_counter()
+        for ranks in self.pending_warm_ups():  # first the registered shapes' prefill kernels, one shape a slice
+            if self._has_work():
+                return True
+            seconds = warm_up_adapter_shape(self._runner, warm_up_sizes(self.config.max_num_batched_tokens),
+                                            self.num_kv_blocks, dict(ranks))
+            self._warmed_shapes.add(ranks)
+            log.info("warmed up the eager forward for adapter ranks %s in %.2f s", dict(ranks), seconds)
+            if time.perf_counter() - started >= budget_s:
+                return True
         pending, wanted = self._graph_plan()
         if self._runner.decoder is not None:  # shapes no longer common go back to the LRU
             self._runner.decoder.pinned &= frozenset(wanted)
-        started = time.perf_counter()
         while pending and not self._has_work():
             bucket, key = pending.pop()
             self._runner.decoder.capture_idle(bucket, key)

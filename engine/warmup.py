@@ -38,20 +38,33 @@ def warm_up_sizes(max_num_batched_tokens: int) -> list[int]:
 
 
 def warm_up(runner: ModelRunner, sizes: list[int], pad_block: int, max_lora_rank: int) -> float:
-    """Run every size eagerly with and without LoRA; returns the seconds it took."""
+    """Start-up: every size eagerly without LoRA and with one slot adapting every module at max_lora_rank."""
+    ranks = {m: max_lora_rank for m in LORA_MODULES}
+    return _run_sizes(runner, sizes, pad_block, [None, ranks])
+
+
+def warm_up_adapter_shape(runner: ModelRunner, sizes: list[int], pad_block: int, ranks: dict[str, int]) -> float:
+    """Every size eagerly with one slot of these module ranks (a registered adapter's): the LoRA kernels' launch
+    configs and their constexprs follow the adapted slices and ranks, so a shape the start-up warm-up did not run
+    would compile on its first prefill."""
+    return _run_sizes(runner, sizes, pad_block, [ranks])
+
+
+def _run_sizes(runner: ModelRunner, sizes: list[int], pad_block: int, shapes: list[dict[str, int] | None]) -> float:
+    """Returns the seconds it took; shapes: module ranks of the one LoRA slot (scale 0), None: no LoRA."""
     started = time.perf_counter()
     model, device = runner.model, runner.config.device
     block_size = runner.config.block_size
-    modules = tuple(LORA_MODULES)
-    view = SlotView(row_start={m: 0 for m in modules}, rank={m: max_lora_rank for m in modules},
-                    scale={m: 0.0 for m in modules})
+    views = [None if ranks is None else SlotView(row_start={m: 0 for m in ranks}, rank=dict(ranks),
+                                                 scale={m: 0.0 for m in ranks}) for ranks in shapes]
     with torch.inference_mode():
         for num in sizes:
             table = [pad_block] * math.ceil(num / block_size)
             attention = prepare_prefill_attention([num], [num], [table], block_size, device)
             token_ids = torch.zeros(num, dtype=torch.int64, device=device)
             positions = torch.arange(num, device=device)
-            for lora in (None, runner.prepare_lora(_one_slot_batch(num, view))):
+            for view in views:
+                lora = None if view is None else runner.prepare_lora(_one_slot_batch(num, view))
                 ctx = ForwardContext(attention=attention, positions=positions, lora=lora)
                 model.compute_logits(model.forward(token_ids, ctx)[-1:])
     if device.type == "cuda":

@@ -86,10 +86,11 @@ class AsyncEngine:
         self._thread.start()
 
     async def wait_for_graphs(self, timeout_s: float) -> int:
-        """Wait (up to timeout_s) until the engine thread has captured the decode graphs the registered adapters
-        need (start-up: /ready waits for them); returns how many are still missing."""
+        """Wait (up to timeout_s) until the engine thread has captured the decode graphs and run the prefill
+        kernels the registered adapters need (start-up: /ready waits for them); returns how many are still missing."""
         deadline = time.monotonic() + timeout_s
-        while (pending := len(self._engine.pending_graphs())) and time.monotonic() < deadline and self.is_running:
+        while ((pending := len(self._engine.pending_graphs()) + len(self._engine.pending_warm_ups()))
+               and time.monotonic() < deadline and self.is_running):
             await asyncio.sleep(GRAPH_POLL_S)
         return pending
 
