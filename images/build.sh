@@ -2,11 +2,16 @@
 # `make images`: builds the kubelora images without pulling from any container registry.
 #  1. a base rootfs from Debian packages (mmdebstrap: bookworm, python3 + venv, ca-certificates), imported into
 #     a private podman store and tagged localhost/kubelora-base:bookworm (built once, then cached);
-#  2. podman build of images/<name>/Dockerfile with --build-arg BASE=<that tag> and --pull=never;
-#  3. podman save into build/images/<name>.tar (load with `podman load -i` or `docker load -i`).
+#  2. the deps stage of images/<name>/Dockerfile (the venv with the dependencies, minutes for the engine), built
+#     with --target deps and tagged localhost/<name>-deps:<digest of the stage, pyproject.toml, constraints.txt,
+#     base> (images/inputs_digest.py --deps), kept in the store while those inputs stay the same;
+#  3. podman build of the Dockerfile with --build-arg BASE=<that tag> and --pull=never, its final stage's
+#     `FROM deps` naming that image: a code change rebuilds only the builder stage and the project's layer;
+#  4. podman save into build/images/<name>.tar (load with `podman load -i` or `docker load -i`).
 # Podman runs with vfs storage and the runc runtime (no overlay or fuse needed) and a private containers.conf
 # with `default_ulimits = []`: podman's default ulimits fail where the caller's hard limits are lower.
-# An image is rebuilt only when its inputs changed (images/inputs_digest.py: Dockerfile, build context, base).
+# An image is rebuilt only when its inputs changed (images/inputs_digest.py: Dockerfile, build context, base),
+# and then on its cached deps stage unless pyproject.toml, constraints.txt or the base changed too.
 # Env: KUBELORA_IMAGES (names, default all three), KUBELORA_CACHE (default ~/.cache/kubelora),
 # KUBELORA_DEBIAN_MIRROR, KUBELORA_REBASE=1 (rebuild the bases), KUBELORA_IMAGES_FORCE=1 (rebuild the images).
 # docs/chart.md says more.
@@ -46,6 +51,9 @@ runtime = "runc"
 CONF
 export CONTAINERS_CONF="$cache/config/containers.conf"
 podman=(podman --storage-driver vfs --root "$cache/storage" --runroot "$cache/run" --runtime runc)
+# Untagged leftovers, also after a failed build: builder stages, a final image's layer, deps images of earlier
+# inputs (6 GB each for the engine with vfs). The tagged deps images stay: the next code change builds on them.
+trap '"${podman[@]}" image prune -f >/dev/null' EXIT
 
 # build_base TAG PACKAGES...: a Debian rootfs with python3 and PACKAGES, imported as TAG (once, then cached).
 build_base() {
@@ -102,13 +110,34 @@ for name in "${names[@]}"; do
     say "$name: up to date ($out/$name.tar)"
     continue
   fi
-  say "building $tag"
   start=$SECONDS
-  # --network host: pip in the builder stage reaches the package index; nothing is pulled (--pull=never).
-  "${podman[@]}" build --pull=never --network host --layers=false "${ca_volume[@]}" -f "$repo/images/$name/Dockerfile" \
-    --build-arg "BASE=$name_base" --build-arg "VERSION=$version" --build-arg "SOURCE=$source_url" \
-    --build-arg "REVISION=$revision" -t "$tag" "$repo"
+  # --network host: pip in the build stages reaches the package index; nothing is pulled (--pull=never).
+  # --layers=false: with vfs every committed layer is a full copy of the image below it (6 GB for the engine),
+  # so each build commits one layer per stage, and the deps stage is kept as an image of its own instead.
+  build=("${podman[@]}" build --pull=never --network host --layers=false "${ca_volume[@]}" --build-arg "BASE=$name_base")
+  dockerfile="$repo/images/$name/Dockerfile"
+  deps_tag="localhost/$name-deps:$(python3 "$repo/images/inputs_digest.py" --deps "$name" \
+    "$("${podman[@]}" image inspect --format '{{.Id}}' "$name_base")" | cut -c1-16)"
+  if ! "${podman[@]}" image exists "$deps_tag"; then
+    say "building $deps_tag: the dependencies (pyproject.toml, constraints.txt or the base changed; minutes)"
+    "${build[@]}" -f "$dockerfile" --target deps -t "$deps_tag" "$repo"
+    say "$deps_tag: $((SECONDS - start)) s"
+  fi
+  # Deps images of earlier inputs lose their tag, so the prune at the end frees them. One name at a time:
+  # the operator's and the router's deps stages can be one image with two names.
+  for old in $("${podman[@]}" images --format '{{.Repository}}:{{.Tag}}' "localhost/$name-deps"); do
+    if [[ "$old" == "localhost/$name-deps:"* && "$old" != "$deps_tag" ]]; then
+      "${podman[@]}" untag "$old" "$old"
+    fi
+  done
+  # The same Dockerfile with its final stage's `FROM deps` naming that image: podman skips the unused deps
+  # stage and builds only the builder stage and the project's layer on top of it.
+  [[ "$(grep -cx 'FROM deps' "$dockerfile")" == 1 ]] || { say "$dockerfile: expected one 'FROM deps' line"; exit 1; }
+  say "building $tag on $deps_tag"
+  sed "s#^FROM deps\$#FROM $deps_tag#" "$dockerfile" | "${build[@]}" -f - --build-arg "VERSION=$version" \
+    --build-arg "SOURCE=$source_url" --build-arg "REVISION=$revision" -t "$tag" "$repo"
   rm -f "$out/$name.tar" "$out/$name.inputs"
+  say "saving $tag to $out/$name.tar"
   "${podman[@]}" save --format docker-archive -o "$out/$name.tar.partial" "$tag"
   mv "$out/$name.tar.partial" "$out/$name.tar"  # never a half-written archive under the name the kubelet reads
   echo "$inputs" >"$out/$name.inputs"
@@ -118,4 +147,3 @@ for name in "${names[@]}"; do
   "${podman[@]}" rmi "$tag" >/dev/null
   say "$name: $((size / 1000000)) MB image, $(($(stat -c %s "$out/$name.tar") / 1000000)) MB archive, $((SECONDS - start)) s"
 done
-"${podman[@]}" image prune -f >/dev/null  # untagged leftovers of earlier builds

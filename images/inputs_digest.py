@@ -1,13 +1,19 @@
-"""`python3 images/inputs_digest.py NAME BASE_ID`: a digest of everything image NAME is built from.
+"""`python3 images/inputs_digest.py [--deps] NAME BASE_ID`: a digest of what image NAME (or its deps stage) is
+built from.
 
-The build context as .dockerignore admits it (the `!` entries, less __pycache__ and *.pyc), the Dockerfile and
-the base image's id. images/build.sh skips an image whose archive was built from the same digest.
+Whole image: the build context as .dockerignore admits it (the `!` entries, less __pycache__ and *.pyc), the
+Dockerfile and the base image's id; images/build.sh skips an image whose archive was built from the same digest.
+`--deps`: the deps stage only: the Dockerfile up to its next stage, the files that stage copies
+(pyproject.toml, constraints.txt) and the base image's id. build.sh tags the deps stage with it, so a code
+change finds it cached and rebuilds only the project's layer.
 """
 import hashlib
+import re
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+DEPS_FILES = ("pyproject.toml", "constraints.txt")
 
 
 def context_files() -> list[Path]:
@@ -20,12 +26,34 @@ def context_files() -> list[Path]:
     return sorted(p for p in files if "__pycache__" not in p.parts and p.suffix != ".pyc")
 
 
-def main() -> None:
-    name, base_id = sys.argv[1], sys.argv[2]
+def deps_stage(dockerfile: str) -> str:
+    """The Dockerfile's text up to the stage after `deps` (its global ARGs and the deps stage itself)."""
+    match = re.search(r"^FROM \S+ AS deps$(.*?)(?=^FROM )", dockerfile, re.M | re.S)
+    if match is None:
+        raise SystemExit("the Dockerfile has no `FROM ... AS deps` stage followed by another stage")
+    return dockerfile[:match.end()]
+
+
+def image_digest(name: str, base_id: str) -> str:
     digest = hashlib.sha256(base_id.encode())
     for path in [REPO / "images" / name / "Dockerfile", *context_files()]:
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
-    print(digest.hexdigest())
+    return digest.hexdigest()
+
+
+def deps_digest(name: str, base_id: str) -> str:
+    digest = hashlib.sha256(base_id.encode())
+    digest.update(deps_stage((REPO / "images" / name / "Dockerfile").read_text()).encode() + b"\0")
+    for path in DEPS_FILES:
+        digest.update(path.encode() + b"\0" + (REPO / path).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    deps = args[:1] == ["--deps"]
+    name, base_id = args[1:] if deps else args
+    print((deps_digest if deps else image_digest)(name, base_id))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """images/*/Dockerfile follow the conventions of issue 17 (multi-stage, pinned BASE, non-root, kubelora entrypoint,
-OCI labels) and ship every package folder; .dockerignore lets exactly what the wheel needs into the context.
+OCI labels) and ship every package folder; .dockerignore lets exactly what the wheel needs into the context;
+the deps stage (the dependencies, minutes to build) is keyed on its own inputs only, so a code change keeps it.
 
 This checks the files; tests/test_images_run.py runs the built images.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -14,6 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["kubelora-operator", "kubelora-router", "kubelora-engine"]
+_spec = importlib.util.spec_from_file_location("inputs_digest", ROOT / "images" / "inputs_digest.py")
+inputs_digest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(inputs_digest)
 
 
 def _dockerfile(name: str) -> str:
@@ -32,27 +38,88 @@ def test_one_dockerfile_per_image():
 def test_dockerfile_conventions(name):
     text = _dockerfile(name)
     assert re.search(r"^ARG BASE=\S+@sha256:[0-9a-f]{64}$", text, re.M), "BASE pinned by digest"
-    assert re.findall(r"^FROM (\S+)", text, re.M) == ["${BASE}", "${BASE}"]  # builder, then final: same base
+    # deps and builder on the same base; the final image is deps plus the project
+    assert re.findall(r"^FROM (.+)$", text, re.M) == ["${BASE} AS deps", "${BASE} AS builder", "deps"]
     assert re.search(r"^USER 65532:65532$", text, re.M)
     assert 'ENTRYPOINT ["kubelora"]' in text
     for label in ("version", "source", "revision", "title"):
         assert f"org.opencontainers.image.{label}=" in text
     assert f'org.opencontainers.image.title="{name}"' in text
-    final = text.split("\nFROM ${BASE}\n", 1)[1]
-    assert "pip install" not in final  # nothing installed in the final stage, but for the engine's compiler:
+    deps, builder, final = re.split(r"^FROM .+$", text, flags=re.M)[1:]
+    # The final image installs nothing and adds only the project's files from the builder
+    assert "RUN" not in final and "pip" not in final
+    assert re.findall(r"^COPY .+$", final, re.M) == ["COPY --from=builder /app/ /"]
+    # deps: the dependencies only, pip and setuptools removed again; the user's passwd entry
+    assert "pip uninstall --disable-pip-version-check -y wheel setuptools pip" in deps
+    assert "kubelora:x:65532:65532" in deps
     if name == "kubelora-engine":  # Triton builds its launcher with gcc; apt only where the base lacks it
-        assert "if ! command -v gcc" in final and "rm -rf /var/lib/apt/lists/*" in final
+        assert "if ! command -v gcc" in deps and "rm -rf /var/lib/apt/lists/*" in deps
     else:
-        assert "apt-get" not in final
-    assert "COPY --from=builder /opt/kubelora /opt/kubelora" in final
-    copied = set(re.findall(r"^COPY (\w+) \1$", text, re.M))
+        assert "apt-get" not in deps
+    # builder: the project without its dependencies
+    assert "--no-deps" in builder and "-r requirements.txt" not in builder
+    copied = set(re.findall(r"^COPY (\w+) \1$", builder, re.M))
     assert copied == _package_folders()
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_the_deps_stage_copies_only_what_its_digest_covers(name):
+    """build.sh reuses the deps stage while inputs_digest.py --deps is unchanged: the stage must read nothing
+    else from the context, or a change there would be missed."""
+    deps = inputs_digest.deps_stage(_dockerfile(name)).split("AS deps", 1)[1]
+    copies = re.findall(r"^(?:COPY|ADD) (.+)$", deps, re.M)
+    assert copies == [" ".join(inputs_digest.DEPS_FILES) + " /tmp/kubelora-deps/"]
+    assert "--mount=type=bind" not in deps
+
+
+def _digests(name: str) -> tuple[str, str]:
+    return inputs_digest.image_digest(name, "base-id"), inputs_digest.deps_digest(name, "base-id")
+
+
+@pytest.fixture
+def repo_copy(tmp_path, monkeypatch):
+    """A copy of the files the digests read, so the tests can change them."""
+    for entry in ("images", "operator", "engine", "kernels", "cli", "bench"):
+        shutil.copytree(ROOT / entry, tmp_path / entry, ignore=shutil.ignore_patterns("__pycache__"))
+    for entry in (".dockerignore", "pyproject.toml", "README.md", "constraints.txt"):
+        shutil.copy(ROOT / entry, tmp_path / entry)
+    monkeypatch.setattr(inputs_digest, "REPO", tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_code_change_rebuilds_the_image_but_not_its_deps_stage(repo_copy, name):
+    image, deps = _digests(name)
+    module = repo_copy / "engine" / "sampler.py"
+    module.write_text(module.read_text() + "\n# a code change\n")
+    assert _digests(name)[0] != image
+    assert _digests(name)[1] == deps
+    (repo_copy / "images" / name / "Dockerfile").write_text(_dockerfile(name).replace(
+        'CMD [', 'EXPOSE 9999\nCMD ['))  # the final stage changed
+    assert _digests(name)[1] == deps
+
+
+@pytest.mark.parametrize("change", ["constraints.txt", "pyproject.toml", "deps stage", "base"])
+def test_the_deps_stage_is_rebuilt_when_its_inputs_change(repo_copy, change):
+    name = "kubelora-engine"
+    image, deps = _digests(name)
+    if change == "base":
+        assert inputs_digest.deps_digest(name, "another-base") != deps
+        return
+    if change == "deps stage":
+        path = repo_copy / "images" / name / "Dockerfile"
+        path.write_text(path.read_text().replace("AS deps\n", "AS deps\nENV EXTRA=1\n"))
+    else:
+        path = repo_copy / change
+        path.write_text(path.read_text() + "\n# changed\n")
+    assert _digests(name) != (image, deps) and _digests(name)[1] != deps
+
+
 def test_only_the_engine_image_installs_the_engine_extra():
-    assert "[engine]" in _dockerfile("kubelora-engine")
+    engine_extra = 'p["optional-dependencies"]["engine"]'
+    assert engine_extra in _dockerfile("kubelora-engine")
     for name in ("kubelora-operator", "kubelora-router"):
-        assert "[engine]" not in _dockerfile(name)
+        assert "optional-dependencies" not in _dockerfile(name)
 
 
 def test_dockerignore_lets_in_what_the_wheel_needs():
