@@ -1,7 +1,7 @@
 """A real S3-compatible server for the e2e tests: MinIO, built from the Go module proxy and run on the host.
 
     python -P e2e/s3/s3server.py build          # prints the binary's path (built once, then cached)
-    python -P e2e/s3/s3server.py run DATA_DIR [--address 0.0.0.0:9000]
+    python -P e2e/s3/s3server.py run DATA_DIR [--address 0.0.0.0]   # a free port, printed
 
 The build is pinned by go.mod/go.sum here (a `tool` requirement on github.com/minio/minio) and cached under
 ~/.cache/kubelora/minio/<digest of go.mod and go.sum>, as e2e/kstatus and the Kubernetes build are: the first
@@ -60,6 +60,7 @@ class MinioServer:
     advertised_host: str | None = None  # what clients (pods) use to reach it; default: listen_host
     access_key_id: str = ROOT_USER
     secret_access_key: str = ROOT_PASSWORD
+    is_scratch: bool = True  # remove data_dir (and the log beside it) on exit
     _process: subprocess.Popen | None = None
     port: int = 0
 
@@ -106,7 +107,9 @@ class MinioServer:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
-        shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self.is_scratch:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            (self.data_dir.parent / f"{self.data_dir.name}.log").unlink(missing_ok=True)
 
     def store(self, bucket: str):
         """An obstore S3Store on `bucket` with the root credentials (reached at the listen address)."""
@@ -139,14 +142,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("build", help="build (or find) the cached MinIO binary and print its path")
-    run = sub.add_parser("run", help="run MinIO on DATA_DIR until interrupted")
+    run = sub.add_parser("run", help="run MinIO on DATA_DIR (kept) until interrupted")
     run.add_argument("data_dir", type=Path)
     run.add_argument("--address", default="127.0.0.1")
     args = parser.parse_args()
     if args.command == "build":
         print(build_minio())
         return
-    with MinioServer(args.data_dir, listen_host=args.address) as server:
+    with MinioServer(args.data_dir, listen_host=args.address, is_scratch=False) as server:
         print(f"minio at {server.endpoint} (access key {server.access_key_id}); Ctrl-C stops it", flush=True)
         try:
             server._process.wait()
