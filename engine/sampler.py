@@ -73,6 +73,11 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> SampledStep:
     """The sampling stage without a host sync: the ids stay on the device, their host copy is started."""
     if batch.is_plain_greedy:
         return SampledStep(logits.argmax(dim=-1), None, batch)
+    if batch.is_greedy_grammar_only:  # the argmax of every row, then of the grammar rows' masked logits
+        tokens = logits.argmax(dim=-1)
+        allowed = unpack_bitmask(batch.grammar_bitmask, logits.shape[1])
+        tokens[batch.grammar_rows] = logits[batch.grammar_rows].masked_fill_(~allowed, float("-inf")).argmax(dim=-1)
+        return SampledStep(tokens, None, batch)
     processed = process_logits(logits, batch)
     tokens = processed.argmax(dim=-1)
     if not all(batch.greedy_rows):

@@ -70,6 +70,13 @@ class SamplingBatch:
                                            self.grammar_bitmask))
 
     @property
+    def is_greedy_grammar_only(self) -> bool:
+        """Every row greedy, no log-probabilities, and grammar masks the only processing: the sampler then masks
+        only the grammar rows' logits instead of a copy of them all."""
+        return (self.grammar_bitmask is not None and all(self.greedy_rows) and self.max_logprobs is None
+                and all(x is None for x in (self.penalties, self.logit_bias, self.banned, self.allowed)))
+
+    @property
     def max_logprobs(self) -> int | None:
         asked = [k for k in self.num_logprobs if k is not None]
         return max(asked) if asked else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 
 import torch
 
@@ -21,14 +22,29 @@ def new_matcher(grammar):
     return xgrammar.GrammarMatcher(grammar)
 
 
+_local = threading.local()
+
+
 def fill_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
     """[len(matchers), ceil(vocab / 32)] int32 on the host: each row the tokens its matcher allows next."""
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)
-    for row, matcher in enumerate(matchers):
-        matcher.fill_next_token_bitmask(bitmask, row)
+    if len(matchers) == 1:
+        matchers[0].fill_next_token_bitmask(bitmask, 0)
+    elif matchers:  # xgrammar fills the rows on its own threads (half the cores, one per row at most)
+        _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask)
     return bitmask
+
+
+def _batch_matcher():
+    """The calling thread's xgrammar.BatchGrammarMatcher (one per thread: a call is not shared across threads)."""
+    matcher = getattr(_local, "batch", None)
+    if matcher is None:
+        import xgrammar
+
+        matcher = _local.batch = xgrammar.BatchGrammarMatcher(max_threads="auto")
+    return matcher
 
 
 def advance(matcher, token: int) -> Advance:

@@ -142,3 +142,29 @@ def test_mask_touches_only_grammar_rows(llama_llm):
     first = engine.tokenizer.encode("yes", add_special_tokens=False)[0]
     assert first in allowed and all(engine.tokenizer.decode([t]) in ("y", "ye", "yes") for t in allowed)
     assert sample(logits, batch).token_ids[1] in allowed
+
+
+def test_greedy_grammar_rows_sample_as_the_processed_logits(llama_llm):
+    """The greedy grammar-only shortcut (no copy of every row) picks what the argmax of process_logits picks, with
+    several grammar rows filled by xgrammar's batch call beside free rows."""
+    from kubelora.engine.structured.matcher import fill_bitmask
+
+    engine = llama_llm.engine
+    vocab = engine.model_config.vocab_size
+    specs = [StructuredOutput.choice(["yes", "no"]), StructuredOutput(StructuredKind.REGEX, r"[0-9]{3}"),
+             StructuredOutput.json_schema(SCHEMA)]
+    matchers = [new_matcher(engine.grammars.compile(spec)) for spec in specs]
+    single = [fill_bitmask([m], vocab) for m in matchers]
+    assert torch.equal(fill_bitmask(matchers, vocab), torch.cat(single))
+    free = SamplingParams(temperature=0.0)
+    seqs = [_seq(0, free)] + [_seq(1 + i, SamplingParams(temperature=0.0, structured=spec), m)
+                              for i, (spec, m) in enumerate(zip(specs, matchers))] + [_seq(4, free)]
+    batch = prepare_sampling(seqs, vocab, torch.device("cpu"))
+    assert batch.is_greedy_grammar_only
+    for seed in range(3):
+        logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(seed))
+        expected = process_logits(logits, batch).argmax(dim=-1).tolist()
+        assert sample(logits, batch).token_ids == expected
+    penalized = prepare_sampling(seqs[:2] + [_seq(5, SamplingParams(temperature=0.0, presence_penalty=1.0))],
+                                 vocab, torch.device("cpu"))
+    assert not penalized.is_greedy_grammar_only
