@@ -54,6 +54,11 @@ metadata: {{name: {name}}}
 spec: {{pool: pool1, source: {{path: {path}}}, replicas: {replicas}}}
 """
 ADMIN_TOKEN = "e2e-admin-token"
+# The lifecycle's pool names no adminTokenSecretRef: the operator makes pool1-engine-admin. It also lets a
+# monitoring namespace reach the serving port (its NetworkPolicy; the local cluster does not enforce it).
+MANAGED_POOL = POOL.replace("  adminTokenSecretRef: {{name: engine-admin, key: token}}\n",
+                            "  allowedClientNamespaces: [monitoring]\n")
+ADMIN_PORT = 8001
 ROUTER_SELECTOR = "kubelora.io/pool=pool1,app.kubernetes.io/component=router"
 ENGINE_OPTIONS = dict(device="cpu", max_loras=2, max_lora_rank=8, max_cpu_loras=4, max_model_len=256)
 
@@ -90,12 +95,47 @@ def served_adapters(ip: str) -> dict[str, dict]:
     return {card["id"]: card for card in cards if card.get("parent")}
 
 
-def admin_call(ip: str, path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://{ip}:8000{path}", method="POST", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {ADMIN_TOKEN}"})
+def admin_call(ip: str, path: str, body: dict, token: str = ADMIN_TOKEN) -> dict:
+    """POST to the engine pod's admin port with `token` (the pool's admin token)."""
+    request = urllib.request.Request(f"http://{ip}:{ADMIN_PORT}{path}", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.load(response)
+
+
+def refused_status(url: str, body: dict, token: str | None = None) -> int:
+    """The HTTP status of a POST that must fail (from the host to the pod's IP: another client than the operator)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url, method="POST", data=json.dumps(body).encode(), headers=headers)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    return refused.value.code
+
+
+def pool_admin_token(env) -> str:
+    """The token the operator generated in the pool's Secret, checked to be owned by the pool."""
+    import base64
+
+    secret = env.cluster.get_json("secret", "pool1-engine-admin", "-n", env.namespace)
+    [owner] = secret["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"]) == ("LoRAPool", "pool1"), owner
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 32
+    return token
+
+
+def engine_network_policy(env) -> dict:
+    """The pool's NetworkPolicy spec, checked to select exactly the pool's engine pods, ingress only."""
+    policy = env.cluster.get_json("networkpolicy", "pool1-engine", "-n", env.namespace)
+    assert policy["metadata"]["ownerReferences"][0]["name"] == "pool1"
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"kubelora.io/pool": "pool1",
+                                                   "app.kubernetes.io/component": "engine"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    engines = env.cluster.get_json("pods", "-n", env.namespace, "-l", ENGINE_SELECTOR)["items"]
+    assert engines and all(spec["podSelector"]["matchLabels"].items() <= p["metadata"]["labels"].items()
+                           for p in engines)
+    return spec
 
 
 def complete(ip: str, model: str, port: int = 8000) -> str:
@@ -132,10 +172,8 @@ class Steps:
 def test_operator_lifecycle(operator_env, material, offline, adapter_server, source_token) -> None:
     env = operator_env
     step = Steps()
-    env.cluster.kubectl("create", "secret", "generic", "engine-admin", "-n", env.namespace,
-                        f"--from-literal=token={ADMIN_TOKEN}")
-    env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir,
-                                  url_host=adapter_server.split(":")[0]), namespace=env.namespace)
+    env.cluster.apply(MANAGED_POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir,
+                                          url_host=adapter_server.split(":")[0]), namespace=env.namespace)
     apply_adapter(env, "a1", "/adapters/a1", replicas="all")
     apply_adapter(env, "a2", "/adapters/a2")
     apply_adapter(env, "big", "/adapters/big")  # rank 16 > maxLoraRank 8
@@ -173,11 +211,34 @@ def test_operator_lifecycle(operator_env, material, offline, adapter_server, sou
     assert complete(ip, "private") == offline["a1"]  # downloaded with the Secret's bearer token
     env.cluster.kubectl("delete", "loraadapter", "private", "-n", env.namespace, "--timeout=60s", timeout_s=70)
     assert "big" not in served_adapters(ip)
-    unauthenticated = urllib.request.Request(f"http://{ip}:8000/v1/unload_lora_adapter", method="POST",
-                                             data=b'{"lora_name": "a1"}', headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as refused:  # the operator's calls carry the Secret's token
-        urllib.request.urlopen(unauthenticated, timeout=10)
-    assert refused.value.code == 401
+
+    # Closed by default: the serving port has no admin endpoints, the admin port wants the pool's token (which
+    # the operator made and uses: everything above loaded through it).
+    step("closed by default")
+    token = pool_admin_token(env)
+    unload = {"lora_name": "a1"}
+    assert refused_status(f"http://{ip}:8000/v1/unload_lora_adapter", unload, token) == 404
+    assert refused_status(f"http://{ip}:8000/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/adapters/a1"},
+                          token) == 404
+    assert refused_status(f"http://{ip}:{ADMIN_PORT}/v1/unload_lora_adapter", unload) == 401
+    assert refused_status(f"http://{ip}:{ADMIN_PORT}/v1/unload_lora_adapter", unload, "not-the-token") == 401
+    assert "a1" in served_adapters(ip)
+    engine = env.cluster.get_json("deployment", "pool1-engine", "-n", env.namespace)
+    [container] = engine["spec"]["template"]["spec"]["containers"]
+    assert {"name": "KUBELORA_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "pool1-engine-admin",
+                                                                          "key": "token"}}} in container["env"]
+    assert token not in json.dumps(engine)  # the Deployment names the Secret, never the token
+    spec = engine_network_policy(env)
+    admin_rule, serving_rule = spec["ingress"]
+    assert admin_rule == {"ports": [{"protocol": "TCP", "port": ADMIN_PORT}], "from": [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": env.operator_namespace}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kubelora-operator"}}}]}
+    operator_pods = env.cluster.get_json("pods", "-n", env.operator_namespace, "-l",
+                                         "app.kubernetes.io/name=kubelora-operator")["items"]
+    assert operator_pods  # the admin rule's selector matches the running operator
+    assert serving_rule == {"ports": [{"protocol": "TCP", "port": 8000}], "from": [
+        {"podSelector": {}},  # no router yet: the pool's own namespace
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}
 
     columns = env.cluster.kubectl("get", "loraadapters", "-n", env.namespace).stdout
     assert columns.split("\n")[0].split() == ["NAME", "POOL", "PHASE", "READY", "DESIRED", "REVISION", "AGE"]
@@ -194,8 +255,8 @@ def test_operator_lifecycle(operator_env, material, offline, adapter_server, sou
 
     # Manual drift heals: a hand-loaded adapter is unloaded, a hand-unloaded one comes back.
     step("manual drift")
-    admin_call(ip, "/v1/load_lora_adapter", {"lora_name": "rogue", "lora_path": "/adapters/a1"})
-    admin_call(ip, "/v1/unload_lora_adapter", {"lora_name": "a2"})
+    admin_call(ip, "/v1/load_lora_adapter", {"lora_name": "rogue", "lora_path": "/adapters/a1"}, token)
+    admin_call(ip, "/v1/unload_lora_adapter", {"lora_name": "a2"}, token)
     wait_for("drift healed", lambda: {"a1", "a2"} <= set(served_adapters(ip)) and "rogue" not in served_adapters(ip),
              timeout_s=60)
 
@@ -290,6 +351,12 @@ def test_operator_lifecycle(operator_env, material, offline, adapter_server, sou
     assert complete(router_ip, "a1", port=8080) == offline["a1"]
     assert complete(router_ip, "a2", port=8080) == offline["a2v2"]
     assert complete(router_ip, "tiny", port=8080) == offline["tiny"]
+    # With a router, the serving port admits the pool's routers (and the named namespace), no longer the
+    # whole namespace; the admin token Secret was not remade by the update.
+    assert engine_network_policy(env)["ingress"][1]["from"] == [
+        {"podSelector": {"matchLabels": {"kubelora.io/pool": "pool1", "app.kubernetes.io/component": "router"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert pool_admin_token(env) == token
     env.cluster.kubectl("patch", "lorapool", "pool1", "-n", env.namespace, "--type=merge",
                         "-p", '{"spec": {"router": {"enabled": false}}}')
     wait_for("the router removed", lambda: not env.cluster.kubectl(
