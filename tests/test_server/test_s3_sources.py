@@ -167,3 +167,16 @@ def test_a_live_server_serves_an_s3_adapter_and_shows_no_credentials(live_server
 
 def logged(caplog) -> str:
     return "\n".join(JsonFormatter().format(record) for record in caplog.records)
+
+
+def test_without_keys_the_default_credential_chain_signs(tmp_path, minio, monkeypatch):
+    """No key pair in the request (no Secret named): the chain's first link, the environment, as on a pod whose
+    env the deployer set (a web identity token is the next link, which needs STS)."""
+    cfg = config(tmp_path, minio)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", minio.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    assert refused(cfg, f"s3://{BUCKET}/team/a0.tar.gz", S3Access(endpoint=minio.endpoint))["retryable"] is False
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", minio.secret_access_key)
+    directory = resolve_source(cfg, f"s3://{BUCKET}/team/a0.tar.gz", s3=S3Access(endpoint=minio.endpoint)).path
+    assert (directory / "adapter_config.json").is_file()
