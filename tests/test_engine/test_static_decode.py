@@ -105,7 +105,7 @@ def test_paged_metadata_matches_the_gather_path(window):
 
 
 def test_warm_up_writes_only_the_pad_block(llama):
-    from kubelora.engine.warmup import warm_up, warm_up_sizes
+    from kubelora.engine.warmup import warm_up, warm_up_adapter_shape, warm_up_sizes
 
     assert warm_up_sizes(2048) == [16, 32, 64, 100, 128, 256, 512, 1024, 2048]
     assert warm_up_sizes(100) == [16, 32, 64, 100] and warm_up_sizes(40) == [16, 32, 40]
@@ -118,6 +118,10 @@ def test_warm_up_writes_only_the_pad_block(llama):
         assert warm_up(engine._runner, [16, 40], pad, 8) > 0
         assert all(torch.equal(b, k[:pad]) for b, k in zip(before, cache.key))
         assert any(k[pad].abs().sum() > 0 for k in cache.key)
+        # A registered adapter's own ranks (the idle engine thread's warm-up on CUDA): again only the pad block.
+        assert warm_up_adapter_shape(engine._runner, [16, 40], pad, {"q_proj": 4, "v_proj": 8}) > 0
+        assert all(torch.equal(b, k[:pad]) for b, k in zip(before, cache.key))
+        assert engine.pending_warm_ups() == []  # CPU: nothing to compile ahead
     finally:
         llm.close()
 
