@@ -78,6 +78,7 @@ def test_up_right_after_a_sigterm_replaces_the_apiserver(cluster: LocalCluster, 
     os.kill(old, signal.SIGTERM)
     up = subprocess.run([sys.executable, "-P", str(CLUSTER), "up"], capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stderr
+    print("".join(f"[lifecycle] {line}\n" for line in up.stderr.splitlines() if "kube-apiserver" in line))
     assert pid_of(cluster, "kube-apiserver") != old
     assert "Traceback" not in up.stderr
     # The API is back and the pod's status is the kubelet's, whatever was written meanwhile.
