@@ -5,8 +5,10 @@ then times, each row in a fresh offline `LLM` where its engine settings differ: 
 sizes; batches over many adapters (distinct counts, mixed ranks against their mean rank, all-linear, adapters
 registered but unused, a device budget smaller than the adapters in flight, the engine's defaults); prefill
 against the device's matmul rate; transformers with a static cache and torch.compile in a subprocess; the bytes
-floor from the measured copy bandwidth; and `kubelora engine serve` under streaming HTTP clients. It prints the
-report (bench/engine_report.py) and the targets of issue 15, met or missed by how much.
+floor from the measured copy bandwidth; `kubelora engine serve` under streaming HTTP clients; and the base batch
+with `--structured-requests` of its requests constrained by a grammar (a JSON schema, a regex), against the same
+batch unconstrained. It prints the report (bench/engine_report.py) and the targets of issues 15 and 16, met or
+missed by how much.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ _INT_FLAGS = {"prompt_len": "--prompt-len", "output_len": "--output-len", "num_r
               "warmup_tokens": "--warmup-tokens", "batch": "--batch", "num_adapters": "--num-adapters",
               "num_registered": "--num-registered", "rank": "--rank", "budget_adapters": "--budget-adapters",
               "prefill_prompts": "--prefill-prompts", "prefill_len": "--prefill-len",
-              "prefill_adapters": "--prefill-adapters", "matmul_size": "--matmul-size",
+              "prefill_adapters": "--prefill-adapters", "structured_requests": "--structured-requests",
+              "matmul_size": "--matmul-size",
               "profile_steps": "--profile-steps", "seed": "--seed"}
 _LIST_FLAGS = {"base_batches": "--base-batches", "adapter_counts": "--adapter-counts", "mixed_ranks": "--mixed-ranks",
                "hf_batches": "--hf-batches"}
@@ -97,7 +100,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 SMOKE = {"device": "cpu", "shape": "tiny", "num_repeats": 1, "warmup_tokens": 2, "prompt_len": 8, "output_len": 4,
          "base_batches": (1, 4), "batch": 4, "adapter_counts": (2, 4), "num_adapters": 2, "num_registered": 6,
          "mixed_ranks": (8, 24), "budget_adapters": 1, "prefill_prompts": 2, "prefill_len": 16, "prefill_adapters": 2,
-         "matmul_size": 64, "copy_mib": 4, "hf_batches": (1, 4), "profile_steps": 2}
+         "structured_requests": 2, "matmul_size": 64, "copy_mib": 4, "hf_batches": (1, 4), "profile_steps": 2}
 
 
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:

@@ -25,9 +25,10 @@ class Workload:
     prompts: list[list[int]]
     adapters: list[str | None]
     max_tokens: int
+    structured: tuple | None = None  # per request: a StructuredOutput constraining it, or None
 
     def with_max_tokens(self, max_tokens: int) -> Workload:
-        return Workload(self.prompts, self.adapters, max_tokens)
+        return Workload(self.prompts, self.adapters, max_tokens, self.structured)
 
 
 def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -89,18 +90,19 @@ def run_workload(llm, workload: Workload, device: str, is_tracked: bool = False,
     """One pass of the workload through the engine's step loop."""
     from kubelora.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True, structured=spec)
+              for spec in (workload.structured or [None] * len(workload.prompts))]
     llm.capture_graphs()  # as LLM.generate does first
     engine = llm.engine
     order = [f"r{i}-{time.monotonic_ns()}" for i in range(len(workload.prompts))]
-    pending = list(zip(order, workload.prompts, workload.adapters))[::-1]
+    pending = list(zip(order, workload.prompts, workload.adapters, params))[::-1]
     finals, first_seen, decode_ms = {}, set(), []
     stats = RunStats(0.0, 0, None, 0, [])
     sync(device)
     start = time.perf_counter()
     while pending or len(finals) < len(order):
         while pending and engine.has_waiting_room():
-            _add(engine, pending.pop(), params)
+            _add(engine, pending.pop())
         is_decode = not pending and len(first_seen) == len(order)
         if is_decode and profile is not None:
             _profile_step(profile, device)
@@ -127,8 +129,8 @@ def run_workload(llm, workload: Workload, device: str, is_tracked: bool = False,
     return stats
 
 
-def _add(engine, request: tuple, params) -> None:
-    request_id, prompt, adapter = request
+def _add(engine, request: tuple) -> None:
+    request_id, prompt, adapter, params = request
     engine.add_request(request_id, prompt, params, adapter)
 
 

@@ -15,11 +15,11 @@ from kubelora.bench.engine_assets import ATTENTION, MLP, SHAPES, AdapterSpec, Mo
 # the PyTorch reference LoRA backend, and how far its greedy tokens agree with the default backend's) only
 # when named.
 DEFAULT_SCENARIOS = ("base", "adapters", "mixed", "all-linear", "unused", "budget", "defaults", "prefill", "hf",
-                     "floor", "http")
+                     "floor", "http", "structured")
 SCENARIOS = DEFAULT_SCENARIOS + ("torch-backend",)
 # Scenarios whose rows are compared with our base model at the adapter batch size.
 _NEEDS_BASE_BATCH = {"adapters", "mixed", "all-linear", "unused", "budget", "defaults", "floor", "http",
-                     "torch-backend"}
+                     "torch-backend", "structured"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class EngineBenchConfig:
     prefill_prompts: int = 16
     prefill_len: int = 1024
     prefill_adapters: int = 8
+    structured_requests: int = 8  # of the structured row's `batch` requests, constrained by a grammar
     matmul_size: int = 8192
     copy_bytes: int = 2 << 30
     hf_batches: tuple[int, ...] = (1, 64)
@@ -59,12 +60,14 @@ class EngineBenchConfig:
             raise ValueError(f"scenarios must be a non-empty subset of {','.join(SCENARIOS)}, got {unknown or '[]'}")
         for name in ("prompt_len", "output_len", "num_repeats", "warmup_tokens", "batch", "num_adapters",
                      "num_registered", "rank", "budget_adapters", "prefill_prompts", "prefill_len",
-                     "prefill_adapters", "matmul_size", "copy_bytes", "profile_steps"):
+                     "prefill_adapters", "structured_requests", "matmul_size", "copy_bytes", "profile_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("base_batches", "adapter_counts", "mixed_ranks", "hf_batches"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"EngineBenchConfig.{name} must be non-empty integers >= 1, got {getattr(self, name)}")
+        if self.structured_requests > self.batch:
+            raise ValueError(f"structured_requests ({self.structured_requests}) must be <= batch ({self.batch})")
         if max(self.adapter_counts) > self.batch or self.num_adapters > self.batch:
             raise ValueError(f"adapter_counts and num_adapters must be <= batch ({self.batch}): every adapter of a "
                              f"row has a request")

@@ -43,6 +43,19 @@ class EngineRows:
         prompts = random_prompts(batch, self.config.prompt_len, self.result.shape.vocab_size, self.config.seed)
         return Workload(prompts, round_robin(names, batch), self.config.output_len)
 
+    def structured(self) -> Workload:
+        """The base decode workload of `batch` requests, `structured_requests` of them spread over the batch and
+        constrained (half by a JSON schema, half by a regex, neither able to end before output_len tokens)."""
+        from kubelora.bench.structured import constraint_specs
+
+        c = self.config
+        base = self.decode([], c.batch)
+        specs, every = constraint_specs(), c.batch // c.structured_requests
+        constrained = [None] * c.batch
+        for i in range(c.structured_requests):
+            constrained[i * every] = specs[i % len(specs)]
+        return Workload(base.prompts, base.adapters, base.max_tokens, tuple(constrained))
+
     def prefill(self, names: list[str]) -> Workload:
         c = self.config
         prompts = random_prompts(c.prefill_prompts, c.prefill_len, self.result.shape.vocab_size, c.seed + 1)
@@ -129,6 +142,9 @@ class EngineRows:
             if c.has("prefill"):
                 self._row(llm, "prefill-base", f"prefill {c.prefill_prompts} x {c.prefill_len}, base",
                           self.prefill([]))
+            if c.has("structured"):
+                self._row(llm, "structured", f"batch {c.batch}, {c.structured_requests} of them structured "
+                          "(JSON schema, regex)", self.structured())
 
         self._with_engine("base", options, {}, body)
 

@@ -140,6 +140,10 @@ def _serving_targets(result) -> list[Target]:
         out.append(Target("first request after /ready: TTFT against the steady state", f"{ratio:.2f}x "
                           f"({1e3 * extra['cold_ttft_s']:.0f} / {1e3 * extra['steady_ttft_s']:.0f} ms)", "<= 1.20x",
                           _verdict(ratio, 1.2, True)))
+    if "structured" in result.rows:
+        value, spread = _ratio(result, "structured", f"base-b{c.batch}", "tokens_per_s")
+        out.append(Target(f"{c.structured_requests} of {c.batch} requests structured: tokens/s against none (issue 16)",
+                          f"{value:.2f}x" if value else "-", ">= 0.85x", _verdict(value, 0.85, False, spread)))
     if "budget" in result.rows:
         budget, reference = result.rows["budget"], result.rows.get(fit)
         p99 = budget.ttft(99) / reference.ttft(99) if reference and reference.ttft(99) else None

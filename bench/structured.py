@@ -42,11 +42,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_params(num: int, num_constrained: int, max_tokens: int) -> list:
-    from kubelora.engine import SamplingParams
+def constraint_specs() -> list:
+    """The two constraints (a JSON schema, a regex); the engine benchmark's structured row uses them too."""
     from kubelora.engine.structured import StructuredKind, StructuredOutput
 
-    specs = [StructuredOutput.json_schema(SCHEMA), StructuredOutput(StructuredKind.REGEX, REGEX)]
+    return [StructuredOutput.json_schema(SCHEMA), StructuredOutput(StructuredKind.REGEX, REGEX)]
+
+
+def build_params(num: int, num_constrained: int, max_tokens: int) -> list:
+    from kubelora.engine import SamplingParams
+
+    specs = constraint_specs()
     every = num // num_constrained if num_constrained else 0
     params = []
     for i in range(num):

@@ -18,13 +18,15 @@ ROWS = ("base, batch 1", "base, batch 4", "batch 4, 2 adapters r16", "batch 4, 4
         "batch 4, 2 adapters r16 all-linear", "batch 4, 12 adapters registered (10 preloaded), none used",
         "4 requests over 2 adapters, device budget for 1", "4 requests over 2 adapters, EngineConfig's adapter defaults",
         "prefill 2 x 16, base", "prefill 2 x 16, 2 adapters r16", "compiled transformers, batch 1",
-        "compiled transformers, batch 4", "HTTP, 4 streams over 2 adapters")
+        "compiled transformers, batch 4", "HTTP, 4 streams over 2 adapters",
+        "batch 4, 2 of them structured (JSON schema, regex)")
 TARGETS = ("base, batch 1: ms/step against the bytes floor", "base, batch 4: share of the bytes floor bound",
            "batch 1: speed-up over compiled transformers", "batch 4: speed-up over compiled transformers",
            "mixed ranks against a uniform batch", "adapters registered but unused",
            "prefill: model FLOP/s against the measured matmul rate", "prefill with 2 adapters",
            "HTTP tokens/s against the offline engine", "first request after /ready",
-           "budget for 1: TTFT p99", "budget for 1: tokens/s", "defaults: 4 requests over 2 adapters in one batch")
+           "budget for 1: TTFT p99", "budget for 1: tokens/s", "defaults: 4 requests over 2 adapters in one batch",
+           "2 of 4 requests structured: tokens/s against none")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def test_bench_engine_runs_every_scenario_on_cpu(tiny_model: Path, tmp_path: Pat
     for label in ROWS:
         assert f"| {label} |" in text, label
     assert {"base-b1", "base-b4", "lora-a2", "lora-a4", "mixed", "mean-rank", "all-linear", "unused", "budget",
-            "defaults", "prefill-base", "prefill-lora", "hf-b1", "hf-b4", "http"} <= set(data["rows"])
+            "defaults", "prefill-base", "prefill-lora", "hf-b1", "hf-b4", "http", "structured"} <= set(data["rows"])
     for row in data["rows"].values():
         assert len(row["runs"]) == 1 and all(r["num_tokens"] > 0 for r in row["runs"]), row["key"]
     targets = text.split("## Targets")[1]
