@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from itertools import count
@@ -21,12 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubelora.engine.common.errors import InvalidRequest, ModelNotFound, ServiceError, Unavailable
 from kubelora.engine.common.http_errors import error_middleware, to_http
+from kubelora.engine.common.logs import log_event
 from kubelora.engine.router import routing
 from kubelora.engine.router.config import RouterConfig
 from kubelora.engine.router.metrics import RouterMetrics, RouterSnapshot
 from kubelora.engine.router.proxy import InFlight, Unreachable, forward
 from kubelora.engine.router.sources import PlacementSource, PlacementStore
 
+log = logging.getLogger("kubelora.engine.router")
 MAX_BODY_BYTES = 16 << 20  # the engine's own limit: a larger body would be refused there anyway
 RETRY_AFTER_S = "1"
 MAX_PLACEMENT_WAIT_S = 10.0  # GET /placement?wait=: the longest a caller may hold a request open
@@ -41,6 +44,7 @@ class RouterState:
     unreachable: Unreachable = field(default_factory=Unreachable)
     session: aiohttp.ClientSession | None = None
     requests_seen: count = field(default_factory=count)  # rotates ties between idle replicas
+    is_stale: bool = False  # /ready last found the placement past --max-placement-age (logged on each change)
     metrics: RouterMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -152,7 +156,12 @@ async def handle_ready(request: web.Request) -> web.Response:
     placement, age_s, max_age_s = state.store.placement, state.store.age_s(), state.config.max_placement_age
     if placement is None:
         raise Unavailable("the pool's placement is not loaded yet", code="placement_not_loaded")
-    if max_age_s and age_s > max_age_s:
+    is_stale = bool(max_age_s) and age_s > max_age_s
+    if is_stale != state.is_stale:
+        state.is_stale = is_stale
+        log_event(log, "placement_stale" if is_stale else "placement_fresh", logging.WARNING if is_stale else
+                  logging.INFO, revision=placement.revision, age_s=round(age_s, 1), error=state.store.last_error)
+    if is_stale:
         raise Unavailable(f"the placement (revision {placement.revision}) could not be read for {age_s:.0f} s, "
                           f"over --max-placement-age {max_age_s:g} s; last error: {state.store.last_error}",
                           code="placement_stale")

@@ -4,6 +4,7 @@ age in /ready and /metrics, and retries through every replica of a stale view.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 
@@ -75,7 +76,8 @@ async def test_placement_query_errors_are_400(engines, router, query):
     assert error["code"] == "invalid_value" and error["param"] in query
 
 
-async def test_unreadable_placement_ages_and_ready_fails_after_the_max_age(engines, file_router):
+async def test_unreadable_placement_ages_and_ready_fails_after_the_max_age(engines, file_router, caplog):
+    caplog.set_level(logging.INFO, logger="kubelora.engine.router")
     client = await file_router(placement_text(engines, revision=4), poll_interval=0.1, max_placement_age=0.6)
     assert (await client.get("/ready")).status == 200
     client.path.unlink()  # the placement can no longer be read (a lost token mount, RBAC removed)
@@ -87,6 +89,8 @@ async def test_unreadable_placement_ages_and_ready_fails_after_the_max_age(engin
     response = await client.get("/ready")
     error = (await response.json())["error"]
     assert response.status == 503 and error["code"] == "placement_stale" and "revision 4" in error["message"]
+    await client.get("/ready")
+    assert [r.getMessage() for r in caplog.records].count("placement_stale") == 1  # once per change, not per probe
     metrics = await (await client.get("/metrics")).text()
     age = next(float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith("kubelora_router_placement_age_seconds "))
@@ -94,6 +98,7 @@ async def test_unreadable_placement_ages_and_ready_fails_after_the_max_age(engin
     client.path.write_text(placement_text(engines, revision=5))  # readable again: fresh and ready at once
     await _until(lambda: client.app[STATE].store.age_s() < 0.5)
     assert (await client.get("/ready")).status == 200
+    assert "placement_fresh" in [r.getMessage() for r in caplog.records]
     assert (await (await client.get("/placement")).json())["revision"] == 5
 
 
