@@ -127,10 +127,6 @@ def build_engine_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
     }
 
 
-def build_pool_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
-    """The address clients use: the router when enabled, else the engine pods directly."""
-    component = "router" if pool.router.is_enabled else "engine"
-    port = names.ROUTER_PORT if pool.router.is_enabled else names.ENGINE_PORT
 def build_admin_token_secret(pool: PoolSpec, owner: dict[str, Any], token: str) -> Manifest:
     """The pool's engine admin token (when its spec names none): created once with a random `token`, never
     applied again (a new token would lock the running engines out); owned by the pool."""
@@ -173,6 +169,10 @@ def build_network_policy(pool: PoolSpec, owner: dict[str, Any], network: Network
     }
 
 
+def build_pool_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
+    """The address clients use: the router when enabled, else the engine pods directly."""
+    component = "router" if pool.router.is_enabled else "engine"
+    port = names.ROUTER_PORT if pool.router.is_enabled else names.ENGINE_PORT
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": _metadata(pool, pool.name, "pool", owner),
@@ -226,12 +226,12 @@ def build_pool_manifests(pool: PoolSpec, owner: dict[str, Any], images: DefaultI
     Secret (created once, build_admin_token_secret); the NetworkPolicy when `network` is enabled."""
     manifests = [build_engine_deployment(pool, owner, images), build_engine_service(pool, owner),
                  build_pool_service(pool, owner)]
+    if network is not None and network.is_enabled:
+        manifests.append(build_network_policy(pool, owner, network))
     if pool.router.is_enabled:
         manifests += build_router_rbac(pool, owner) + [build_router_deployment(pool, owner, images)]
     return manifests
 
-    if network is not None and network.is_enabled:
-        manifests.append(build_network_policy(pool, owner, network))
 
 def build_router_manifest_keys(pool: PoolSpec) -> list[tuple[str, str]]:
     """(kind, name) of the router objects, deleted when the router is switched off."""

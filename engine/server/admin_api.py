@@ -67,7 +67,6 @@ def load_adapter(serving: Serving, req: LoadAdapterRequest) -> tuple[AdapterInfo
     return info, is_same
 
 
-class AdminRoutes:
 def has_admin_token(request: web.Request, token: str | None) -> bool:
     """The request carries the configured token (constant-time compare); always False when none is configured."""
     if token is None:
@@ -95,19 +94,20 @@ def admin_auth_middleware(token: str | None):
     return middleware
 
 
+class AdminRoutes:
     def __init__(self, get_serving: Callable[[], Serving], admin_token: str | None) -> None:
         self._serving = get_serving
         self._token = admin_token
         self._watch = ModelsWatch()
 
-    def add_to(self, app: web.Application) -> None:
     def add_public_to(self, app: web.Application) -> None:
         """The serving port's share: the model list, always redacted."""
         app.router.add_get("/v1/models", self.public_models)
         app.router.add_get("/v1/models/{model_id:.+}", self.public_model)  # adapter names may hold '/'
 
-        app.router.add_get("/v1/models", self.models)
+    def add_to(self, app: web.Application) -> None:
         """The admin port's routes (behind admin_auth_middleware)."""
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
@@ -123,7 +123,6 @@ def admin_auth_middleware(token: str | None):
                   if not info.is_unloading]
         return cards
 
-    async def models(self, request: web.Request) -> web.Response:
     async def public_models(self, request: web.Request) -> web.Response:
         if request.query.get("changed_since") is not None:
             raise InvalidRequest("waiting for a change ('changed_since') is served on the admin port only",
@@ -133,6 +132,7 @@ def admin_auth_middleware(token: str | None):
     async def public_model(self, request: web.Request) -> web.Response:
         return self._card(self._serving(), request.match_info["model_id"], is_admin=False)
 
+    async def models(self, request: web.Request) -> web.Response:
         """The served models, tagged (`ETag`) by the adapter set; `?changed_since=<tag>[&wait_s=<s>]` waits until
         the set differs from that tag (models_watch.py)."""
         since = request.query.get("changed_since")
@@ -141,7 +141,6 @@ def admin_auth_middleware(token: str | None):
         return self._list(self._serving(), is_admin=self._has_admin_token(request))
 
     async def model(self, request: web.Request) -> web.Response:
-        """`GET /v1/models/{id}`: the base model's or one adapter's card; 404 model_not_found otherwise."""
         return self._card(self._serving(), request.match_info["model_id"], is_admin=self._has_admin_token(request))
 
     def _list(self, serving: Serving, is_admin: bool) -> web.Response:
@@ -149,6 +148,7 @@ def admin_auth_middleware(token: str | None):
                                  headers={"ETag": f'"{adapter_set_tag(serving)}"'})
 
     def _card(self, serving: Serving, model_id: str, is_admin: bool) -> web.Response:
+        """`GET /v1/models/{id}`: the base model's or one adapter's card; 404 model_not_found otherwise."""
         card = next((c for c in self.model_cards(serving, is_admin) if c["id"] == model_id), None)
         if card is None:
             raise ModelNotFound(f"model {model_id!r} does not exist; GET /v1/models lists the served models",

@@ -134,9 +134,9 @@ def _load_startup_adapter(serving: Serving, name: str, path: str) -> None:
 
 
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
-
-
 ADMIN_APP = web.AppKey("admin_app", web.Application)
+
+
 async def health(request: web.Request) -> web.Response:
     lifecycle = request.app[LIFECYCLE]
     serving = lifecycle.serving
@@ -163,9 +163,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(config: ServerConfig, engine_factory: Callable[[EngineConfig], object] = build_engine
               ) -> web.Application:
+    """The serving application; it starts and stops the engine. Its admin application is `app[ADMIN_APP]`."""
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     lifecycle = Lifecycle(config, engine_factory)
-    """The serving application; it starts and stops the engine. Its admin application is `app[ADMIN_APP]`."""
     app[LIFECYCLE] = lifecycle
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -175,14 +175,14 @@ def build_app(config: ServerConfig, engine_factory: Callable[[EngineConfig], obj
     admin_routes.add_public_to(app)
     ExtraRoutes(lifecycle.get_serving).add_to(app)
     app.cleanup_ctx.append(_engine_context)
-    return app
-
     # error_middleware outermost: the token check's 401 gets the same JSON body as every other error.
     admin = web.Application(middlewares=[error_middleware, admin_auth_middleware(config.admin_token)],
                             client_max_size=MAX_BODY_BYTES)
     admin[LIFECYCLE] = lifecycle
     admin_routes.add_to(admin)
     app[ADMIN_APP] = admin
+    return app
+
 
 async def _engine_context(app: web.Application):
     lifecycle = app[LIFECYCLE]

@@ -88,13 +88,13 @@ class ServerConfig:
     lora: tuple[tuple[str, str], ...] = ()
     host: str = "0.0.0.0"
     port: int = 8000
+    admin_port: int = 8001  # the admin endpoints listen here only (docs/server.md, "Two ports")
     admin_token: str | None = field(default=None, repr=False)
     adapter_root: tuple[str, ...] = ()
     adapter_url_host: tuple[str, ...] = ()
     adapter_s3_bucket: tuple[str, ...] = ()
     adapter_s3_endpoint: tuple[str, ...] = ()
     adapter_cache_dir: str = "/tmp/kubelora-adapters"
-    admin_port: int = 8001  # the admin endpoints listen here only (docs/server.md, "Two ports")
     max_adapter_bytes: int = 2 << 30
     adapter_download_timeout: float = 600.0
     log_level: str = "info"
