@@ -3,7 +3,8 @@
 Pods have their own IPs on the cluster's bridge, so MinIO listens on every host address and pods reach it at the
 bridge address, as they reach the HTTP adapter server. A LoRAAdapter naming an archive object and a Secret with
 the key pair becomes Ready and answers as the same adapter from a path does; one applied before its object
-exists retries (LoadRetrying) and becomes Ready once the object is uploaded; wrong keys are Failed for good.
+exists retries (LoadRetrying) and becomes Ready once the object is uploaded; wrong keys are Failed for good;
+malformed s3 sources are refused at admission.
 """
 from __future__ import annotations
 
@@ -77,6 +78,15 @@ def test_s3_adapters_become_ready_retry_until_uploaded_and_fail_on_wrong_keys(op
                               ("wrong-keys", "a1.tar.gz", "s3-wrong")):
         env.cluster.apply(S3_ADAPTER.format(name=name, url=f"s3://{BUCKET}/{key}", secret=secret,
                                             endpoint=minio.endpoint), namespace=env.namespace)
+
+    # The API server's admission (the CRD schema and its CEL rules) refuses malformed s3 sources outright.
+    for source, expected in (('{url: "s3://Bad_Bucket/a.tar.gz"}', "spec.source.url"),
+                             ('{path: /adapters/a, s3: {region: eu-west-1}}', "source.s3 is for s3:// urls only"),
+                             ('{url: "s3://b-1/a", s3: {endpoint: "ftp://m:9000"}}', "spec.source.s3.endpoint")):
+        manifest = f"apiVersion: kubelora.io/v1alpha1\nkind: LoRAAdapter\nmetadata: {{name: bad}}\n" \
+                   f"spec: {{pool: pool1, source: {source}}}\n"
+        result = env.cluster.kubectl("apply", "-n", env.namespace, "-f", "-", stdin=manifest, check=False)
+        assert result.returncode != 0 and expected in result.stderr, (source, result.stderr)
 
     ready = wait_phase(env, "from-s3", "Ready", timeout_s=150)
     assert ready["status"]["readyReplicas"] == 1
