@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,11 +29,30 @@ EVERYWHERE, DELETED = "pirate", "legal"
 
 
 _STARTED = time.monotonic()
+_CURRENT_STEP = ["preparing"]  # the step a failure is reported against
+OPERATOR_PODS = "app.kubernetes.io/component=operator"
 
 
 def _step(message: str) -> None:
     """A step of the demo, with the seconds since the demo started (where a cached demo spends its time)."""
+    _CURRENT_STEP[0] = message
     print(f"== [{time.monotonic() - _STARTED:5.1f} s] {message}", flush=True)
+
+
+def _report_failure(error: Exception, kubectl: Kubectl | None) -> None:
+    """One readable account of a failed step instead of a traceback: the step, the error, and where to look
+    (the pods, the operator's last log lines, the control plane's own logs)."""
+    out = sys.stderr
+    print(f"== the demo failed while {_CURRENT_STEP[0]!r}:\n{error}", file=out)
+    if kubectl is not None:
+        print("== pods (e2e/kubectl get pods -A -o wide):", file=out)
+        print(kubectl("get", "pods", "-A", "-o", "wide", check=False).rstrip(), file=out)
+        logs = kubectl("logs", "-n", "kubelora-system", "-l", OPERATOR_PODS, "--tail=20", "--prefix", check=False)
+        if logs.strip():
+            print("== the operator's last log lines:", file=out)
+            print(logs.rstrip(), file=out)
+    print("== the control plane's component logs: the logs/ folder of the state directory `e2e/cluster status` "
+          "names (docs/cluster.md)", file=out, flush=True)
 
 
 def _run(*command: str, env: dict | None = None, check: bool = True, timeout: float = 900) -> str:
@@ -103,16 +123,19 @@ def _ready_pod_ip(kubectl: Kubectl, component: str) -> str | None:
     return None
 
 
-def _cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(REPO / "e2e" / "cluster"), *args], capture_output=True, text=True, timeout=1800)
+def _cluster(*args: str, check: bool = True, show_progress: bool = False) -> subprocess.CompletedProcess:
+    """e2e/cluster; show_progress: its stderr (build progress, a failure's component and log) goes to ours."""
+    result = subprocess.run([str(REPO / "e2e" / "cluster"), *args], stdout=subprocess.PIPE,
+                            stderr=None if show_progress else subprocess.PIPE, text=True, timeout=1800)
     if check and result.returncode != 0:
-        raise RuntimeError(f"e2e/cluster {' '.join(args)} failed ({result.returncode}): {result.stderr[-2000:]}")
+        said = "" if show_progress else f": {result.stderr[-2000:]}"
+        raise RuntimeError(f"e2e/cluster {' '.join(args)} failed ({result.returncode}){said}")
     return result
 
 
 def _bring_up_cluster() -> Kubectl:
     _step("starting the local Kubernetes control plane (built from the official sources on first use)")
-    kubeconfig = _cluster("up").stdout.strip().splitlines()[-1]
+    kubeconfig = _cluster("up", show_progress=True).stdout.strip().splitlines()[-1]
     return Kubectl(kubeconfig)
 
 
@@ -129,7 +152,12 @@ def _clean_up(kubectl: Kubectl, helm: str | None) -> None:
 
 
 def _build_helm() -> str:
-    return _run(str(REPO / "e2e" / "helm" / "build.sh")).strip().splitlines()[-1]
+    """The helm binary's path (its build's progress and failures print to our stderr)."""
+    result = subprocess.run([str(REPO / "e2e" / "helm" / "build.sh")], stdout=subprocess.PIPE, text=True,
+                            timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"e2e/helm/build.sh failed ({result.returncode}); its output is above")
+    return result.stdout.strip().splitlines()[-1]
 
 
 def _install_chart(kubectl: Kubectl, helm: str) -> None:
@@ -192,16 +220,31 @@ def run_cluster_demo(workdir: Path, keep: bool) -> int:
           f"({', '.join(name for name, *_ in DEMO_ADAPTERS)}) in {workdir}")
     build_demo_material(workdir)
     was_running = _cluster("status", check=False).returncode == 0
-    helm = _build_helm()
-    kubectl = _bring_up_cluster()
+    try:
+        _step("building helm from the Go module proxy (first use only)")
+        helm = _build_helm()
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        _report_failure(exc, None)
+        return 1
+    try:
+        kubectl = _bring_up_cluster()
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        _report_failure(exc, None)
+        if not was_running and not keep:
+            _cluster("down", check=False)
+        return 1
     try:
         _install_chart(kubectl, helm)
         _apply_pool_and_adapters(kubectl, workdir)
+        _step("waiting for a ready router pod")
         router_ip = _wait("a ready router pod", lambda: _ready_pod_ip(kubectl, "router"))
         same, total = _call_through_router(router_ip)
         _show_unload(kubectl, router_ip)
         print(f"== {same} of {total} answers equal transformers+PEFT's")
         status = 0 if same == total else 1
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        _report_failure(exc, kubectl)
+        status = 1
     finally:
         if keep:
             _step(f"left running: KUBECONFIG={kubectl.env['KUBECONFIG']} e2e/kubectl get pods -A -o wide")

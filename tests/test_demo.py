@@ -94,3 +94,24 @@ def test_a_cached_demo_copies_the_artifacts_without_training(tmp_path, monkeypat
     for path in adapters.values():
         assert (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file()
     assert oct((model / "model.safetensors").stat().st_mode & 0o777) == "0o644"  # the pods' uid reads it
+
+
+def test_a_failed_cluster_step_is_reported_not_raised(tmp_path, monkeypatch, capsys):
+    """A step that fails (here: helm's build) ends the cluster demo with exit code 1 and one account naming the
+    step and the error, not a traceback; the cluster is left as it was found."""
+    from kubelora.cli import demo_cluster
+
+    calls = []
+    monkeypatch.setattr(demo_cluster, "build_demo_material", lambda workdir: None)
+    monkeypatch.setattr(demo_cluster, "_cluster",
+                        lambda *args, **kwargs: calls.append(args) or subprocess.CompletedProcess(args, 1, "", ""))
+
+    def broken_helm():
+        raise RuntimeError("e2e/helm/build.sh failed (1); its output is above")
+
+    monkeypatch.setattr(demo_cluster, "_build_helm", broken_helm)
+    assert demo_cluster.run_cluster_demo(tmp_path, keep=False) == 1
+    err = capsys.readouterr().err
+    assert "the demo failed while 'building helm from the Go module proxy (first use only)'" in err
+    assert "e2e/helm/build.sh failed (1)" in err and "Traceback" not in err
+    assert calls == [("status",)], "nothing started, so nothing to stop"

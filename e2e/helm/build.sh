@@ -20,11 +20,19 @@ stamp="-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 stamp+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
 started=$(date +%s)
 tmp="$bin_dir.tmp.$$"
+log="$(dirname "$bin_dir")/build.log"
 rm -rf "$tmp" && mkdir -p "$tmp"
-trap 'rm -rf "$tmp"' EXIT
+echo "building helm $HELM_VERSION from the Go module proxy (about a minute on 2 cores; log: $log)" >&2
+# Progress while the build runs: a line every 30 s.
+( while sleep 30; do echo "  helm: still building, $(( $(date +%s) - started )) s" >&2; done ) &
+ticker=$!
+trap 'kill "$ticker" 2>/dev/null; rm -rf "$tmp"' EXIT
 cd "$here"
-go build -trimpath -ldflags "-s -w $stamp" -o "$tmp/" tool
-mkdir -p "$(dirname "$bin_dir")"
+if ! go build -trimpath -ldflags "-s -w $stamp" -o "$tmp/" tool >"$log" 2>&1; then
+  echo "helm $HELM_VERSION: the build failed after $(( $(date +%s) - started )) s; the end of $log:" >&2
+  tail -n 20 "$log" >&2
+  exit 1
+fi
 rm -rf "$bin_dir" && mv "$tmp" "$bin_dir"
 echo "helm $HELM_VERSION built in $(( $(date +%s) - started ))s into $bin_dir" >&2
 echo "$bin_dir/helm"
