@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -80,6 +81,21 @@ class HealthProbe:
         return max(self.latencies)
 
 
+def assert_health_holds(url: str, action: Callable[[], None], attempts: int = 2) -> None:
+    """`action` with /health polled beside it; the slowest answer under MAX_HEALTH_S in one of `attempts` runs.
+
+    A stall the server causes (work on its event loop) comes back every run. On the 2 shared cores of CI a whole
+    suite has once descheduled the server's thread past the bound for one probe (0.11 and 0.17 s, the other
+    probes under 0.06 s): a second run tells such a hiccup from the server's own stall."""
+    for _ in range(attempts):
+        with HealthProbe(url) as probe:
+            action()
+        if probe.worst_s < MAX_HEALTH_S:
+            return
+    raise AssertionError(f"/health slower than {MAX_HEALTH_S} s in {attempts} runs; the last run's slowest: "
+                         f"{sorted(probe.latencies)[-5:]}")
+
+
 def _big_bodies(model: str) -> dict[str, bytes]:
     text = "hello world " * (BIG_BYTES // 12)
     return {
@@ -100,13 +116,16 @@ def test_huge_prompt_refused_while_health_answers(live_server, kind):
     body = _big_bodies(base)[kind]
     assert len(body) > 14 << 20
     path = "/v1/chat/completions" if kind.startswith("chat") else "/v1/completions"
-    with HealthProbe(server.url) as probe, ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda _: _post(server.url + path, body), range(3)))  # three at once
-    for status, answer, seconds in results:
-        # Text is refused by its length in characters, before tokenizing.
-        assert status == 413 and answer["error"]["type"] == "prompt_too_long", answer
-        assert "characters" in answer["error"]["message"] and seconds < 5
-    assert probe.worst_s < MAX_HEALTH_S, sorted(probe.latencies)[-5:]
+
+    def three_at_once() -> None:
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda _: _post(server.url + path, body), range(3)))
+        for status, answer, seconds in results:
+            # Text is refused by its length in characters, before tokenizing.
+            assert status == 413 and answer["error"]["type"] == "prompt_too_long", answer
+            assert "characters" in answer["error"]["message"] and seconds < 5
+
+    assert_health_holds(server.url, three_at_once)
     ok = server.client().completions.create(model=base, prompt="Hello", max_tokens=2)
     assert ok.usage.completion_tokens == 2
 
@@ -147,7 +166,9 @@ def test_prompt_under_the_bound_is_tokenized_off_the_loop(live_server):
     server = live_server()
     max_chars = server.serving.prompts.max_chars
     body = json.dumps({"model": server.serving.model_name, "prompt": "x" * max_chars}).encode()
-    with HealthProbe(server.url) as probe:
+
+    def one() -> None:
         status, answer, _ = _post(server.url + "/v1/completions", body)
-    assert status == 413 and "tokens" in answer["error"]["message"], answer
-    assert probe.worst_s < MAX_HEALTH_S
+        assert status == 413 and "tokens" in answer["error"]["message"], answer
+
+    assert_health_holds(server.url, one)
