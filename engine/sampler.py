@@ -75,8 +75,7 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> SampledStep:
         return SampledStep(logits.argmax(dim=-1), None, batch)
     if batch.is_greedy_grammar_only:  # the argmax of every row, then of the grammar rows' masked logits
         tokens = logits.argmax(dim=-1)
-        allowed = unpack_bitmask(batch.grammar_bitmask, logits.shape[1])
-        tokens[batch.grammar_rows] = logits[batch.grammar_rows].masked_fill_(~allowed, float("-inf")).argmax(dim=-1)
+        tokens[batch.grammar_rows] = _grammar_masked(logits, batch)[0].argmax(dim=-1)
         return SampledStep(tokens, None, batch)
     processed = process_logits(logits, batch)
     tokens = processed.argmax(dim=-1)
@@ -115,13 +114,19 @@ def apply_grammar(out: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch)
     bad words, min_tokens' EOS ban) left none of those, the grammar alone decides: a row with no token left
     would make the draw fail, and any token outside the grammar breaks the output."""
     rows = batch.grammar_rows
-    allowed = unpack_bitmask(batch.grammar_bitmask, out.shape[1])  # [num_grammar_rows, vocab] bool
-    masked = out[rows].masked_fill_(~allowed, float("-inf"))  # out[rows] is a copy: in place is safe
+    masked, allowed = _grammar_masked(out, batch)
     if batch.has_grammar_conflict:  # known on the host: the common step pays no check
         is_dead = masked.amax(dim=1, keepdim=True) == float("-inf")
         masked = torch.where(is_dead, logits[rows].masked_fill(~allowed, float("-inf")), masked)
     out[rows] = masked
     return out
+
+
+def _grammar_masked(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the grammar rows of logits with every token their matcher forbids at -inf, the allowed mask
+    [num_grammar_rows, vocab] bool); logits is left as it is (indexing the rows copies them)."""
+    allowed = unpack_bitmask(batch.grammar_bitmask, logits.shape[1])
+    return logits[batch.grammar_rows].masked_fill_(~allowed, float("-inf")), allowed
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
