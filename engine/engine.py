@@ -42,7 +42,7 @@ from kubelora.engine.sequence import Sequence, SequenceStatus
 from kubelora.engine.structured.compiler import GrammarCompiler
 from kubelora.engine.structured.matcher import Advance, advance, new_matcher
 from kubelora.engine import setup
-from kubelora.engine.warmup import warm_up, warm_up_adapter_shape, warm_up_sizes
+from kubelora.engine.warmup import warm_up, warm_up_adapter_shape, warm_up_requests, warm_up_sizes
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,9 @@ class LLMEngine:
         self._num_steps = 0
         self._is_async = setup.uses_async_scheduling(config)
         self._inflight: LaunchedStep | None = None  # launched, its sampled ids not read yet (engine thread only)
+        if self.device.type == "cuda":  # the step loop's own kernels load before the first request, not during it
+            log.info("warmed up the step loop in %.2f s", warm_up_requests(self))
+            self._num_steps, self._last_batch = 0, (0, 0, 0)
 
     # ---- wiring ----
 

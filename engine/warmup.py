@@ -4,6 +4,12 @@ Triton compiles a kernel the first time it sees a set of constexprs (tile height
 sizes); the first requests would otherwise wait for those compiles. Each warm-up step is one sequence of n
 tokens on the pad block (the KV block no sequence owns), with and without one LoRA slot whose scale is 0 over
 pool rows 0..max_lora_rank (the pool is zeros at start-up, and 0 x finite adds nothing either way).
+
+`warm_up_requests` then runs a few requests through the engine's own step loop: the host side of a step (input
+packing, the last-token gather, the sampling stage's greedy and sampled paths, penalties, logprobs,
+detokenizing) launches PyTorch kernels that the forward alone never runs, and CUDA loads each kernel's module on
+its first launch (lazy loading): on an H200 the first request paid about 25 ms for those (index and argmax
+kernels) before this ran.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from kubelora.engine.model.attention import prepare_prefill_attention
 from kubelora.engine.model.config import LORA_MODULES
 from kubelora.engine.model.llama import ForwardContext
 from kubelora.engine.runner import ModelRunner
+from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,31 @@ def _run_sizes(runner: ModelRunner, sizes: list[int], pad_block: int, shapes: li
                 model.compute_logits(model.forward(token_ids, ctx)[-1:])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+WARM_UP_PROMPT_LEN = 20
+# Alone first (a greedy-only step takes its own shortcut), then the sampled paths together in one batch.
+WARM_UP_REQUESTS = (
+    (SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),),
+    (SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+     SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
+     SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=0, presence_penalty=0.1,
+                    frequency_penalty=0.1, repetition_penalty=1.1, logit_bias=((1, 1.0),), ignore_eos=True,
+                    logprobs=2, prompt_logprobs=1)),
+)
+
+
+def warm_up_requests(engine) -> float:
+    """Run WARM_UP_REQUESTS through `engine`'s add_request / step loop (before it serves anything); seconds."""
+    started = time.perf_counter()
+    vocab = engine.model_config.vocab_size
+    prompt = [(7 * i + 3) % vocab for i in range(WARM_UP_PROMPT_LEN)]
+    for group in WARM_UP_REQUESTS:
+        for i, params in enumerate(group):
+            engine.add_request(f"kubelora-warm-up-{len(group)}-{i}", prompt, params)
+        while engine.has_unfinished():
+            engine.step()
     return time.perf_counter() - started
 
 

@@ -5,11 +5,14 @@ projection (fused qkv, o, fused gate_up, down) computes its base output and then
 once for the whole batch with the step's shared metadata. The residual stream is carried beside the hidden
 state so that each residual add is fused with the RMSNorm after it; on CUDA the small ops (residual add +
 RMSNorm, SiLU x mul, rotary with the KV-cache write) are one Triton launch each (kernels/fused.py), elsewhere
-their PyTorch references, which compute what transformers computes.
+their PyTorch references, which compute what transformers computes. On CUDA a step of one
+token (decode at batch 1) runs its projections as weight-streaming Triton GEMVs (kernels/gemv.py) instead of
+cuBLAS; `KUBELORA_GEMV=0` keeps cuBLAS.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +22,11 @@ from kubelora.engine.model.attention import AttentionMetadata, KVCache, paged_at
 from kubelora.engine.model.config import ModelConfig
 from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
-from kubelora.kernels import fused
+from kubelora.kernels import fused, gemv
 from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
+
+
+GEMV_ENV = "KUBELORA_GEMV"
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class DecoderModel:
         self.scale = config.head_dim**-0.5
         self.windows = set(config.sliding_windows)
         self.is_fused = weights.embed.is_cuda  # Triton small ops (kernels/fused.py) on CUDA
+        # Triton GEMVs for one-token steps (kernels/gemv.py), on CUDA unless KUBELORA_GEMV=0
+        self.is_gemv = self.is_fused and os.environ.get(GEMV_ENV, "1") != "0"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,7 +139,10 @@ class DecoderModel:
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
         weights = self.weights.layers[layer]
-        y = F.linear(x, weights.weight[kind], weights.bias[kind])
+        if self.is_gemv and x.shape[0] == 1:
+            y = gemv.linear(x, weights.weight[kind], weights.bias[kind])
+        else:
+            y = F.linear(x, weights.weight[kind], weights.bias[kind])
         if ctx.lora is not None:
             buffers = self.lora_buffers[layer]
             add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], ctx.lora.proj[kind], ctx.lora.step,

@@ -189,3 +189,21 @@ def test_graphs_captured_ahead_stay_beside_the_lru(llama, monkeypatch):
         assert not decoder.has_graph(1, LoRAKey(("o",), 32, 1)) and decoder.has_graph(1, LoRAKey(("o",), 64, 1))
     finally:
         llm.close()
+
+
+def test_warm_up_requests_leave_the_engine_as_new(llama, prompt_ids):
+    """The step-loop warm-up (CUDA start-up) finishes its requests, frees their blocks and changes no output."""
+    from kubelora.engine.warmup import WARM_UP_REQUESTS, warm_up_requests
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(llama.model_dir, max_loras=2, max_lora_rank=8, max_num_seqs=4)
+    try:
+        engine = llm.engine
+        before = [o.token_ids for o in llm.generate([prompt_ids(0, 12), prompt_ids(1, 30)], params)]
+        free = engine._blocks.num_free
+        assert warm_up_requests(engine) > 0
+        assert not engine.has_unfinished() and engine._blocks.num_free == free
+        assert engine._scheduler.get(f"kubelora-warm-up-{len(WARM_UP_REQUESTS[-1])}-0") is None
+        assert [o.token_ids for o in llm.generate([prompt_ids(0, 12), prompt_ids(1, 30)], params)] == before
+    finally:
+        llm.close()
