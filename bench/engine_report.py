@@ -160,11 +160,14 @@ def floor_table(result: BenchResult) -> list[str]:
 
 
 def engines_table(result: BenchResult) -> list[str]:
-    lines = ["| engine | settings | start-up s | adapters registered (load s) | beyond weights+KV+pool GiB | "
+    lines = ["| engine | settings | start-up s (its phases) | adapters registered (load s) | beyond weights+KV+pool GiB | "
              "allocated after close GiB |", "|---|---|---|---|---|---|"]
     for key, info in result.engines.items():
         extra, left = info.get("extra_device_bytes"), info.get("left_allocated_bytes")
-        lines.append(f"| {key} | `{json.dumps(info['options'])}` | {info['startup_s']:.1f} | "
+        phases = ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}"
+                           for name, seconds in info.get("startup_phases_s", {}).items())
+        startup = f"{info['startup_s']:.1f}" + (f" ({phases})" if phases else "")
+        lines.append(f"| {key} | `{json.dumps(info['options'])}` | {startup} | "
                      f"{info.get('num_adapters_registered', 0)} ({info.get('adapter_load_s', 0):.1f}) | "
                      f"{_gib(extra)} | {_gib(left)} |")
     return lines

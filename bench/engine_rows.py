@@ -100,7 +100,8 @@ class EngineRows:
             common["max_num_batched_tokens"] = c.max_num_batched_tokens
         start = time.perf_counter()
         llm = LLM(self.model_dir, **common, **options)
-        info = {"options": options, "startup_s": time.perf_counter() - start, **self._memory(llm)}
+        info = {"options": options, "startup_s": time.perf_counter() - start,
+                "startup_phases_s": dict(getattr(llm.engine, "startup_seconds", {})), **self._memory(llm)}
         self.result.engines[key] = info
         try:
             start = time.perf_counter()

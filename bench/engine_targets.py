@@ -167,10 +167,16 @@ def _startup_targets(result) -> list[Target]:
     if not info or "extra_device_bytes" not in info:
         return []
     extra, startup = info["extra_device_bytes"], info["startup_s"]
-    capture = ("met (start-up, weights included, is within it)" if startup <= 30 else
-               "not separated: start-up includes loading the weights")
+    seconds = info.get("startup_phases_s", {}).get("capture")
     if result.config.is_eager:
-        capture = "not measured: --enforce-eager captures no graphs"
-    return [Target("graph capture time (the base engine's whole start-up)", f"{startup:.1f} s", "<= 30 s", capture),
+        capture = Target("graph capture time", "-", "<= 30 s", "not measured: --enforce-eager captures no graphs")
+    elif seconds is None:  # an engine that does not time its phases: the whole start-up bounds it
+        capture = Target("graph capture time (the base engine's whole start-up)", f"{startup:.1f} s", "<= 30 s",
+                         "met (start-up, weights included, is within it)" if startup <= 30 else
+                         "not separated: start-up includes loading the weights")
+    else:
+        capture = Target("graph capture time (the base engine's decode graphs)",
+                         f"{seconds:.1f} s (whole start-up {startup:.1f} s)", "<= 30 s", _verdict(seconds, 30.0, True))
+    return [capture,
             Target("device memory beyond weights, KV cache and adapter pool after start-up", f"{extra / GIB:.2f} GiB",
                    "<= 3 GiB", _verdict(extra / GIB, 3.0, True))]

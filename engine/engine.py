@@ -66,7 +66,11 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         torch.manual_seed(config.seed)
+        # Seconds of each start-up phase (the log has them too): weights, warm_up, capture, warm_up_requests.
+        self.startup_seconds: dict[str, float] = {}
+        started = time.perf_counter()
         weights = _to_device(load_weights(config.model_dir, self.model_config, self.dtype), self.device)
+        self.startup_seconds["weights"] = time.perf_counter() - started
         pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype, self.device),
                               self.dtype, self.device)
         self.adapters = AdapterManager(self._adapter_config(), self.model_config, pool, self._adapter_limits(pool))
@@ -87,7 +91,8 @@ class LLMEngine:
         self._is_async = setup.uses_async_scheduling(config)
         self._inflight: LaunchedStep | None = None  # launched, its sampled ids not read yet (engine thread only)
         if self.device.type == "cuda":  # the step loop's own kernels load before the first request, not during it
-            log.info("warmed up the step loop in %.2f s", warm_up_requests(self))
+            self.startup_seconds["warm_up_requests"] = warm_up_requests(self)
+            log.info("warmed up the step loop in %.2f s", self.startup_seconds["warm_up_requests"])
             self._num_steps, self._last_batch = 0, (0, 0, 0)
 
     # ---- wiring ----
@@ -118,9 +123,11 @@ class LLMEngine:
             seconds = warm_up(runner, warm_up_sizes(self.config.max_num_batched_tokens), self.num_kv_blocks,
                               self.config.max_lora_rank)
             log.info("warmed up the eager forward in %.1f s", seconds)
+            self.startup_seconds["warm_up"] = seconds
         if setup.uses_static_decode(self.config):
             runner.decoder = setup.build_static_decoder(self.config, model, self.max_model_len, self.num_kv_blocks,
                                                         lora_backend)
+            self.startup_seconds["capture"] = runner.decoder.capture_seconds
         return runner
 
     def _scheduler_config(self) -> SchedulerConfig:

@@ -55,6 +55,7 @@ def test_bench_engine_runs_every_scenario_on_cpu(tiny_model: Path, tmp_path: Pat
     assert data["rows"]["http"]["runs"][0]["num_tokens"] == 4 * 4
     assert data["rows"]["base-b4"]["profile"]["num_steps"] >= 1
     assert "## Profile" in text and "## Bytes floor" in text and "## Prefill" in text
+    assert data["engines"]["base"]["startup_phases_s"]["weights"] > 0 and "(weights " in text  # phases timed
 
 
 def test_bench_adapters_have_peft_keys_and_shapes(tiny_model: Path, tmp_path: Path):
