@@ -160,7 +160,8 @@ def floor_table(result: BenchResult) -> list[str]:
 
 
 def engines_table(result: BenchResult) -> list[str]:
-    lines = ["| engine | settings | start-up s (its phases) | adapters registered (load s) | beyond weights+KV+pool GiB | "
+    lines = ["| engine | settings | start-up s (its phases) | adapters registered (load s) | "
+             "beyond weights+KV+pool GiB | "
              "allocated after close GiB |", "|---|---|---|---|---|---|"]
     for key, info in result.engines.items():
         extra, left = info.get("extra_device_bytes"), info.get("left_allocated_bytes")

@@ -150,3 +150,21 @@ def test_engine_image_serves_a_tiny_model_on_the_cpu(store: ImageStore, tmp_path
                 assert json.load(response)["usage"]["completion_tokens"] == 4
         except urllib.error.HTTPError as error:
             pytest.fail(f"{error}: {error.read()[:500]!r}; {(tmp_path / 'log').read_text()[-3000:]}")
+
+
+def test_engine_image_carries_what_a_gpu_node_needs(store: ImageStore, tmp_path: Path) -> None:
+    """The GPU half of "one image for GPU and CPU nodes", short of a GPU: torch is a CUDA build, its CUDA libraries
+    (cuBLAS, cuDNN) load, Triton and the C compiler its launcher builds with are there. On a GPU node the NVIDIA
+    container toolkit adds only the driver (docs/chart.md)."""
+    probe = ("import ctypes, glob, json, os, shutil, torch, triton, nvidia; "
+             "root = list(nvidia.__path__)[0]; "
+             "lib = sorted(glob.glob(os.path.join(root, '**', 'libcublas.so*'), recursive=True))[0]; "
+             "ctypes.CDLL(lib); "
+             "print(json.dumps({'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version(), "
+             "'triton': triton.__version__, 'cc': shutil.which('cc') or shutil.which('gcc'), "
+             "'gpu': torch.cuda.is_available()}))")
+    with container(image(store, "kubelora-engine"), ["python3", "-c", probe], tmp_path, security={}) as process:
+        assert process.wait(timeout=120) == 0, (tmp_path / "log").read_text()[-3000:]
+    found = json.loads((tmp_path / "log").read_text().strip().splitlines()[-1])
+    assert found["cuda"] and found["cudnn"] and found["triton"] and found["cc"], found
+    assert found["gpu"] is False  # this machine has none: the same image serves the CPU path above
