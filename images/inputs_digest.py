@@ -3,8 +3,9 @@ built from.
 
 Whole image: the build context as .dockerignore admits it (the `!` entries, less __pycache__ and *.pyc), the
 Dockerfile and the base image's id; images/build.sh skips an image whose archive was built from the same digest.
-`--deps`: the deps stage only: the Dockerfile up to its next stage, the files that stage copies
-(pyproject.toml, constraints.txt) and the base image's id. build.sh tags the deps stage with it, so a code
+`--deps`: the deps stage only: the Dockerfile's instructions up to its next stage (comment and blank lines left
+out, as the builder leaves them out; the Dockerfiles use no heredocs, where `#` lines would be content), the files
+that stage copies (pyproject.toml, constraints.txt) and the base image's id. build.sh tags the deps stage with it, so a code
 change finds it cached and rebuilds only the project's layer.
 """
 import hashlib
@@ -14,6 +15,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEPS_FILES = ("pyproject.toml", "constraints.txt")
+DIRECTIVE = re.compile(r"#\s*(syntax|escape|check)\s*=", re.I)
 
 
 def context_files() -> list[Path]:
@@ -34,6 +36,13 @@ def deps_stage(dockerfile: str) -> str:
     return dockerfile[:match.end()]
 
 
+def instructions(dockerfile: str) -> str:
+    """The Dockerfile without comment and blank lines (parser directives such as `# syntax=` kept)."""
+    kept = [line for line in dockerfile.splitlines()
+            if line.strip() and (not line.lstrip().startswith("#") or DIRECTIVE.match(line))]
+    return "\n".join(kept)
+
+
 def image_digest(name: str, base_id: str) -> str:
     digest = hashlib.sha256(base_id.encode())
     for path in [REPO / "images" / name / "Dockerfile", *context_files()]:
@@ -43,7 +52,7 @@ def image_digest(name: str, base_id: str) -> str:
 
 def deps_digest(name: str, base_id: str) -> str:
     digest = hashlib.sha256(base_id.encode())
-    digest.update(deps_stage((REPO / "images" / name / "Dockerfile").read_text()).encode() + b"\0")
+    digest.update(instructions(deps_stage((REPO / "images" / name / "Dockerfile").read_text())).encode() + b"\0")
     for path in DEPS_FILES:
         digest.update(path.encode() + b"\0" + (REPO / path).read_bytes() + b"\0")
     return digest.hexdigest()

@@ -99,6 +99,18 @@ def test_a_code_change_rebuilds_the_image_but_not_its_deps_stage(repo_copy, name
     assert _digests(name)[1] == deps
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_comment_in_the_deps_stage_keeps_it_cached(repo_copy, name):
+    _, deps = _digests(name)
+    path = repo_copy / "images" / name / "Dockerfile"
+    path.write_text(path.read_text().replace("AS deps\n", "AS deps\n# why this stage exists\n\n   # indented\n"))
+    assert _digests(name)[1] == deps
+    path.write_text(path.read_text().replace("# why this stage exists", "ENV WHY=1"))
+    assert _digests(name)[1] != deps
+    assert inputs_digest.instructions("# syntax=docker/dockerfile:1\n# note\nFROM x") == \
+        "# syntax=docker/dockerfile:1\nFROM x"
+
+
 @pytest.mark.parametrize("change", ["constraints.txt", "pyproject.toml", "deps stage", "base"])
 def test_the_deps_stage_is_rebuilt_when_its_inputs_change(repo_copy, change):
     name = "kubelora-engine"
