@@ -7,6 +7,7 @@ default (docs/operator.md): an admin token from a Secret, and a NetworkPolicy on
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -85,8 +86,15 @@ def build_engine_container(pool: PoolSpec, images: DefaultImages = DefaultImages
     return container
 
 
-def build_engine_deployment(pool: PoolSpec, owner: dict[str, Any],
-                            images: DefaultImages = DefaultImages()) -> Manifest:
+def admin_token_digest(token: str | None) -> str | None:
+    """What the engine pod template records of the admin token: 16 hex digits of its SHA-256 (None: no token)."""
+    return None if token is None else hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def build_engine_deployment(pool: PoolSpec, owner: dict[str, Any], images: DefaultImages = DefaultImages(),
+                            token_digest: str | None = None) -> Manifest:
+    """token_digest (`admin_token_digest`): recorded on the pod template, so a new or rotated token in the admin
+    Secret rolls the pods, which read it into their environment only at start."""
     container = build_engine_container(pool, images)
     volumes, mounts = [], []
     for name, volume in (("model", pool.model_volume), ("adapters", pool.adapter_volume)):
@@ -104,6 +112,9 @@ def build_engine_deployment(pool: PoolSpec, owner: dict[str, Any],
         pod_spec["nodeSelector"] = pool.node_selector
     if pool.tolerations:
         pod_spec["tolerations"] = list(pool.tolerations)
+    annotations = {names.ANNOTATION_POOL_SPEC: pool.fingerprint}
+    if token_digest is not None:
+        annotations[names.ANNOTATION_ADMIN_TOKEN] = token_digest
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _metadata(pool, names.engine_name(pool.name), "engine", owner),
@@ -111,7 +122,7 @@ def build_engine_deployment(pool: PoolSpec, owner: dict[str, Any],
             "replicas": pool.replicas,
             "selector": {"matchLabels": selector},
             "template": {"metadata": {"labels": {**pool.pod_labels, **names.pool_labels(pool.name, "engine")},
-                                      "annotations": {names.ANNOTATION_POOL_SPEC: pool.fingerprint}},
+                                      "annotations": annotations},
                          "spec": pod_spec},
         },
     }
@@ -128,8 +139,9 @@ def build_engine_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
 
 
 def build_admin_token_secret(pool: PoolSpec, owner: dict[str, Any], token: str) -> Manifest:
-    """The pool's engine admin token (when its spec names none): created once with a random `token`, never
-    applied again (a new token would lock the running engines out); owned by the pool."""
+    """The pool's engine admin token (when its spec names none), owned by the pool: created with a random `token`
+    when missing (at the pool's creation, or after someone deleted it: then the engine Deployment's token digest
+    changes and its pods roll onto the new token), never overwritten."""
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": _metadata(pool, names.admin_token_secret_name(pool.name), "engine", owner),
@@ -221,10 +233,12 @@ def build_router_deployment(pool: PoolSpec, owner: dict[str, Any],
 
 
 def build_pool_manifests(pool: PoolSpec, owner: dict[str, Any], images: DefaultImages = DefaultImages(),
-                         network: NetworkPolicySettings | None = None) -> list[Manifest]:
+                         network: NetworkPolicySettings | None = None, admin_token: str | None = None) -> list[Manifest]:
     """Everything a pool owns except the placement ConfigMap (written by the reconcile) and the admin token
-    Secret (created once, build_admin_token_secret); the NetworkPolicy when `network` is enabled."""
-    manifests = [build_engine_deployment(pool, owner, images), build_engine_service(pool, owner),
+    Secret (created when missing, build_admin_token_secret); the NetworkPolicy when `network` is enabled.
+    admin_token: the token the engines are to read (its digest goes on their pod template)."""
+    manifests = [build_engine_deployment(pool, owner, images, admin_token_digest(admin_token)),
+                 build_engine_service(pool, owner),
                  build_pool_service(pool, owner)]
     if network is not None and network.is_enabled:
         manifests.append(build_network_policy(pool, owner, network))

@@ -73,7 +73,9 @@ async def on_pool_spec(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     try:
         if pool.is_admin_token_managed:  # before the Deployment: its pods take the token from this Secret
             await runtime.kube.create(build_admin_token_secret(pool, owner, secrets.token_urlsafe(32)))
-        for manifest in build_pool_manifests(pool, owner, runtime.settings.images, network):
+        token = None if pool.admin_token is None else await runtime.kube.read_secret_key(
+            pool.namespace, pool.admin_token.name, pool.admin_token.key)  # its digest goes on the pod template
+        for manifest in build_pool_manifests(pool, owner, runtime.settings.images, network, token):
             await runtime.kube.apply(manifest)
         if not network.is_enabled:
             await runtime.kube.delete("NetworkPolicy", pool.namespace, names.network_policy_name(pool.name))
@@ -100,7 +102,8 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
                       logger: logging.Logger, **_: Any) -> None:
     runtime: Runtime = memo.runtime
     reconciler = PoolReconciler(runtime.kube, runtime.engine_session, runtime.settings, namespace, name,
-                                on_released=lambda adapters: runtime.mark_released(namespace, name, adapters))
+                                on_released=lambda adapters: runtime.mark_released(namespace, name, adapters),
+                                take_heal_request=lambda: runtime.take_heal_request(namespace, name))
     wake = runtime.trigger_for(namespace, name)
     watchers = PodWatchers(lambda token: EngineClient(runtime.engine_session, token, runtime.settings.engine_timeout_s),
                            lambda: runtime.trigger(namespace, name))
@@ -231,6 +234,27 @@ async def _pool_admin_token(runtime: Runtime, namespace: str, pool_name: str) ->
     ref = (pool.get("spec") or {}).get("adminTokenSecretRef") or {"name": names.admin_token_secret_name(pool_name),
                                                                   "key": names.ADMIN_TOKEN_KEY}
     return await runtime.kube.read_secret_key(namespace, ref["name"], ref.get("key", "token"))
+
+
+# ---- objects a pool owns ----
+
+OWNED_KINDS = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "serviceaccounts"),
+               ("", "v1", "configmaps"), ("rbac.authorization.k8s.io", "v1", "roles"),
+               ("rbac.authorization.k8s.io", "v1", "rolebindings"), ("networking.k8s.io", "v1", "networkpolicies"))
+
+
+async def on_owned_event(event: dict, labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """A pool's Deployment, Service, ServiceAccount, Role, RoleBinding, ConfigMap or NetworkPolicy was deleted: its
+    next pass, now, re-applies what the pool owns (a pool being deleted has no daemon left to ask, or its pass
+    sees the deletion and stops). The admin token Secret is not watched (that needs list/watch on every Secret of
+    the namespace): the next pass that finds it missing creates a new one (PoolReconciler._admin_token)."""
+    pool = labels.get(names.LABEL_POOL)
+    if event.get("type") == "DELETED" and pool:
+        memo.runtime.request_heal(namespace, pool)
+
+
+for _group, _version, _plural in OWNED_KINDS:
+    kopf.on.event(_group, _version, _plural, labels={names.LABEL_MANAGED_BY: names.MANAGED_BY})(on_owned_event)
 
 
 # ---- engine pods ----

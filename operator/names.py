@@ -21,6 +21,8 @@ MANAGED_BY = "kubelora-operator"
 # On engine pods: the digest of the pool spec they were made from (specs.pool_fingerprint). A refusal by a pod
 # made from an older spec is not permanent: a rollout is replacing that pod.
 ANNOTATION_POOL_SPEC = "kubelora.io/pool-spec"
+# On the engine pod template: a digest of the admin token the pods read at start; a new token rolls them.
+ANNOTATION_ADMIN_TOKEN = "kubelora.io/admin-token-digest"
 # On LoRAAdapters, set by users: a new value retries a Failed adapter once and cuts short a transient backoff.
 ANNOTATION_RETRY = "kubelora.io/retry"
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 
 from kubelora.operator import names
-from kubelora.operator.builders import build_owner_reference, build_placement_configmap, build_pool_manifests
+from kubelora.operator.builders import (build_admin_token_secret, build_owner_reference, build_placement_configmap,
+                                        build_pool_manifests)
 from kubelora.operator.conditions import build_status_patch
 from kubelora.operator.decide import CallResult, Event, PassPlan, PoolView, StoredPlacement, plan_pass, record_result
 from kubelora.operator.engine_client import EngineClient, EngineError
@@ -40,16 +42,21 @@ STATUS_WRITES_IN_FLIGHT = 8  # adapter status patches per pool at once (hundreds
 
 class PoolReconciler:
     def __init__(self, kube: Kube, session: aiohttp.ClientSession, settings: OperatorSettings,
-                 namespace: str, name: str, on_released: Callable[[frozenset[str]], None] | None = None) -> None:
-        """on_released: told after each pass which adapters being deleted no observed pod holds any more."""
+                 namespace: str, name: str, on_released: Callable[[frozenset[str]], None] | None = None,
+                 take_heal_request: Callable[[], bool] | None = None) -> None:
+        """on_released: told after each pass which adapters being deleted no observed pod holds any more.
+        take_heal_request: True once after an object the pool owns was deleted (handlers.py watches them): the
+        next pass re-applies them without waiting for the resync."""
         self._kube, self._session, self._settings = kube, session, settings
         self.namespace, self.name = namespace, name
         self._on_released = on_released
+        self._take_heal_request = take_heal_request or (lambda: False)
         self._memory = ReconcileMemory()
         # What the last pass observed, for the pod watchers (watch.py): ready pods that answered, the admin token.
         self.observed_urls: dict[str, str] = {}
         self.admin_token: str | None = None
         self._healed_at = time.monotonic()  # on_pool_spec applied them just now (create, update or resume)
+        self._is_token_new = False  # the managed admin token Secret was recreated: re-apply (roll the engines)
         self.next_pass_s: float | None = None  # the last pass asks for the next this soon (a router lags)
 
     async def reconcile(self) -> None:
@@ -74,16 +81,21 @@ class PoolReconciler:
             self._on_released(report.released)
         await self._patch_adapters(view.bodies, report)
         await self._patch_pool(body, report.pool_status)
-        if time.monotonic() - self._healed_at >= self._settings.resync_s:
+        is_heal_due = self._take_heal_request() or self._is_token_new
+        if is_heal_due or time.monotonic() - self._healed_at >= self._settings.resync_s:
             await self._heal_owned(pool, body)
 
     async def _heal_owned(self, pool: PoolSpec, body: dict) -> None:
         """Re-apply what the pool owns, once per resync: a Deployment, Service, ServiceAccount, Role, RoleBinding
         or placement ConfigMap someone deleted (or edited) comes back within one resync. Server-side apply of
-        unchanged objects writes nothing, and needs no RBAC beyond what creating them does (no list/watch)."""
+        unchanged objects writes nothing. Deletions of those objects also trigger it at once (the watches in
+        handlers.py). The engine Deployment carries the admin token's digest: a recreated or rotated token rolls
+        its pods."""
         self._healed_at = time.monotonic()
+        self._is_token_new = False
         owner = build_owner_reference(body)
-        for manifest in build_pool_manifests(pool, owner, self._settings.images, self._settings.network_policy):
+        for manifest in build_pool_manifests(pool, owner, self._settings.images, self._settings.network_policy,
+                                             self.admin_token):
             await self._kube.apply(manifest)
         published = self._memory.published
         if published is not None and published.payload:  # "" right after a restart: the next change writes it
@@ -96,7 +108,7 @@ class PoolReconciler:
         bodies = {a["metadata"]["name"]: a for a in await self._kube.list_custom(names.ADAPTER_PLURAL, self.namespace)
                   if (a.get("spec") or {}).get("pool") == self.name}
         tokens = await self._source_tokens(bodies.values())
-        self.admin_token = await self._admin_token(pool)
+        self.admin_token = await self._admin_token(pool, body)
         client = EngineClient(self._session, self.admin_token, self._settings.engine_timeout_s)
         observation = await observe_pool(self._kube, client, self.namespace, self.name)
         stored = None
@@ -124,10 +136,17 @@ class PoolReconciler:
         data = await self._kube.read_secret_data(self.namespace, secret)
         return None if data is None else S3Access.from_secret_data(data)
 
-    async def _admin_token(self, pool: PoolSpec) -> str | None:
+    async def _admin_token(self, pool: PoolSpec, body: dict) -> str | None:
         if pool.admin_token is None:
             return None
         token = await self._kube.read_secret_key(self.namespace, pool.admin_token.name, pool.admin_token.key)
+        if token is None and pool.is_admin_token_managed:  # deleted: a new one, and the engines roll onto it
+            await self._kube.create(build_admin_token_secret(pool, build_owner_reference(body),
+                                                             secrets.token_urlsafe(32)))
+            token = await self._kube.read_secret_key(self.namespace, pool.admin_token.name, pool.admin_token.key)
+            self._is_token_new = token is not None
+            log.info("pool %s/%s: admin token Secret %s was missing: created a new one", self.namespace, self.name,
+                     pool.admin_token.name)
         if token is None:
             log.warning("pool %s/%s: admin token Secret %s (key %s) not found", self.namespace, self.name,
                         pool.admin_token.name, pool.admin_token.key)

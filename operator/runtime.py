@@ -21,6 +21,8 @@ class Runtime:
     triggers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     # (namespace, pool, adapter) -> set once a reconcile pass left no observed pod holding the deleted adapter
     releases: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
+    # pools one of whose owned objects was deleted: their next pass re-applies them (take_heal_request)
+    heal_requests: set[tuple[str, str]] = field(default_factory=set)
 
     def trigger_for(self, namespace: str, pool: str) -> asyncio.Event:
         return self.triggers.setdefault((namespace, pool), asyncio.Event())
@@ -31,11 +33,25 @@ class Runtime:
         if event is not None:
             event.set()
 
+    def request_heal(self, namespace: str, pool: str) -> None:
+        """An object the pool owns went away: re-apply what it owns in a pass now, not at the next resync."""
+        if self.has_pool(namespace, pool):
+            self.heal_requests.add((namespace, pool))
+            self.trigger(namespace, pool)
+
+    def take_heal_request(self, namespace: str, pool: str) -> bool:
+        """True once per request_heal (the pass that reads it heals)."""
+        if (namespace, pool) in self.heal_requests:
+            self.heal_requests.discard((namespace, pool))
+            return True
+        return False
+
     def has_pool(self, namespace: str, pool: str) -> bool:
         return (namespace, pool) in self.triggers
 
     def forget(self, namespace: str, pool: str) -> None:
         self.triggers.pop((namespace, pool), None)
+        self.heal_requests.discard((namespace, pool))
         for key in [k for k in self.releases if k[:2] == (namespace, pool)]:
             self.releases.pop(key).set()  # no daemon will unload them: deletion goes on
 

@@ -78,7 +78,8 @@ def test_install_runs_the_operator_and_uninstall_cleans_up(cluster, helm):
         assert not _can(cluster, namespace, name, "update", "secrets", namespace)
         assert not _can(cluster, namespace, name, "get", "secrets", "default")  # Secrets only where it watches
         assert _can(cluster, namespace, name, "create", "networkpolicies.networking.k8s.io", namespace)
-        assert not _can(cluster, namespace, name, "list", "configmaps", namespace)
+        assert _can(cluster, namespace, name, "watch", "configmaps", namespace)  # owned objects healed on delete
+        assert not _can(cluster, namespace, name, "watch", "secrets", namespace)
         assert not _can(cluster, namespace, name, "create", "deployments", "default")  # not a watched namespace
         assert not _can(cluster, namespace, name, "create", "pods", namespace)
 

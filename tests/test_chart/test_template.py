@@ -76,14 +76,15 @@ POOL_RULES = {
     ("kubelora.io", "loraadapters"): {"get", "list", "watch", "patch"},
     ("kubelora.io", "lorapools/status"): {"get", "patch"}, ("kubelora.io", "loraadapters/status"): {"get", "patch"},
     ("kubelora.io", "lorapools/finalizers"): {"update"}, ("kubelora.io", "loraadapters/finalizers"): {"update"},
-    **{key: {"get", "create", "update", "patch", "delete"} for key in (
+    # The owned objects: list and watch for the watches that re-apply one as soon as it is deleted.
+    **{key: {"get", "list", "watch", "create", "update", "patch", "delete"} for key in (
         ("apps", "deployments"), ("", "services"), ("", "serviceaccounts"), ("", "configmaps"),
         ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings"))},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"}, ("events.k8s.io", "events"): {"create", "patch"},
     # The pool's admin token Secret is created once; Secrets are never listed, watched, updated or deleted.
     ("", "secrets"): {"get", "create"},
-    ("networking.k8s.io", "networkpolicies"): {"create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},
 }
 
 
@@ -94,7 +95,7 @@ def test_rbac_is_least_privilege(render):
         "get", "list", "watch", "patch"}
     assert pools[("kubelora.io", "lorapools/status")] == {"get", "patch"}
     assert pools[("kubelora.io", "lorapools/finalizers")] == {"update"}
-    owned = {"get", "create", "update", "patch", "delete"}
+    owned = {"get", "list", "watch", "create", "update", "patch", "delete"}
     for key in (("apps", "deployments"), ("", "services"), ("", "serviceaccounts"),
                 ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings")):
         assert pools[key] == owned, key

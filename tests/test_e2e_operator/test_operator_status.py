@@ -5,7 +5,9 @@
 - `kubectl wait --for=condition=Ready` works on both kinds, and the kstatus reading of sigs.k8s.io/cli-utils
   (the Go reader Flux uses, built through the Go module proxy) is Current;
 - a spec.rank the files contradict is Failed (RankMismatch), Stalled, and not served;
-- an engine refusal stays Failed until the annotation kubelora.io/retry asks for one more try.
+- an engine refusal stays Failed until the annotation kubelora.io/retry asks for one more try;
+- owned objects deleted come back (within a resync; within 5 s through the watches), and a rotated admin token
+  rolls the engine pods onto it.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import pytest
 
 from pytest_cluster import wait_for
 
-from .test_operator_lifecycle import POOL, admin_call, ready_engine_pods, served_adapters
+from .test_operator_lifecycle import ADMIN_PORT, POOL, admin_call, ready_engine_pods, refused_status, served_adapters
 
 ADAPTER = """
 apiVersion: kubelora.io/v1alpha1
@@ -194,3 +196,35 @@ def test_status_tells_the_truth(operator_env, material, adapter_server, late_dir
     wait_for("a1 repaired", lambda: served_adapters(ip).get("a1", {}).get("residency") in ("host", "device"),
              timeout_s=30, interval_s=0.1)
     assert time.monotonic() - started < 5
+
+    # With the resync at 300 s, deleted owned objects come back through the operator's watches, within 5 s.
+    owned = [("service", "pool1-engine"), ("configmap", "pool1-placement")]
+    uids = {(kind, name): get(env, kind, name)["metadata"]["uid"] for kind, name in owned}
+    env.cluster.kubectl("delete", "-n", env.namespace, *(f"{kind}/{name}" for kind, name in owned))
+    started = time.monotonic()
+    wait_for("owned objects recreated by the watches", lambda: all(
+        env.cluster.kubectl("get", "-n", env.namespace, f"{kind}/{name}", "-o", "jsonpath={.metadata.uid}",
+                            check=False).stdout.strip() not in ("", uids[(kind, name)]) for kind, name in owned),
+             timeout_s=30, interval_s=0.2)
+    assert time.monotonic() - started < 5
+
+    # A rotated admin token rolls the engine pods onto it: the Deployment's pod template carries the token's
+    # digest, re-applied by the next pass (the engines read the token only at start).
+    def digest() -> str | None:
+        template = get(env, "deployment", "pool1-engine")["spec"]["template"]["metadata"]
+        return (template.get("annotations") or {}).get("kubelora.io/admin-token-digest")
+
+    before, old_pods = digest(), set(ready_engine_pods(env))
+    assert before == hashlib.sha256(b"e2e-admin-token").hexdigest()[:16]
+    env.cluster.kubectl("patch", "secret", "engine-admin", "-n", env.namespace, "-p",
+                        json.dumps({"stringData": {"token": "e2e-rotated-token"}}))
+    env.cluster.kubectl("delete", "-n", env.namespace, "configmap/pool1-placement")  # a pass, through the watch
+    wait_for("the new token's digest on the pod template", lambda: digest() not in (None, before), timeout_s=30)
+    assert digest() == hashlib.sha256(b"e2e-rotated-token").hexdigest()[:16]
+    wait_for("engine pods rolled", lambda: ready_engine_pods(env) and not set(ready_engine_pods(env)) & old_pods,
+             timeout_s=180)
+    [new_ip] = ready_engine_pods(env).values()
+    wait_for("a1 loaded by the operator with the new token",
+             lambda: served_adapters(new_ip).get("a1", {}).get("residency") in ("host", "device"), timeout_s=90)
+    assert refused_status(f"http://{new_ip}:{ADMIN_PORT}/v1/unload_lora_adapter", {"lora_name": "a1"},
+                          token="e2e-admin-token") == 401

@@ -34,6 +34,9 @@ class FakeKube:
     async def list_pods(self, namespace, selector):
         return self.pods
 
+    async def read_secret_key(self, namespace, name, key):
+        return next((m["stringData"][key] for kind, n, m in self.created if kind == "Secret" and n == name), None)
+
     async def get_custom(self, plural, namespace, name):
         return None
 
@@ -165,3 +168,19 @@ async def test_adapter_of_a_missing_pool_is_pending(runtime_for):
     (plural, name, status), = kube.statuses
     assert (plural, name, status["phase"]) == ("loraadapters", "a", "Pending")
     assert status["conditions"][-1]["reason"] == "PoolNotFound"
+
+
+async def test_a_deleted_owned_object_asks_its_pool_for_a_heal(runtime_for):
+    runtime = runtime_for(FakeKube())
+    memo = kopf.Memo(runtime=runtime)
+    labels = {"kubelora.io/pool": "p", "app.kubernetes.io/managed-by": "kubelora-operator"}
+    await handlers.on_owned_event(event={"type": "DELETED"}, labels=labels, namespace="ns", memo=memo)
+    assert not runtime.take_heal_request("ns", "p")  # no daemon for the pool (yet, or any more): nothing to ask
+    wake = runtime.trigger_for("ns", "p")
+    for kind in ("ADDED", "MODIFIED", None):  # kopf's listing and our own applies: no heal
+        await handlers.on_owned_event(event={"type": kind}, labels=labels, namespace="ns", memo=memo)
+    assert not wake.is_set() and not runtime.take_heal_request("ns", "p")
+    await handlers.on_owned_event(event={"type": "DELETED"}, labels=labels, namespace="ns", memo=memo)
+    assert wake.is_set() and runtime.take_heal_request("ns", "p") and not runtime.take_heal_request("ns", "p")
+    assert {plural for _, _, plural in handlers.OWNED_KINDS} == {
+        "deployments", "services", "serviceaccounts", "configmaps", "roles", "rolebindings", "networkpolicies"}

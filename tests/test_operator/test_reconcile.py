@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kubelora.operator import names
 from kubelora.operator import observe as observe_module
+from kubelora.operator.builders import admin_token_digest
 from kubelora.operator.plan import DesiredAdapter
 from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.settings import OperatorSettings
@@ -70,6 +71,7 @@ class FakeKube:
         self.applied: dict[str, dict] = {}
         self.events: list[tuple[str, str, str]] = []
         self.secrets: dict[tuple[str, str], str] = {}  # (name, key) -> value
+        self.deployments: list[dict] = []  # every Deployment applied, in order
 
     async def get_custom(self, plural, namespace, name):
         found = self.objects.get((plural, name))
@@ -86,6 +88,17 @@ class FakeKube:
 
     async def apply(self, manifest):
         self.applied[manifest["metadata"]["name"]] = manifest
+        if manifest["kind"] == "Deployment":
+            self.deployments.append(manifest)
+
+    async def create(self, manifest):
+        """Only Secrets are created by the reconcile (the pool's admin token); False when it exists."""
+        assert manifest["kind"] == "Secret", manifest["kind"]
+        name = manifest["metadata"]["name"]
+        if any(secret == name for secret, _ in self.secrets):
+            return False
+        self.secrets.update({(name, key): value for key, value in manifest["stringData"].items()})
+        return True
 
     async def patch_status(self, plural, namespace, name, status):
         if (plural, name) in self.objects:
@@ -337,6 +350,40 @@ async def test_hundreds_of_adapters_converge_in_one_run_then_cost_no_calls(world
     calls = sum(len(e.calls) for e in engines.values())
     await reconciler.reconcile()
     assert sum(len(e.calls) for e in engines.values()) == calls
+
+
+def _token_digest(deployment: dict) -> str | None:
+    return deployment["spec"]["template"]["metadata"]["annotations"].get(names.ANNOTATION_ADMIN_TOKEN)
+
+
+async def test_a_deleted_admin_token_secret_is_recreated_and_rolls_the_engines(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    await reconciler.reconcile()  # this fake starts without the Secret (on_pool_spec creates it): made here
+    first = kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)]
+    assert reconciler.admin_token == first and _token_digest(kube.deployments[-1]) == admin_token_digest(first)
+    await reconciler.reconcile()
+    applied = len(kube.deployments)
+    assert reconciler.admin_token == first and len(kube.deployments) == applied  # nothing new within the resync
+    kube.secrets.clear()  # someone deleted it
+    await reconciler.reconcile()
+    second = kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)]
+    assert second != first and reconciler.admin_token == second
+    assert _token_digest(kube.deployments[-1]) == admin_token_digest(second) != admin_token_digest(first)
+
+
+async def test_a_heal_request_reapplies_before_the_resync(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    await reconciler.reconcile()
+    requests = [True]
+    reconciler._take_heal_request = lambda: bool(requests) and requests.pop()
+    kube.applied.clear()
+    await reconciler.reconcile()
+    assert {"p-engine", "p", "p-placement"} <= set(kube.applied)  # a watch saw one deleted: all re-applied
+    kube.applied.clear()
+    await reconciler.reconcile()
+    assert kube.applied == {}  # the request was taken once
 
 
 async def test_owned_objects_are_reapplied_once_per_resync(world):
