@@ -92,12 +92,18 @@ WARM_UP_REQUESTS = (
 
 
 def warm_up_requests(engine) -> float:
-    """Run WARM_UP_REQUESTS through `engine`'s add_request / step loop (before it serves anything); seconds."""
+    """Run WARM_UP_REQUESTS through `engine`'s add_request / step loop (before it serves anything); seconds.
+    The prompt is shortened to fit max_model_len, and a request waits for queue room (max_waiting)."""
     started = time.perf_counter()
     vocab = engine.model_config.vocab_size
-    prompt = [(7 * i + 3) % vocab for i in range(WARM_UP_PROMPT_LEN)]
+    length = min(WARM_UP_PROMPT_LEN, engine.max_model_len - 1)
+    if length < 1:
+        return 0.0
+    prompt = [(7 * i + 3) % vocab for i in range(length)]
     for group in WARM_UP_REQUESTS:
         for i, params in enumerate(group):
+            while not engine.has_waiting_room():
+                engine.step()
             engine.add_request(f"kubelora-warm-up-{len(group)}-{i}", prompt, params)
         while engine.has_unfinished():
             engine.step()

@@ -207,3 +207,8 @@ def test_warm_up_requests_leave_the_engine_as_new(llama, prompt_ids):
         assert [o.token_ids for o in llm.generate([prompt_ids(0, 12), prompt_ids(1, 30)], params)] == before
     finally:
         llm.close()
+    small = LLM(llama.model_dir, max_model_len=8, max_waiting=1, max_num_seqs=1)  # a short prompt, one at a time
+    try:
+        assert warm_up_requests(small.engine) > 0 and not small.engine.has_unfinished()
+    finally:
+        small.close()
