@@ -108,7 +108,10 @@ class PoolReconciler:
         bodies = {a["metadata"]["name"]: a for a in await self._kube.list_custom(names.ADAPTER_PLURAL, self.namespace)
                   if (a.get("spec") or {}).get("pool") == self.name}
         tokens = await self._source_tokens(bodies.values())
-        self.admin_token = await self._admin_token(pool, body)
+        token = await self._admin_token(pool, body)
+        if token is not None and self.admin_token is not None and token != self.admin_token:
+            self._is_token_new = True  # rotated: this pass re-applies the Deployment, whose pods roll onto it
+        self.admin_token = token
         client = EngineClient(self._session, self.admin_token, self._settings.engine_timeout_s)
         observation = await observe_pool(self._kube, client, self.namespace, self.name)
         stored = None

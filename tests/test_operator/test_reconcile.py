@@ -370,6 +370,9 @@ async def test_a_deleted_admin_token_secret_is_recreated_and_rolls_the_engines(w
     second = kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)]
     assert second != first and reconciler.admin_token == second
     assert _token_digest(kube.deployments[-1]) == admin_token_digest(second) != admin_token_digest(first)
+    kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)] = "rotated-by-hand"
+    await reconciler.reconcile()  # a rotated value: the same pass re-applies, not the resync
+    assert _token_digest(kube.deployments[-1]) == admin_token_digest("rotated-by-hand")
 
 
 async def test_a_heal_request_reapplies_before_the_resync(world):
