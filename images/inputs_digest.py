@@ -5,8 +5,8 @@ Whole image: the build context as .dockerignore admits it (the `!` entries, less
 Dockerfile and the base image's id; images/build.sh skips an image whose archive was built from the same digest.
 `--deps`: the deps stage only: the Dockerfile's instructions up to its next stage (comment and blank lines left
 out, as the builder leaves them out; the Dockerfiles use no heredocs, where `#` lines would be content), the files
-that stage copies (pyproject.toml, constraints.txt) and the base image's id. build.sh tags the deps stage with it, so a code
-change finds it cached and rebuilds only the project's layer.
+that stage copies (pyproject.toml, constraints.txt) and the base image's id. build.sh tags the deps stage with it,
+so a code change finds it cached and rebuilds only the project's layer.
 """
 import hashlib
 import re

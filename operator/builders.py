@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from typing import Any
 
 from kubelora.operator import names
@@ -86,6 +87,9 @@ def build_engine_container(pool: PoolSpec, images: DefaultImages = DefaultImages
     return container
 
 
+ADMIN_TOKEN_BYTES = 32  # a generated admin token's randomness (secrets.token_urlsafe)
+
+
 def admin_token_digest(token: str | None) -> str | None:
     """What the engine pod template records of the admin token: 16 hex digits of its SHA-256 (None: no token)."""
     return None if token is None else hashlib.sha256(token.encode()).hexdigest()[:16]
@@ -138,10 +142,11 @@ def build_engine_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
     }
 
 
-def build_admin_token_secret(pool: PoolSpec, owner: dict[str, Any], token: str) -> Manifest:
-    """The pool's engine admin token (when its spec names none), owned by the pool: created with a random `token`
-    when missing (at the pool's creation, or after someone deleted it: then the engine Deployment's token digest
-    changes and its pods roll onto the new token), never overwritten."""
+def build_admin_token_secret(pool: PoolSpec, owner: dict[str, Any], token: str | None = None) -> Manifest:
+    """The pool's engine admin token (when its spec names none), owned by the pool: created when missing (at the
+    pool's creation, or after someone deleted it: then the engine Deployment's token digest changes and its pods
+    roll onto the new token), never overwritten. token: ADMIN_TOKEN_BYTES random bytes unless given (tests)."""
+    token = secrets.token_urlsafe(ADMIN_TOKEN_BYTES) if token is None else token
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": _metadata(pool, names.admin_token_secret_name(pool.name), "engine", owner),
@@ -233,7 +238,8 @@ def build_router_deployment(pool: PoolSpec, owner: dict[str, Any],
 
 
 def build_pool_manifests(pool: PoolSpec, owner: dict[str, Any], images: DefaultImages = DefaultImages(),
-                         network: NetworkPolicySettings | None = None, admin_token: str | None = None) -> list[Manifest]:
+                         network: NetworkPolicySettings | None = None,
+                         admin_token: str | None = None) -> list[Manifest]:
     """Everything a pool owns except the placement ConfigMap (written by the reconcile) and the admin token
     Secret (created when missing, build_admin_token_secret); the NetworkPolicy when `network` is enabled.
     admin_token: the token the engines are to read (its digest goes on their pod template)."""

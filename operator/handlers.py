@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from typing import Any
 
 import aiohttp
@@ -72,7 +71,7 @@ async def on_pool_spec(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     network = runtime.settings.network_policy
     try:
         if pool.is_admin_token_managed:  # before the Deployment: its pods take the token from this Secret
-            await runtime.kube.create(build_admin_token_secret(pool, owner, secrets.token_urlsafe(32)))
+            await runtime.kube.create(build_admin_token_secret(pool, owner))
         token = None if pool.admin_token is None else await runtime.kube.read_secret_key(
             pool.namespace, pool.admin_token.name, pool.admin_token.key)  # its digest goes on the pod template
         for manifest in build_pool_manifests(pool, owner, runtime.settings.images, network, token):

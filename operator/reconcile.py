@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -56,7 +55,7 @@ class PoolReconciler:
         self.observed_urls: dict[str, str] = {}
         self.admin_token: str | None = None
         self._healed_at = time.monotonic()  # on_pool_spec applied them just now (create, update or resume)
-        self._is_token_new = False  # the managed admin token Secret was recreated: re-apply (roll the engines)
+        self._is_token_new = False  # the admin token was recreated or rotated: re-apply now (the engines roll)
         self.next_pass_s: float | None = None  # the last pass asks for the next this soon (a router lags)
 
     async def reconcile(self) -> None:
@@ -144,8 +143,7 @@ class PoolReconciler:
             return None
         token = await self._kube.read_secret_key(self.namespace, pool.admin_token.name, pool.admin_token.key)
         if token is None and pool.is_admin_token_managed:  # deleted: a new one, and the engines roll onto it
-            await self._kube.create(build_admin_token_secret(pool, build_owner_reference(body),
-                                                             secrets.token_urlsafe(32)))
+            await self._kube.create(build_admin_token_secret(pool, build_owner_reference(body)))
             token = await self._kube.read_secret_key(self.namespace, pool.admin_token.name, pool.admin_token.key)
             self._is_token_new = token is not None
             log.info("pool %s/%s: admin token Secret %s was missing: created a new one", self.namespace, self.name,
