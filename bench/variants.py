@@ -71,14 +71,6 @@ PATH_VARIANTS = {
     "n256 w8": ({}, _auto(block_n=256, expand_warps=8)),
     # k256: 256-wide in_dim steps in the tensor-core shrink
     "k256": ({}, _auto(block_k=256)),
-    # one: shrink and expand in one launch on GEMV-shrink steps (kernels/lora_one_launch.py); wN: N warps for all its
-    # programs, nN: N columns per expand item, plain: not launched early
-    "one": ({}, _auto(is_one_launch=True)),
-    "one w8": ({}, _auto(is_one_launch=True, gemv_warps=8)),
-    "one n256": ({}, _auto(is_one_launch=True, block_n=256)),
-    "one n256 w8": ({}, _auto(is_one_launch=True, block_n=256, gemv_warps=8)),
-    "one plain": ({}, _auto(is_one_launch=True, is_early_shrink=False)),
-    "red": ({}, _auto(is_red_y=True)),
 }
 PDL_VARIANTS = {label for label in PATH_VARIANTS if "pdl" in label}  # only with --pdl
 

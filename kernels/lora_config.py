@@ -62,9 +62,6 @@ class KernelConfig:
     # expand: add the delta into y with atomic adds (done in L2, one per element: deterministic) instead of loading y
     # and storing the sum
     is_red_y: bool = False
-    # shrink and expand in one launch (kernels/lora_one_launch.py) on steps that take the GEMV shrink; all its
-    # programs have gemv_warps warps
-    is_one_launch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_k", "block_n", "gemv_k", "shrink_lanes"):

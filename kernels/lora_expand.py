@@ -87,25 +87,6 @@ def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank
     return acc
 
 
-# How an expand work item waits for its shrink rows (`expand_item`'s WAIT): not at all (a launch after the shrink's),
-# for the whole shrink grid (programmatic dependent launch), or for its (tile, slice) counter to reach the number of
-# shrink work items that write those rows (the one-launch kernel, kernels/lora_one_launch.py).
-WAIT_NONE: tl.constexpr = tl.constexpr(0)
-WAIT_GRID: tl.constexpr = tl.constexpr(1)
-WAIT_COUNTER: tl.constexpr = tl.constexpr(2)
-
-
-@triton.jit
-def _wait_for_t(ready_ptr, ready_target, WAIT: tl.constexpr):
-    if WAIT == WAIT_GRID:
-        gdc_wait()
-    if WAIT == WAIT_COUNTER:
-        # An atomic read (acquire) until the shrink items of this (tile, slice) have all released their rows.
-        seen = tl.atomic_add(ready_ptr, 0, sem="acquire")
-        while seen < ready_target:
-            seen = tl.atomic_add(ready_ptr, 0, sem="acquire")
-
-
 @triton.jit
 def _expand_kernel(
     y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
@@ -115,28 +96,7 @@ def _expand_kernel(
     SLOT_TILES: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
     PRECISION: tl.constexpr, STACK: tl.constexpr, RED_Y: tl.constexpr,
 ):
-    # Program (column block of one slice, tile of tokens of one slot): one `expand_item`.
-    expand_item(y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
-                col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-                y_stride, lanes, tl.program_id(0), tl.program_id(1), tiles_ptr, 0,
-                NUM_S, BLOCK_M, BLOCK_N, BLOCK_R, SLOT_TILES, B_FIRST, WAIT_GRID if USE_PDL else WAIT_NONE,
-                PRECISION, STACK, RED_Y)
-
-
-@triton.jit
-def expand_item(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
-    col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
-    y_stride, lanes, pid_n, tile, ready_ptr, ready_target,
-    NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_TILES: tl.constexpr, B_FIRST: tl.constexpr, WAIT: tl.constexpr,
-    PRECISION: tl.constexpr, STACK: tl.constexpr, RED_Y: tl.constexpr,
-):
-    """Work item (column block pid_n of one slice, tile of tokens of one slot); which slice: by the column block.
-
-    WAIT: how it waits for t (WAIT_NONE, WAIT_GRID, WAIT_COUNTER on ready_ptr[tile * NUM_S + slice] reaching
-    ready_target); what it reads before that (metadata, y, B_FIRST rank chunks of B) overlaps the shrink.
-    """
+    # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     # STACK > 1 (tiles of at most BLOCK_M / STACK tokens): the BLOCK_M rows of the product are STACK column
     # sub-blocks of BLOCK_N / STACK columns for the tile's first BLOCK_M / STACK tokens, row = sub-block x
     # ROWS + token, and the rank dimension is STACK copies of the chunk's lanes, copy s multiplied only by the
@@ -144,6 +104,8 @@ def expand_item(
     # without computing or holding rows past the tile's tokens.
     ROWS: tl.constexpr = BLOCK_M // STACK
     SUB_N: tl.constexpr = BLOCK_N // STACK
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
     j, b_ptr, col, width, y_off, nb = select_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, col0, col1, col2, width0, width1,
                                                     width2, y_off0, y_off1, y_off2, first_nb1, first_nb2, NUM_S)
     offs_m = tl.arange(0, BLOCK_M)
@@ -184,15 +146,16 @@ def expand_item(
         # launch), metadata, y and these B rows load while the shrink still runs, and after the wait only t
         # is on the critical path. Rows past the adapter's rank are masked (no bytes).
         b_c0, b_c1, b_c2, b_c3 = _b_chunks(b_rows, width, lanes0, rank, n_mask, BLOCK_R, B_FIRST)
-        _wait_for_t(ready_ptr + tile * NUM_S + j, ready_target, WAIT)
+        if USE_PDL:  # launched early: t is complete once the whole shrink grid is
+            gdc_wait()
         # All t chunks are requested at once (lanes past the rank move no bytes); each chunk's product is
         # computed only up to the adapter's own rank (a runtime branch per tile).
         t_c0, t_c1, t_c2, t_c3 = _t_chunks(t_ptr, t_rows, lanes0, m_mask, rank, BLOCK_R, B_FIRST)
         acc = _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank, BLOCK_R, B_FIRST,
                           PRECISION)
         r_first = B_FIRST * BLOCK_R
-    else:
-        _wait_for_t(ready_ptr + tile * NUM_S + j, ready_target, WAIT)
+    elif USE_PDL:
+        gdc_wait()
     # The rank loop runs to this adapter's own rank (rounded up to BLOCK_R), not the step's maximum.
     for r0 in range(r_first, rank, BLOCK_R):
         b = _b_chunk(b_rows, width, r0 + lanes0, rank, n_mask)

@@ -169,17 +169,20 @@ def _shrink_kernel(
 
 
 @triton.jit
-def gemv_shrink_item(
+def _gemv_shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
-    in_dim, x_stride, num_groups, lanes, item,
+    in_dim, x_stride, num_groups, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, RANKS: tl.constexpr,
-    SLOT_TILES: tl.constexpr, EARLY: tl.constexpr,
+    SLOT_TILES: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
-    """Work item (tile, slice, group of RANKS rank rows) of the GEMV shrink: t[tile's rows, slice, those lanes] over
-    all of in_dim, as [ROWS, RANKS, BLOCK_K] float32 products summed in registers. Returns (tile, slice)."""
-    tile = item // (NUM_S * num_groups)
-    j = (item // num_groups) % NUM_S
-    group = item % num_groups
+    # Program (tile, slice, group of RANKS rank rows): t[tile's rows, slice, those lanes] over all of in_dim, as
+    # [ROWS, RANKS, BLOCK_K] float32 products summed in registers (KernelConfig.gemv_rows: tiles of at most ROWS
+    # tokens). Each program writes its own lanes of t: no K split, no partial sums, no arrival counters.
+    if USE_PDL and not EARLY:  # the expand may start now: it loads its y and B while this launch runs
+        gdc_launch_dependents()
+    tile = tl.program_id(0) // (NUM_S * num_groups)
+    j = (tl.program_id(0) // num_groups) % NUM_S
+    group = tl.program_id(0) % num_groups
     a_ptr = pick_slice(j, a0_ptr, a1_ptr, a2_ptr, NUM_S)
     col = pick_slice(j, col0, col1, col2, NUM_S)
     slot, start, count, tok = tile_rows(tiles_ptr, tile, BLOCK_M, ROWS, SLOT_TILES)
@@ -202,23 +205,6 @@ def gemv_shrink_item(
         acc += tl.sum(x.to(tl.float32) * a.to(tl.float32), axis=2)
     t_rows = ((start + offs_m) * NUM_S + j)[:, None] * lanes + offs_r[None, :]
     tl.store(t_ptr + t_rows, acc, mask=m_mask[:, None] & r_mask[None, :])
-    return tile, j
-
-
-@triton.jit
-def _gemv_shrink_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2, meta_stride,
-    in_dim, x_stride, num_groups, lanes,
-    NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, RANKS: tl.constexpr,
-    SLOT_TILES: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-):
-    # One program per work item (`gemv_shrink_item`; KernelConfig.gemv_rows: tiles of at most ROWS tokens). Each
-    # program writes its own lanes of t: no K split, no partial sums, no arrival counters.
-    if USE_PDL and not EARLY:  # the expand may start now: it loads its y and B while this launch runs
-        gdc_launch_dependents()
-    gemv_shrink_item(x_ptr, a0_ptr, a1_ptr, a2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, col0, col1, col2,
-                     meta_stride, in_dim, x_stride, num_groups, lanes, tl.program_id(0), NUM_S, BLOCK_M, BLOCK_K,
-                     ROWS, RANKS, SLOT_TILES, EARLY)
 
 
 def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
@@ -267,18 +253,6 @@ def uses_gemv(step: LoRAStep, config: KernelConfig) -> bool:
     return 0 < step.max_tile_count <= config.gemv_rows
 
 
-def gemv_geometry(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int],
-                  config: KernelConfig) -> tuple[int, int, int, int]:
-    """The GEMV shrink's (ROWS, RANKS, BLOCK_K, rank groups per tile and slice) for a step, with config.gemv_warps."""
-    rows = triton.next_power_of_2(step.max_tile_count)
-    max_rank = max(proj.max_rank[s] for s in slices)
-    ranks = config.gemv_ranks or next((r for r in (4, 2) if step.num_tiles * len(slices) * triton.cdiv(max_rank, r)
-                                       >= GEMV_PROGRAMS), 1)
-    budget = 128 * 32 * config.gemv_warps // (rows * ranks)
-    block_k = min(config.gemv_k, triton.next_power_of_2(in_dim), 1 << (budget.bit_length() - 1))
-    return rows, ranks, block_k, triton.cdiv(max_rank, ranks)
-
-
 def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], config: KernelConfig,
               device: torch.device) -> ShrinkShape:
     """The GEMV shrink's launch (`_gemv_shrink_kernel`): one program per (tile, slice, group of rank rows).
@@ -286,7 +260,13 @@ def plan_gemv(in_dim: int, proj: LoRAProj, step: LoRAStep, slices: list[int], co
     Its in_dim step keeps each thread's products (rows x ranks x its share of the step) to 128: 64..123
     registers per thread (offline, sm_90, triton 3.6; 256 products took 161).
     """
-    rows, ranks, block_k, rank_groups = gemv_geometry(in_dim, proj, step, slices, config)
+    rows = triton.next_power_of_2(step.max_tile_count)
+    max_rank = max(proj.max_rank[s] for s in slices)
+    ranks = config.gemv_ranks or next((r for r in (4, 2) if step.num_tiles * len(slices) * triton.cdiv(max_rank, r)
+                                       >= GEMV_PROGRAMS), 1)
+    budget = 128 * 32 * config.gemv_warps // (rows * ranks)
+    block_k = min(config.gemv_k, triton.next_power_of_2(in_dim), 1 << (budget.bit_length() - 1))
+    rank_groups = triton.cdiv(max_rank, ranks)
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_K=block_k, ROWS=rows, RANKS=ranks,
         SLOT_TILES=step.is_slot_tiles, **pdl_constexprs(config, device),

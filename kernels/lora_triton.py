@@ -1,5 +1,4 @@
-"""Triton path of `add_lora`: per projection (per 3 slices), a shrink launch and an expand launch, or one launch
-for both (`KernelConfig.is_one_launch`, kernels/lora_one_launch.py)."""
+"""Triton path of `add_lora`: per projection (per 3 slices), a shrink launch and an expand launch."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import torch
 from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import MAX_SLICES, KernelConfig, choose_config
 from kubelora.kernels.lora_expand import ExpandShape, _expand_kernel, launch_expand, plan_expand
-from kubelora.kernels.lora_one_launch import OneLaunchShape, launch_one, plan_one_launch, uses_one_launch
 from kubelora.kernels.lora_shrink import ShrinkShape, launch_shrink, plan_shrink
 
 
@@ -33,9 +31,8 @@ class GroupLaunch:
     slices: list[int]
     y_offsets: list[int]
     config: KernelConfig
-    shrink: ShrinkShape | None  # None (and expand None) where one launch does both
-    expand: ExpandShape | None
-    one: OneLaunchShape | None = None
+    shrink: ShrinkShape
+    expand: ExpandShape
 
 
 def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
@@ -49,11 +46,6 @@ def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, ste
         slices = active[first : first + MAX_SLICES]
         group_config = config or choose_config(step, proj, slices)
         y_offsets = [offsets[s] for s in slices]
-        if uses_one_launch(step, group_config):
-            one = plan_one_launch(x.shape[1], [widths[s] for s in slices], proj, step, slices, y_offsets,
-                                  group_config, x.device, lora_b[0].dtype)
-            groups.append(GroupLaunch(slices, y_offsets, group_config, None, None, one))
-            continue
         shrink = plan_shrink(x.shape[1], proj, step, slices, group_config, x.device, x.dtype)
         expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_config, x.device,
                              lora_b[0].dtype)
@@ -93,8 +85,5 @@ def add_lora_triton(
         groups = plan_groups(x, lora_b, proj, step, config)
     for group in groups:
         a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
-        if group.one is not None:
-            launch_one(y, x, a_group, b_group, proj, step, group.slices, group.y_offsets, group.config, group.one)
-            continue
         t = launch_shrink(x, a_group, proj, step, group.slices, group.config, shape=group.shrink)
         launch_expand(y, t, b_group, proj, step, group.slices, group.y_offsets, group.config, shape=group.expand)

@@ -39,10 +39,7 @@ LAUNCHES = {"auto": None, "split": {}, "slice": {"is_per_slice": True}, "gemv": 
             "stack-n512-b1": {"stack_tokens": 8, "block_n": 512, "b_first": 1},
             "not-early": {"is_early_shrink": False}, "r64": {"shrink_lanes": 64},
             "slice-r32": {"shrink_lanes": 32, "is_per_slice": True}, "red": {"is_red_y": True},
-            "loaded-y": {"is_red_y": False}, "stack-loaded-y": {"stack_tokens": 8, "is_red_y": False},
-            "one": {"gemv_rows": 8, "is_one_launch": True},
-            "one-stack-r1": {"gemv_rows": 8, "gemv_ranks": 1, "is_one_launch": True, "stack_tokens": 8, "block_n": 32},
-            "one-loaded-y-b0": {"gemv_rows": 8, "is_one_launch": True, "is_red_y": False, "b_first": 0}}
+            "loaded-y": {"is_red_y": False}, "stack-loaded-y": {"stack_tokens": 8, "is_red_y": False}}
 
 
 def run_path(triton_backend, p, path: str, **changes) -> torch.Tensor:
@@ -244,69 +241,3 @@ def test_launch_shapes_are_planned_once_per_step(triton_backend, device, monkeyp
     p.step = prepare_lora_step(p.slots, p.step.num_slots, device)
     check_y(p, run_path(triton_backend, p, "auto"))
     assert len(calls) == 2
-
-
-@pytest.mark.parametrize("ranks", [[[8, 8, 8]] * 12, ODD_RANKS + [[40, 2, 7]]], ids=["uniform", "odd"])
-def test_one_launch_matches_and_resets_its_counters(triton_backend, device, monkeypatch, ranks):
-    """Shrink and expand in one launch (KernelConfig.is_one_launch): the step's groups take it, y matches float64
-    launch after launch, and the ticket, finish and (tile, slice) counters are zero after each."""
-    from kubelora.kernels import lora_one_launch
-    from kubelora.kernels.arrivals import arrival_counters
-
-    p = build_problem(2 * len(ranks), ranks, [24, 8, 16], 300, "distinct", torch.float32, seed=21, device=device,
-                      no_adapter=0.2)
-    config = step_config(p.step, gemv_rows=2, is_one_launch=True)
-    groups = triton_backend.plan_groups(p.x, p.lora_b, p.proj, p.step, config)
-    assert groups and all(g.one is not None and g.shrink is None for g in groups)
-    calls = []
-    real = lora_one_launch.launch_one
-    monkeypatch.setattr(triton_backend, "launch_one", lambda *args: calls.append(1) or real(*args))
-    for _ in range(2):
-        y = p.y0.clone()
-        triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, config)
-        check_y(p, y)
-        assert not arrival_counters(torch.device(device), 1, "lora_one_launch").any()
-    assert len(calls) == 2 * len(groups)
-
-
-def test_one_launch_needs_the_gemv_shrink(triton_backend, device):
-    """On steps whose tiles hold more tokens than gemv_rows, is_one_launch keeps the shrink and expand launches."""
-    p = build_problem(40, [[8, 8, 8]] * 2, [24, 8, 8], 40, "uniform", torch.float32, seed=22, device=device)
-    config = step_config(p.step, gemv_rows=2, is_one_launch=True)
-    groups = triton_backend.plan_groups(p.x, p.lora_b, p.proj, p.step, config)
-    assert all(g.one is None and g.shrink is not None for g in groups)
-    y = p.y0.clone()
-    triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, config)
-    check_y(p, y)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_adapters", [32, 64])
-@pytest.mark.parametrize("changes", [{}, {"is_early_shrink": False, "gemv_warps": 8}], ids=["early", "plain"])
-def test_one_launch_in_graph_replays(triton_backend, device, num_adapters, changes):
-    """The 7B decode shape (batch 64, rank 16 q/k/v) in one launch per projection, 200 replays of a graph of 32
-    layers' launches: every replay adds the same delta (no lost wake-up, no stale counter, no deadlock)."""
-    p = build_problem(64, [[16, 16, 16]] * num_adapters, [4096, 4096, 4096], 4096, "distinct", torch.bfloat16,
-                      seed=23, device=device)
-    config = step_config(p.step, gemv_rows=2, is_one_launch=True, **changes)
-    y = p.y0.clone()
-    triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, config)  # eager: counters allocated
-    check_y(p, y)
-    ys = [p.y0.clone() for _ in range(32)]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for y in ys:
-            triton_backend.add_lora_triton(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, config)
-    for y in ys:
-        y.copy_(p.y0)
-    graph.replay()
-    torch.cuda.synchronize()
-    first = [y.clone() for y in ys]
-    check_y(p, first[0])
-    for _ in range(200):
-        for y in ys:
-            y.copy_(p.y0)
-        graph.replay()
-    torch.cuda.synchronize()
-    for y, y1 in zip(ys, first):
-        assert torch.equal(y, y1)
