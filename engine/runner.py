@@ -8,8 +8,10 @@ has not read yet (`PENDING_TOKEN`, engine/engine.py): they are copied on the dev
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kubelora.engine.adapters.pool import SlotView
@@ -151,7 +153,8 @@ class ModelRunner:
 
     def prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
         device = self.config.device
-        token_ids = [t for c in batch.chunks for t in c.token_ids]
+        num_tokens = sum(len(c.token_ids) for c in batch.chunks)
+        token_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in batch.chunks), np.int64, num_tokens)
         positions = torch.cat([torch.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in batch.chunks])
         if self.config.is_paged_attention and all(len(c.token_ids) == 1 for c in batch.chunks):
             attention = prepare_decode_attention([c.start_pos for c in batch.chunks],
@@ -172,13 +175,14 @@ class ModelRunner:
                 device=device,
             )
         ctx = ForwardContext(attention=attention, positions=positions.to(device), lora=self.prepare_lora(batch))
-        return torch.tensor(token_ids, dtype=torch.int64, device=device), ctx
+        return torch.from_numpy(token_ids).to(device), ctx
 
     def prepare_lora(self, batch: Batch) -> LoRAContext | None:
         """One LoRAStep (token -> slot) and one LoRAProj per projection kind, shared by every layer."""
         if not batch.slots:
             return None
-        token_slots = [c.slot for c in batch.chunks for _ in c.token_ids]
+        # Each chunk's slot repeated over its tokens, without a Python loop over a prefill's thousands of tokens.
+        token_slots = np.repeat([c.slot for c in batch.chunks], [len(c.token_ids) for c in batch.chunks])
         step = prepare_lora_step(token_slots, len(batch.slots), self.config.device)
         tables = {kind: _kind_tables(batch.slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
         proj = prepare_lora_projs(tables, self.config.device)  # every kind in one host->device copy

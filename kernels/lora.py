@@ -19,8 +19,10 @@ the Triton kernels (`kernels/lora_triton.py`); `default_backend` reads `KUBELORA
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 BACKENDS = ("torch", "triton")
@@ -84,21 +86,27 @@ def _tile_height(counts: list[int], tile_heights: tuple[int, ...], max_tiles: in
     return tile_heights[-1]
 
 
-def _tile_rows(counts: list[int], order: list[int], block_m: int, is_slot_tiles: bool) -> list[int]:
-    rows: list[int] = []
-    start = 0
-    for slot, count in enumerate(counts):
-        firsts = range(0, count, block_m) if count or not is_slot_tiles else [0]
-        for first in firsts:
-            num = min(block_m, count - first)
-            tokens = order[start + first : start + first + num]
-            rows += [slot, start + first, num, *tokens, *[0] * (block_m - num)]
-        start += count
-    return rows
+def _tile_rows(counts: np.ndarray, order: np.ndarray, block_m: int, is_slot_tiles: bool) -> np.ndarray:
+    """[num_tiles, TILE_HEAD + block_m] int64: each slot's group cut into tiles of at most block_m tokens, in slot
+    order (a slot without tokens keeps one empty tile when is_slot_tiles); token ids past a tile's count are 0."""
+    num_tiles = -(-counts // block_m)
+    if is_slot_tiles:
+        num_tiles = np.maximum(num_tiles, 1)
+    tile_slot = np.repeat(np.arange(counts.size), num_tiles)
+    group_start = np.cumsum(counts) - counts  # each slot's first position in order
+    first_tile = np.cumsum(num_tiles) - num_tiles
+    tile_first = (np.arange(tile_slot.size) - first_tile[tile_slot]) * block_m  # within the slot's group
+    tile_count = np.minimum(block_m, counts[tile_slot] - tile_first)
+    lanes = np.arange(block_m)
+    is_token = lanes[None, :] < tile_count[:, None]
+    positions = np.where(is_token, (group_start[tile_slot] + tile_first)[:, None] + lanes[None, :], 0)
+    tokens = np.where(is_token, order[positions] if order.size else 0, 0)
+    head = np.stack([tile_slot, group_start[tile_slot] + tile_first, tile_count], axis=1)
+    return np.concatenate([head, tokens], axis=1).astype(np.int64)
 
 
 def prepare_lora_step(
-    token_slots: list[int],
+    token_slots: Sequence[int] | np.ndarray,
     num_slots: int,
     device: torch.device | str,
     *,
@@ -107,20 +115,23 @@ def prepare_lora_step(
 ) -> LoRAStep:
     """Pack the token -> slot map and its slot-sorted tile table into one host buffer, one copy to device.
 
+    token_slots: a list or an int array (a prefill's is built from its chunks with np.repeat: no per-token Python).
     tile_heights, max_tiles: the tile heights to choose from (each a power of two >= 16) and the tile count
     a height may make; the benchmark varies them.
     """
-    slots = torch.tensor(token_slots, dtype=torch.int64)
+    slots = np.asarray(token_slots, dtype=np.int64).reshape(-1)
     has_slot = slots >= 0
-    num_lora_tokens = int(has_slot.sum())
     # Stable sort by slot with the no-adapter tokens (key num_slots) last, then cut them off.
-    order = torch.argsort(torch.where(has_slot, slots, num_slots), stable=True)[:num_lora_tokens]
-    counts = torch.bincount(slots[has_slot], minlength=num_slots).tolist() if num_lora_tokens else []
-    block_m = _tile_height(counts, tile_heights, max_tiles)
-    is_slot_tiles = bool(counts) and max(counts) <= block_m
-    tiles = torch.tensor(_tile_rows(counts, order.tolist(), block_m, is_slot_tiles), dtype=torch.int64)
-    packed = torch.cat([slots, order, tiles]).to(device)
-    num_tokens = slots.numel()
+    order = np.argsort(np.where(has_slot, slots, num_slots), kind="stable")
+    counts = np.bincount(slots[has_slot], minlength=num_slots)
+    num_lora_tokens = int(counts.sum())
+    order = order[:num_lora_tokens]
+    counts_list = counts.tolist() if num_lora_tokens else []
+    block_m = _tile_height(counts_list, tile_heights, max_tiles)
+    is_slot_tiles = bool(counts_list) and max(counts_list) <= block_m
+    tiles = _tile_rows(counts if num_lora_tokens else counts[:0], order, block_m, is_slot_tiles)
+    packed = torch.from_numpy(np.concatenate([slots, order, tiles.reshape(-1)])).to(device)
+    num_tokens = slots.size
     return LoRAStep(
         token_slots=packed[:num_tokens],
         num_slots=num_slots,
@@ -130,7 +141,7 @@ def prepare_lora_step(
         block_m=block_m,
         is_slot_tiles=is_slot_tiles,
         num_lora_tokens=num_lora_tokens,
-        max_tile_count=min(max(counts, default=0), block_m),
+        max_tile_count=min(max(counts_list, default=0), block_m),
     )
 
 

@@ -202,3 +202,15 @@ def test_repeat_launch_skips_the_jit_only_while_the_specialization_holds(monkeyp
     launch(8, base.double()[3:])  # misaligned too: direct
     launch(8, base.double())  # aligned against a misaligned record: the JIT
     assert [c[0] for c in calls[-4:]] == ["direct", "jit", "direct", "jit"]
+
+
+@pytest.mark.parametrize("slots", [[3, -1, 0, 3, 3, 1] * 40, [-1] * 7, [0] * 2048 + [1] * 2048])
+def test_step_from_an_array_equals_the_step_from_a_list(slots):
+    """The runner passes a prefill's token -> slot map as an int array (np.repeat over its chunks)."""
+    import numpy as np
+
+    a, b = prepare_lora_step(slots, 4, "cpu"), prepare_lora_step(np.array(slots), 4, "cpu")
+    for name in ("token_slots", "sorted_tokens", "tiles"):
+        assert torch.equal(getattr(a, name), getattr(b, name))
+    assert (a.block_m, a.is_slot_tiles, a.num_lora_tokens, a.max_tile_count) == (
+        b.block_m, b.is_slot_tiles, b.num_lora_tokens, b.max_tile_count)
