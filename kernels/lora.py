@@ -96,12 +96,12 @@ def _tile_rows(counts: np.ndarray, order: np.ndarray, block_m: int, is_slot_tile
     group_start = np.cumsum(counts) - counts  # each slot's first position in order
     first_tile = np.cumsum(num_tiles) - num_tiles
     tile_first = (np.arange(tile_slot.size) - first_tile[tile_slot]) * block_m  # within the slot's group
+    tile_start = group_start[tile_slot] + tile_first  # the tile's first position in order
     tile_count = np.minimum(block_m, counts[tile_slot] - tile_first)
     lanes = np.arange(block_m)
     is_token = lanes[None, :] < tile_count[:, None]
-    positions = np.where(is_token, (group_start[tile_slot] + tile_first)[:, None] + lanes[None, :], 0)
-    tokens = np.where(is_token, order[positions] if order.size else 0, 0)
-    head = np.stack([tile_slot, group_start[tile_slot] + tile_first, tile_count], axis=1)
+    tokens = np.where(is_token, order[np.where(is_token, tile_start[:, None] + lanes[None, :], 0)], 0)
+    head = np.stack([tile_slot, tile_start, tile_count], axis=1)
     return np.concatenate([head, tokens], axis=1).astype(np.int64)
 
 
