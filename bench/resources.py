@@ -24,7 +24,7 @@ POINTERS = {"tiles_ptr": "*i64", "rank_ptr": "*i64", "row_ptr": "*i64", "scale_p
 DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
              "k_per_split", "num_groups"}
 COMMON = dict(NUM_S=3, SLOT_TILES=True, PRECISION="tf32", SPLIT=1, GROUPS=1, STACK=1, EARLY=False,
-              RED_Y=False, STORE_Y=False)
+              RED_Y=False)
 EXPAND = dict(BLOCK_M=16, BLOCK_R=16, USE_PDL=True)  # the decode expand
 GEMV = dict(BLOCK_M=16, BLOCK_K=4096, USE_PDL=True)  # the GEMV shrink's shapes below, at in_dim 4096 in one step
 SHAPES = [

@@ -10,11 +10,9 @@ Semantics, for every token t whose step slot a = token_slots[t] >= 0 and every s
 
     y[t, off_s : off_s + out_dim_s] += scale[a, s] * (x[t] @ A_a,s^T) @ B_a,s^T
 
-Tokens with slot -1 and slices with rank 0 leave y untouched. Where every token of a long step (a prefill)
-has an adapter that adapts every slice (`is_delta_first`), the caller may instead have the delta stored into an
-empty y (`is_store`) and add the base matmul onto it in cuBLAS's epilogue (beta = 1): the expand then writes y
-once and never reads it. `LoRAStep` (once per step) and `LoRAProj` (once per step and projection kind) are
-packed on the host by `prepare_*`, copied to the device in one transfer each, and shared by every layer. `add_lora` dispatches to the reference (`add_lora_torch`) or to
+Tokens with slot -1 and slices with rank 0 leave y untouched. `LoRAStep` (once per step) and `LoRAProj`
+(once per step and projection kind) are packed on the host by `prepare_*`, copied to the device in one
+transfer each, and shared by every layer. `add_lora` dispatches to the reference (`add_lora_torch`) or to
 the Triton kernels (`kernels/lora_triton.py`); `default_backend` reads `KUBELORA_LORA_BACKEND`.
 """
 
@@ -75,7 +73,6 @@ class LoRAProj:
     rank: torch.Tensor  # [num_slots, num_slices] int64: 0 where the adapter does not adapt the slice
     scale: torch.Tensor  # [num_slots, num_slices] float32
     max_rank: tuple[int, ...]  # per slice, max of rank[:, s]: sizes the shrink buffer; 0 skips the slice
-    min_rank: tuple[int, ...] = ()  # per slice, min of rank[:, s] where known (host-built tables), else ()
     # Host-side launch parameters a backend derives from this step's sizes, filled by the first layer's call
     # and reused by the others (the object lives for one step). Not part of the value.
     launch_cache: dict = field(default_factory=dict, compare=False, repr=False)
@@ -178,35 +175,20 @@ def prepare_lora_projs(
         ranks = torch.tensor(rank, dtype=torch.int64).reshape(len(rank), -1)
         scales = torch.tensor(scale, dtype=torch.float32).flatten()
         scales = torch.cat([scales, scales.new_zeros(scales.numel() % 2)]).view(torch.int64)
-        # host lists: no tensor op per step and kind
-        max_rank = tuple(max(column) for column in zip(*rank))
-        min_rank = tuple(min(column) for column in zip(*rank))
+        max_rank = tuple(max(column) for column in zip(*rank))  # host lists: no tensor op per step and kind
         rows = place(torch.tensor(row_start, dtype=torch.int64).flatten())
-        layout.append((kind, ranks.shape, rows, place(ranks.flatten()), place(scales), max_rank, min_rank))
+        layout.append((kind, ranks.shape, rows, place(ranks.flatten()), place(scales), max_rank))
     packed = torch.cat(parts).to(device)
     projs = {}
-    for kind, shape, rows, ranks, scales, max_rank, min_rank in layout:
+    for kind, shape, rows, ranks, scales, max_rank in layout:
         num = shape.numel()
         projs[kind] = LoRAProj(
             row_start=packed[rows : rows + num].view(shape),
             rank=packed[ranks : ranks + num].view(shape),
             scale=packed[scales : scales + (num + 1) // 2].view(torch.float32)[:num].view(shape),
             max_rank=max_rank,
-            min_rank=min_rank,
         )
     return projs
-
-
-# The fewest tokens of a step for `is_delta_first`: below it the output is small beside the adapters' bytes.
-DELTA_FIRST_TOKENS = 1024
-
-
-def is_delta_first(proj: LoRAProj, step: LoRAStep, num_tokens: int, backend: str) -> bool:
-    """Whether this projection's delta may be stored into an empty y before the base matmul adds onto it: a step of
-    at least DELTA_FIRST_TOKENS tokens on the Triton backend where every token has an adapter and every slot adapts
-    every slice (then the delta covers all of y)."""
-    return (backend == "triton" and num_tokens >= DELTA_FIRST_TOKENS and step.num_lora_tokens == num_tokens
-            and bool(proj.min_rank) and min(proj.min_rank) > 0)
 
 
 def add_lora_torch(
@@ -216,18 +198,14 @@ def add_lora_torch(
     lora_b: list[torch.Tensor],
     proj: LoRAProj,
     step: LoRAStep,
-    is_store: bool = False,
 ) -> None:
     """Reference: y[t, off_s:off_s+d_s] += scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slot of t.
-    is_store: y = the delta (0 where there is none) instead of y += it.
 
     y: [num_tokens, sum_s d_s], x: [num_tokens, in_dim], lora_a[s]: [num_rows_s, in_dim],
     lora_b[s]: [num_rows_s, d_s]. One dense masked matmul pair per slice, no loop over adapters: each
     token's shrink row is gathered from the product with every slot's A, then scattered into its slot's
     column block before the expand, so other slots contribute exact zeros.
     """
-    if is_store:
-        y.zero_()
     if not step.has_lora:
         return
     num_tokens = x.shape[0]
@@ -274,22 +252,16 @@ def add_lora(
     proj: LoRAProj,
     step: LoRAStep,
     backend: str = "torch",
-    is_store: bool = False,
 ) -> None:
-    """Dispatch to the backend chosen once at engine start ("torch" reference or "triton").
-
-    is_store: y = the delta instead of y += it; only where `is_delta_first` holds (the Triton kernels write the
-    adapted rows and slices only)."""
+    """Dispatch to the backend chosen once at engine start ("torch" reference or "triton")."""
     if backend not in BACKENDS:
         raise ValueError(f"LoRA backend {backend!r} is not allowed: use one of {', '.join(BACKENDS)}")
     if not step.has_lora or not any(proj.max_rank):  # e.g. the MLP of a step whose adapters adapt attention only
-        if is_store:
-            y.zero_()
         return
     if backend == "torch":
-        add_lora_torch(y, x, lora_a, lora_b, proj, step, is_store)
+        add_lora_torch(y, x, lora_a, lora_b, proj, step)
     else:
         from kubelora.kernels.lora_triton import add_lora_triton  # imported late: TRITON_INTERPRET is read then
 
-        add_lora_triton(y, x, lora_a, lora_b, proj, step, is_store=is_store)
+        add_lora_triton(y, x, lora_a, lora_b, proj, step)
 

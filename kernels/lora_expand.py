@@ -94,7 +94,7 @@ def _expand_kernel(
     y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_TILES: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, STACK: tl.constexpr, RED_Y: tl.constexpr, STORE_Y: tl.constexpr,
+    PRECISION: tl.constexpr, STACK: tl.constexpr, RED_Y: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     # STACK > 1 (tiles of at most BLOCK_M / STACK tokens): the BLOCK_M rows of the product are STACK column
@@ -130,12 +130,11 @@ def _expand_kernel(
         b_cols = (nb * BLOCK_N + k_sub * SUB_N)[:, None] + offs_n[None, :]
         m_mask = m_mask & ((offs_m // ROWS)[:, None] == k_sub[None, :])
     # y is loaded first so that its bytes are in flight while t and B arrive. Rows past the tile's tokens
-    # and slices the adapter does not adapt (rank 0) are neither read nor written. STORE_Y: y is not read, the
-    # delta replaces it (the caller covers every row and slice, `lora.is_delta_first`).
+    # and slices the adapter does not adapt (rank 0) are neither read nor written.
     y_rows = q < tl.where(rank > 0, count, 0)
     y_mask = y_rows[:, None] & (y_cols < width)
     y_ptrs = y_ptr + tok[:, None] * y_stride + y_off + y_cols
-    if not (RED_Y or STORE_Y):
+    if not RED_Y:
         y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, SUB_N], dtype=tl.float32)
     t_rows = ((start + q) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
@@ -162,9 +161,7 @@ def _expand_kernel(
         b = _b_chunk(b_rows, width, r0 + lanes0, rank, n_mask)
         t = _t_chunk(t_ptr, t_rows, r0 + lanes0, m_mask, rank)
         acc = _add_dot(acc, t, scale, b, PRECISION)
-    if STORE_Y:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-    elif RED_Y:
+    if RED_Y:
         # KernelConfig.is_red_y: the delta is added in L2 (one atomic add per element of y, each element by one
         # program: deterministic), so no program waits on y's loads or holds y in registers.
         tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
@@ -181,8 +178,7 @@ class ExpandShape:
 
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
-                config: KernelConfig, device: torch.device, dtype: torch.dtype,
-                is_store: bool = False) -> ExpandShape:
+                config: KernelConfig, device: torch.device, dtype: torch.dtype) -> ExpandShape:
     """The expand launch's host-side parameters (see `launch_expand`)."""
     assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
@@ -194,8 +190,7 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SLOT_TILES=step.is_slot_tiles, B_FIRST=min(config.b_first, num_chunks),
-        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config),
-        RED_Y=config.is_red_y and not is_store, STORE_Y=is_store,
+        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config), RED_Y=config.is_red_y,
         num_warps=config.expand_warps, num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
     return ExpandShape(scalars, shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, scalars))
@@ -211,19 +206,17 @@ def launch_expand(
     y_offsets: list[int],
     config: KernelConfig,
     shape: ExpandShape | None = None,
-    is_store: bool = False,
 ) -> None:
     """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * t[i, j, :r] @ B_{a,s}^T, tok = sorted[i], s = slices[j].
 
     y: [num_tokens, total_width]; t: [num_lora_tokens, len(slices), lanes] from the shrink;
     lora_b[j]: [num_rows, d_j], the pool of slice slices[j]; y_offsets[j]: its first column in y.
     Rows of tokens without adapter and slices of rank 0 are not touched.
-    shape: this step's `plan_expand` result when the caller has it (config and is_store then unused).
-    is_store: `=` instead of `+=`, y is not read.
+    shape: this step's `plan_expand` result when the caller has it (config then unused).
     """
     if shape is None:
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
-                            lora_b[0].dtype, is_store)
+                            lora_b[0].dtype)
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
     shape.launch(y, *pad_slices(lora_b), t, step.tiles, proj.rank, proj.row_start, proj.scale,
                  *shape.scalars, y.stride(0), t.shape[2])
@@ -238,12 +231,10 @@ def lora_expand_torch(
     slices: list[int],
     y_offsets: list[int],
     config: KernelConfig | None = None,
-    is_store: bool = False,
 ) -> None:
     """Reference: y[tok, off_j:off_j+d_j] += scale[a,s] * t[i, j, :r] @ B_{a,s}^T, tok = sorted[i], s = slices[j].
 
-    Same arguments as `launch_expand` (config ignored, no shape); computes in float32, adds once into y
-    (is_store: stores the delta instead).
+    Same arguments as `launch_expand` (config ignored, no shape); computes in float32, adds once into y.
     """
     tokens = step.sorted_tokens
     token_slot = step.token_slots[tokens]
@@ -255,5 +246,4 @@ def lora_expand_torch(
                 continue
             delta = float(proj.scale[slot, s]) * (t[pos, j, :rank] @ b_pool[row : row + rank].float())
             cols = slice(off, off + b_pool.shape[1])
-            base = 0.0 if is_store else y[tokens[pos], cols].float()
-            y[tokens[pos], cols] = (base + delta).to(y.dtype)
+            y[tokens[pos], cols] = (y[tokens[pos], cols].float() + delta).to(y.dtype)

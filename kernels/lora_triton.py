@@ -36,7 +36,7 @@ class GroupLaunch:
 
 
 def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
-                config: KernelConfig | None, is_store: bool = False) -> list[GroupLaunch]:
+                config: KernelConfig | None) -> list[GroupLaunch]:
     """The step's launches for this projection, from sizes only (the same for every layer of the step)."""
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:s]) for s in range(len(widths))]
@@ -48,7 +48,7 @@ def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, ste
         y_offsets = [offsets[s] for s in slices]
         shrink = plan_shrink(x.shape[1], proj, step, slices, group_config, x.device, x.dtype)
         expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_config, x.device,
-                             lora_b[0].dtype, is_store)
+                             lora_b[0].dtype)
         groups.append(GroupLaunch(slices, y_offsets, group_config, shrink, expand))
     return groups
 
@@ -61,12 +61,10 @@ def add_lora_triton(
     proj: LoRAProj,
     step: LoRAStep,
     config: KernelConfig | None = None,
-    is_store: bool = False,
 ) -> None:
     """Triton: y[t, off_s:off_s+d_s] += scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slot of t.
 
     Same arguments and semantics as `add_lora_torch`; slices of rank 0 everywhere are skipped entirely.
-    is_store: `=` instead of `+=` (y is not read; for steps where `lora.covers_output` holds).
     config: the launch configuration (default: `choose_config` for the step); the benchmark and tests pass
     one to compare. The launch shapes of a step's own choice are computed by its first layer and kept in
     `proj.launch_cache`.
@@ -78,13 +76,13 @@ def add_lora_triton(
     step = with_tiles(step)
     if config is None:
         # Keyed by sizes; the step is kept and compared by identity (a proj may be paired with another step).
-        key = (x.shape[1], x.dtype, x.device, tuple(b.shape[1] for b in lora_b), is_store)
+        key = (x.shape[1], x.dtype, x.device, tuple(b.shape[1] for b in lora_b))
         cached_step, groups = proj.launch_cache.get(key, (None, None))
         if cached_step is not step:
-            groups = plan_groups(x, lora_b, proj, step, None, is_store)
+            groups = plan_groups(x, lora_b, proj, step, None)
             proj.launch_cache[key] = (step, groups)
     else:
-        groups = plan_groups(x, lora_b, proj, step, config, is_store)
+        groups = plan_groups(x, lora_b, proj, step, config)
     for group in groups:
         a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
         t = launch_shrink(x, a_group, proj, step, group.slices, group.config, shape=group.shrink)

@@ -23,7 +23,7 @@ from kubelora.engine.model.config import ModelConfig
 from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused, gemv
-from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora, is_delta_first
+from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
 
 
 GEMV_ENV = "KUBELORA_GEMV"
@@ -137,18 +137,8 @@ class DecoderModel:
         return paged_attention(q, key_cache, value_cache, ctx.attention, cfg.sliding_windows[layer], self.scale)
 
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op; on a prefill whose every
-        token is adapted, the deltas first and the matmul added onto them (`kubelora.kernels.lora.is_delta_first`)."""
+        """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
         weights = self.weights.layers[layer]
-        lora = ctx.lora
-        if (lora is not None and weights.bias[kind] is None
-                and is_delta_first(lora.proj[kind], lora.step, x.shape[0], lora.backend)):
-            buffers = self.lora_buffers[layer]
-            weight = weights.weight[kind]
-            y = x.new_empty((x.shape[0], weight.shape[0]))
-            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], lora.proj[kind], lora.step,
-                     backend=lora.backend, is_store=True)
-            return y.addmm_(x, weight.t())
         if self.is_gemv and x.shape[0] == 1:
             y = gemv.linear(x, weights.weight[kind], weights.bias[kind])
         else:

@@ -1,7 +1,6 @@
 """The engine with KUBELORA_LORA_BACKEND=triton (Triton's CPU interpreter, float32) gives the outputs of the
 torch backend: a tiny Llama (GQA: q 64 wide, k/v 32), adapters of odd ranks 3, 12 and 24 on attention and
-MLP projections, a mixed batch with base-model requests, a prompt long enough for prefill-shaped tiles; and a
-prefill whose every token is adapted, which stores the deltas first and adds the base matmul onto them."""
+MLP projections, a mixed batch with base-model requests, a prompt long enough for prefill-shaped tiles."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ def tiny(tmp_path_factory):
     return model_dir, adapters
 
 
-def generate(tiny, monkeypatch, backend: str, batch=BATCH, lengths=PROMPT_LENGTHS):
+def generate(tiny, monkeypatch, backend: str):
     from kubelora.engine import LLM, SamplingParams
 
     monkeypatch.setenv(BACKEND_ENV, backend)
@@ -40,9 +39,9 @@ def generate(tiny, monkeypatch, backend: str, batch=BATCH, lengths=PROMPT_LENGTH
     try:
         for name, path in adapters.items():
             llm.load_adapter(name, path)
-        prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(n)] for i, n in enumerate(lengths)]
+        prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, return_logits=True)
-        return llm.generate(prompts, params, adapters=batch)
+        return llm.generate(prompts, params, adapters=BATCH)
     finally:
         llm.close()
 
@@ -52,34 +51,12 @@ def test_triton_backend_matches_torch_backend(triton_backend, monkeypatch, tiny)
     torch.set_num_threads(1)
     calls = []
     kernel_op = triton_backend.add_lora_triton
-    monkeypatch.setattr(triton_backend, "add_lora_triton",
-                        lambda *args, **kw: calls.append(1) or kernel_op(*args, **kw))
+    monkeypatch.setattr(triton_backend, "add_lora_triton", lambda *args: calls.append(1) or kernel_op(*args))
     expected = generate(tiny, monkeypatch, "torch")
     assert not calls
     got = generate(tiny, monkeypatch, "triton")
     assert calls, "the engine did not take the triton backend from KUBELORA_LORA_BACKEND"
     for name, want, have in zip(BATCH, expected, got):
-        assert have.token_ids == want.token_ids, name
-        torch.testing.assert_close(have.prompt_logits, want.prompt_logits, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(have.logits, want.logits, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine on CPU needs Triton's interpreter (set without CUDA)")
-def test_delta_first_prefill_matches_torch_backend(triton_backend, monkeypatch, tiny):
-    from kubelora.kernels import lora
-
-    torch.set_num_threads(1)
-    batch, lengths = ["r12-all", "r24-attn", "r12-all"], [30, 9, 20]  # attention adapted everywhere, the MLP not
-    monkeypatch.setattr(lora, "DELTA_FIRST_TOKENS", 16)  # the prefill step (62 tokens) stores first, decode adds
-    stores = []
-    kernel_op = triton_backend.add_lora_triton
-    monkeypatch.setattr(triton_backend, "add_lora_triton",
-                        lambda *args, is_store=False: stores.append(is_store) or kernel_op(*args, is_store=is_store))
-    expected = generate(tiny, monkeypatch, "torch", batch, lengths)
-    got = generate(tiny, monkeypatch, "triton", batch, lengths)
-    # per layer of the prefill: qkv and o stored; the MLP (r24-attn has none) and every decode step added
-    assert stores.count(True) == 2 * 2 and stores.count(False) > 0, stores
-    for name, want, have in zip(batch, expected, got):
         assert have.token_ids == want.token_ids, name
         torch.testing.assert_close(have.prompt_logits, want.prompt_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(have.logits, want.logits, rtol=1e-4, atol=1e-4)

@@ -121,34 +121,6 @@ def test_expand_matches_reference(triton_backend, device):
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("num_tokens", [40, 1100], ids=["16-row-tiles", "64-row-tiles"])
-def test_store_replaces_y_when_every_token_is_adapted(triton_backend, device, monkeypatch, backend, num_tokens):
-    from kubelora.kernels import lora
-
-    ranks = [[16, 16, 16], [8, 3, 8], [24, 24, 5]]
-    p = build_problem(num_tokens, ranks, [24, 8, 8], 40, "segments", torch.float32, seed=7, device=device)
-    assert p.proj.min_rank == (8, 3, 5) and p.step.block_m == (16 if num_tokens < 100 else 64)
-    monkeypatch.setattr(lora, "DELTA_FIRST_TOKENS", num_tokens)
-    assert lora.is_delta_first(p.proj, p.step, num_tokens, "triton")
-    assert not lora.is_delta_first(p.proj, p.step, num_tokens, "torch")
-    assert not lora.is_delta_first(p.proj, p.step, num_tokens - 1, "triton")
-    y = torch.full_like(p.y0, math.nan)
-    add_lora(y, p.x, p.lora_a, p.lora_b, p.proj, p.step, backend=backend, is_store=True)
-    check_y(replace(p, y0=torch.zeros_like(p.y0)), y)
-
-
-def test_delta_first_needs_every_token_and_slice_adapted(device, monkeypatch):
-    from kubelora.kernels import lora
-
-    monkeypatch.setattr(lora, "DELTA_FIRST_TOKENS", 1)
-    with_base = build_problem(30, [[4, 4], [8, 8]], [8, 8], 16, "uniform", torch.float32, seed=1, device=device,
-                              no_adapter=0.2)
-    assert with_base.step.num_lora_tokens < 30 and not lora.is_delta_first(with_base.proj, with_base.step, 30, "triton")
-    rank_0 = build_problem(30, [[4, 4], [8, 0]], [8, 8], 16, "uniform", torch.float32, seed=1, device=device)
-    assert rank_0.proj.min_rank == (4, 0) and not lora.is_delta_first(rank_0.proj, rank_0.step, 30, "triton")
-
-
 def test_more_slices_than_one_launch_fuses(triton_backend, device):
     ranks = [[4, 0, 9, 2, 16], [0, 0, 3, 3, 3]]  # slice 1: rank 0 everywhere, skipped
     p = build_problem(11, ranks, [8, 8, 16, 24, 8], 20, "uniform", torch.float32, seed=7, device=device)
