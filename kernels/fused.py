@@ -194,6 +194,22 @@ def rotary_torch_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv
 
 
 @triton.jit
+def rotary_cos_sin(freqs, attention_scaling, dtype):
+    """cos and sin of the angles, scaled and rounded to dtype (then held in float32), as `rotary_torch_` has them."""
+    cos = (tl.cos(freqs) * attention_scaling).to(dtype).to(tl.float32)
+    sin = (tl.sin(freqs) * attention_scaling).to(dtype).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def rotate_rounded(x, partner, cos, sin, sign, dtype):
+    """One half of rotated heads in dtype: x * cos + sign * partner * sin, each product rounded to dtype before the
+    sum as apply_rotary's three eager ops round them. The first half takes sign -1 and the second half as partner;
+    the second half sign +1 and the first half. x, partner: float32 values of dtype."""
+    return ((x * cos).to(dtype).to(tl.float32) + sign * (partner * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rotate_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_stride, cos, sin, half,
                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Rotates heads [first_head, first_head + BLOCK_H) of one token's row at x_ptr into out_ptr (may be x_ptr)."""
@@ -206,11 +222,8 @@ def _rotate_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_s
     x2 = tl.load(ptrs + half, mask=mask, other=0.0)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    # Each product is rounded to the dtype before the sum, as apply_rotary's three eager ops round them.
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(out_ptrs, out1.to(dtype), mask=mask)
-    tl.store(out_ptrs + half, out2.to(dtype), mask=mask)
+    tl.store(out_ptrs, rotate_rounded(x1, x2, cos, sin, -1.0, dtype), mask=mask)
+    tl.store(out_ptrs + half, rotate_rounded(x2, x1, cos, sin, 1.0, dtype), mask=mask)
 
 
 @triton.jit
@@ -227,7 +240,8 @@ def _copy_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_str
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, key_cache_ptr, value_cache_ptr, slots_ptr,
                    attention_scaling, q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
                    v_head_stride, cache_slot_stride, cache_head_stride, num_heads, num_kv_heads, half,
-                   HAS_CACHE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   skip_ptr, HAS_CACHE: tl.constexpr, SKIP_ADAPTED: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     num_q_blocks = tl.cdiv(num_heads, BLOCK_H)
@@ -238,9 +252,13 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, key_cache_p
     freqs = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
     # cat(freqs, freqs): both halves of a head share one angle, so one [half] row of cos and sin serves both.
     dtype = q_ptr.dtype.element_ty
-    cos = (tl.cos(freqs) * attention_scaling).to(dtype).to(tl.float32)[None, :]
-    sin = (tl.sin(freqs) * attention_scaling).to(dtype).to(tl.float32)[None, :]
-    if block < num_q_blocks:
+    cos, sin = rotary_cos_sin(freqs[None, :], attention_scaling, dtype)
+    is_skipped = False
+    if SKIP_ADAPTED:  # the token has an adapter: kernels/lora_rotary.py rotates and stores its heads
+        is_skipped = tl.load(skip_ptr + token) >= 0
+    if is_skipped:
+        pass
+    elif block < num_q_blocks:
         q_row = q_ptr + token * q_token_stride
         _rotate_heads(q_row, q_row, block * BLOCK_H, num_heads, q_head_stride, q_head_stride, cos, sin, half,
                       BLOCK_H, BLOCK_HALF)
@@ -291,7 +309,8 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
     _launch_rotary(q, k, None, positions, inv_freq, attention_scaling, None, None, None)
 
 
-def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping) -> None:
+def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping,
+                   skip_adapted: torch.Tensor | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
@@ -304,7 +323,9 @@ def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, v
     cache_strides = (key_cache.stride(-3), key_cache.stride(-2)) if has_cache else (0, 0)
     _rotary_kernel[grid](q, k, v_arg, positions, inv_freq, *caches, float(attention_scaling), q.stride(0),
                          q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), *cache_strides,
-                         num_heads, num_kv_heads, half, HAS_CACHE=has_cache, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                         num_heads, num_kv_heads, half, positions if skip_adapted is None else skip_adapted,
+                         HAS_CACHE=has_cache, SKIP_ADAPTED=skip_adapted is not None, BLOCK_H=block_h,
+                         BLOCK_HALF=block_half,
                          num_warps=max(min(block_h * block_half // 256, 4), 1))
 
 
@@ -332,8 +353,12 @@ def rotary_kv_cache_torch_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
 
 def rotary_kv_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      inv_freq: torch.Tensor, attention_scaling: float, key_cache: torch.Tensor,
-                     value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                     value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     skip_adapted: torch.Tensor | None = None) -> None:
     """Triton: `rotary_kv_cache_torch_` in one launch (the rotary and the two cache writes of a layer).
+
+    skip_adapted: [num_tokens] token -> adapter slot (`LoRAStep.token_slots`): tokens with a slot >= 0 are left as
+    they are (`kernels/lora_rotary.py` adds their LoRA delta, rotates and stores them in its own launch).
 
     Same arguments and roundings; q, k, v may be strided views of a fused qkv output (contiguous head_dim); the
     caches are contiguous in their last two dimensions. A program per (token, block of q, k or v heads); the k
@@ -349,6 +374,8 @@ def rotary_kv_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         assert cache.stride(-1) == 1 and cache.stride(-2) == head_dim and cache.stride() == key_cache.stride()
     assert key_cache.stride(-3) == num_kv_heads * head_dim and key_cache.is_contiguous()
     assert slot_mapping.shape == (num_tokens,) and not slot_mapping.is_floating_point()
+    assert skip_adapted is None or (skip_adapted.shape == (num_tokens,) and skip_adapted.dtype == torch.int64)
     if num_tokens == 0:
         return
-    _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping)
+    _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping,
+                   skip_adapted)

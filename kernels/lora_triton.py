@@ -53,6 +53,17 @@ def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, ste
     return groups
 
 
+def step_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep) -> list[GroupLaunch]:
+    """`plan_groups` with the step's own configs, planned by the step's first layer and kept in `proj.launch_cache`
+    (keyed by sizes; the step is kept and compared by identity: a proj may be paired with another step)."""
+    key = (x.shape[1], x.dtype, x.device, tuple(b.shape[1] for b in lora_b))
+    cached_step, groups = proj.launch_cache.get(key, (None, None))
+    if cached_step is not step:
+        groups = plan_groups(x, lora_b, proj, step, None)
+        proj.launch_cache[key] = (step, groups)
+    return groups
+
+
 def add_lora_triton(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -74,15 +85,7 @@ def add_lora_triton(
     if x.device.type != "cuda" and not is_interpreted():
         raise RuntimeError("the triton LoRA backend off CUDA needs TRITON_INTERPRET=1 before kubelora.kernels loads")
     step = with_tiles(step)
-    if config is None:
-        # Keyed by sizes; the step is kept and compared by identity (a proj may be paired with another step).
-        key = (x.shape[1], x.dtype, x.device, tuple(b.shape[1] for b in lora_b))
-        cached_step, groups = proj.launch_cache.get(key, (None, None))
-        if cached_step is not step:
-            groups = plan_groups(x, lora_b, proj, step, None)
-            proj.launch_cache[key] = (step, groups)
-    else:
-        groups = plan_groups(x, lora_b, proj, step, config)
+    groups = step_groups(x, lora_b, proj, step) if config is None else plan_groups(x, lora_b, proj, step, config)
     for group in groups:
         a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
         t = launch_shrink(x, a_group, proj, step, group.slices, group.config, shape=group.shrink)

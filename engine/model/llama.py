@@ -24,6 +24,7 @@ from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused, gemv
 from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
+from kubelora.kernels.lora_rotary import add_lora_rotary_kv_cache_, is_expand_rotary
 
 
 GEMV_ENV = "KUBELORA_GEMV"
@@ -123,11 +124,22 @@ class DecoderModel:
         """x: [num_tokens, hidden] -> attention output before o_proj [num_tokens, num_heads * head_dim]."""
         cfg = self.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        key_cache, value_cache = self.kv_cache.key[layer], self.kv_cache.value[layer]
+        lora = ctx.lora
+        if (self.is_fused and lora is not None and lora.backend == "triton"
+                and is_expand_rotary(lora.proj["qkv"], lora.step, cfg.head_dim)):
+            # a prefill's q/k/v deltas added by the rotary launch (kernels/lora_rotary.py): no second pass over qkv
+            weights, buffers = self.weights.layers[layer], self.lora_buffers[layer]
+            qkv = F.linear(x, weights.weight["qkv"], weights.bias["qkv"])
+            add_lora_rotary_kv_cache_(qkv, x, buffers.lora_a["qkv"], buffers.lora_b["qkv"], lora.proj["qkv"],
+                                      lora.step, cfg.num_heads, cfg.num_kv_heads, ctx.positions, self.rope.inv_freq,
+                                      self.rope.attention_scaling, key_cache, value_cache, ctx.attention.slot_mapping)
+            q = qkv[:, :q_dim].view(-1, cfg.num_heads, cfg.head_dim)
+            return paged_attention(q, key_cache, value_cache, ctx.attention, cfg.sliding_windows[layer], self.scale)
         q, k, v = self._proj(layer, "qkv", x, ctx).split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        key_cache, value_cache = self.kv_cache.key[layer], self.kv_cache.value[layer]
         if self.is_fused:  # one launch: q rotated in place, the rotated k and v stored in the cache
             fused.rotary_kv_cache_(q, k, v, ctx.positions, self.rope.inv_freq, self.rope.attention_scaling,
                                    key_cache, value_cache, ctx.attention.slot_mapping)

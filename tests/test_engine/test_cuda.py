@@ -53,3 +53,26 @@ def test_cuda_bfloat16_close_to_float32(llama, backend, prompt_ids):
         # their range on an H200 (measured); a broken LoRA path or cache moves them by far more.
         rel = float((a.prompt_logits - b.prompt_logits).abs().max() / a.prompt_logits.abs().max())
         assert rel < 0.15, rel
+
+
+@pytest.mark.parametrize("material", ["llama", "qwen2"], indirect=True)
+def test_cuda_long_prefill_through_fused_rotary_matches_transformers_peft(material, prompt_ids, peft_reference,
+                                                                          monkeypatch):
+    """Prompts long enough for tall LoRA tiles: the q/k/v deltas go through kernels/lora_rotary.py (base-model
+    prompts and an adapter without k beside them) and the tokens still equal transformers+PEFT's."""
+    from kubelora.engine.model import llama
+
+    calls = []
+    fused_op = llama.add_lora_rotary_kv_cache_
+    monkeypatch.setattr(llama, "add_lora_rotary_kv_cache_", lambda *args: calls.append(1) or fused_op(*args))
+    build_reference, reference_logits = peft_reference
+    prompts = [prompt_ids(i, 120 + 7 * i) for i in range(len(BATCH))]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_logits=True)
+    results = _generate(material, prompts, params, dtype="float32", lora_backend="triton")
+    assert calls, "the prefill did not take the fused q/k/v LoRA + rotary launch"
+    reference = build_reference(material)
+    for name, prompt, result in zip(BATCH, prompts, results):
+        expected = reference_logits(reference, name, prompt + result.token_ids[:-1])
+        got = torch.cat([result.prompt_logits, result.logits[1:]])
+        assert float((got - expected).abs().max()) < TOLERANCE["triton"], name
+        assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
