@@ -3,7 +3,9 @@
 Triton compiles a kernel the first time it sees a set of constexprs (tile heights, LoRA launch configs, head
 sizes); the first requests would otherwise wait for those compiles. Each warm-up step is one sequence of n
 tokens on the pad block (the KV block no sequence owns), with and without one LoRA slot whose scale is 0 over
-pool rows 0..max_lora_rank (the pool is zeros at start-up, and 0 x finite adds nothing either way).
+pool rows 0..max_lora_rank (the pool is zeros at start-up, and 0 x finite adds nothing either way); at the
+largest size also one step whose second half has no adapter (the rotary kernel's variant that skips the tokens
+kernels/lora_rotary.py rotates).
 
 `warm_up_requests` then runs a few requests through the engine's own step loop: the host side of a step (input
 packing, the last-token gather, the sampling stage's greedy and sampled paths, penalties, logprobs,
@@ -70,8 +72,11 @@ def _run_sizes(runner: ModelRunner, sizes: list[int], pad_block: int, shapes: li
             attention = prepare_prefill_attention([num], [num], [table], block_size, device)
             token_ids = torch.zeros(num, dtype=torch.int64, device=device)
             positions = torch.arange(num, device=device)
-            for view in views:
-                lora = None if view is None else runner.prepare_lora(_one_slot_batch(num, view))
+            batches = [None if view is None else _one_slot_batch(num, view) for view in views]
+            if num == sizes[-1]:  # a prefill of base-model and adapter tokens (the rotary kernel's token mask)
+                batches += [_mixed_batch(num, view) for view in views if view is not None]
+            for batch in batches:
+                lora = None if batch is None else runner.prepare_lora(batch)
                 ctx = ForwardContext(attention=attention, positions=positions, lora=lora)
                 model.compute_logits(model.forward(token_ids, ctx)[-1:])
     if device.type == "cuda":
@@ -113,10 +118,15 @@ def warm_up_requests(engine) -> float:
 class _Chunk:
     """The fields of a ScheduledChunk that `ModelRunner.prepare_lora` reads."""
 
-    def __init__(self, num: int) -> None:
-        self.slot = 0
+    def __init__(self, num: int, slot: int = 0) -> None:
+        self.slot = slot
         self.token_ids = range(num)
 
 
 def _one_slot_batch(num: int, view: SlotView) -> Batch:
     return Batch(chunks=(_Chunk(num),), slots=(view,))
+
+
+def _mixed_batch(num: int, view: SlotView) -> Batch:
+    """The first half of the tokens on the slot, the rest without an adapter."""
+    return Batch(chunks=(_Chunk(num // 2), _Chunk(num - num // 2, slot=-1)), slots=(view,))

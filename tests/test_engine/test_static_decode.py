@@ -115,7 +115,14 @@ def test_warm_up_writes_only_the_pad_block(llama):
         cache = engine._runner.model.kv_cache
         pad = engine.num_kv_blocks
         before = [k[:pad].clone() for k in cache.key]
+        batches = []
+        prepare = engine._runner.prepare_lora
+        engine._runner.prepare_lora = lambda batch: batches.append(batch) or prepare(batch)
         assert warm_up(engine._runner, [16, 40], pad, 8) > 0
+        del engine._runner.prepare_lora
+        # one LoRA step a size, and at the largest one a step whose second half has no adapter
+        assert [[(c.slot, len(c.token_ids)) for c in b.chunks] for b in batches] == [[(0, 16)], [(0, 40)],
+                                                                                    [(0, 20), (-1, 20)]]
         assert all(torch.equal(b, k[:pad]) for b, k in zip(before, cache.key))
         assert any(k[pad].abs().sum() > 0 for k in cache.key)
         # A registered adapter's own ranks (the idle engine thread's warm-up on CUDA): again only the pad block.
