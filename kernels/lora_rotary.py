@@ -2,13 +2,14 @@
 
 On a step of tall tiles (a prefill: `LoRAStep.block_m` > 16) the q/k/v LoRA expand reads and writes the whole
 projection output once more only to add a rank-r delta, and the rotary kernel reads it again right after
-(`fused.rotary_kv_cache_`). Here one program per (tile of one adapter's tokens, head) loads the head's base q, k or
-v rows, adds the tile's delta (scale x t @ B, rounded to the dtype as the expand rounds it), rotates q and k as the
-rotary kernel does (the same rounded products), and stores q back in place and k, v into the paged caches; k and v
-are not written back into the projection output (attention reads the caches). Tokens without an adapter are
-rotated by `fused.rotary_kv_cache_` with its token mask, in a second launch only when the step has such tokens.
+(`fused.rotary_kv_cache_`). Here one program per (tile of one adapter's tokens, group of heads) loads each
+head's base q, k or v rows, adds the tile's delta (scale x t @ B, rounded to the dtype as the expand rounds it),
+rotates q and k as the rotary kernel does (the same rounded products), and stores q back in place and k, v into
+the paged caches; k and v are not written back into the projection output (attention reads the caches). Tokens
+without an adapter are rotated by `fused.rotary_kv_cache_` with its token mask, in a second launch only when the
+step has such tokens.
 
-A program takes HEADS heads of one of q, k, v for one tile and computes the tile's angles once for them; each head
+A program takes HEADS_PER_PROGRAM heads of one of q, k, v and computes the tile's angles once for them; each head
 is two [BLOCK_M, 16] x [16, head_dim / 2] products (its halves, which the rotation pairs): on tensor cores from
 head_dim 32, on CUDA cores below (test models); head_dim is a power of two >= 16.
 `expand_rotary_kv_torch_` is the reference: the expand (`lora_expand_torch`) then `fused.rotary_kv_cache_torch_`
@@ -131,7 +132,7 @@ def _expand_rotary_kernel(
 
 
 def is_expand_rotary(proj: LoRAProj, step: LoRAStep, head_dim: int) -> bool:
-    """Whether a q/k/v projection of this step takes `expand_rotary_kv_cache_`: tall tiles (a prefill; decode
+    """Whether a q/k/v projection of this step takes `add_lora_rotary_kv_cache_`: tall tiles (a prefill; decode
     steps and their graphs keep the expand and the rotary kernel), every one of q, k and v adapted by some slot of
     the step (the shrink's output then holds all three slices), and heads of a power of two >= 16."""
     return (step.has_lora and step.block_m > 16 and len(proj.max_rank) == NUM_SLICES and min(proj.max_rank) > 0
@@ -164,7 +165,8 @@ def launch_expand_rotary(qkv: torch.Tensor, t: torch.Tensor, lora_b: list[torch.
         return
     heads = HEADS_PER_PROGRAM
     constexprs = dict(HEAD_DIM=head_dim, HEADS=heads, BLOCK_M=step.block_m, BLOCK_R=BLOCK_R,
-                      SLOT_TILES=step.is_slot_tiles, PRECISION=dot_precision(qkv.dtype), num_warps=NUM_WARPS, num_stages=1)
+                      SLOT_TILES=step.is_slot_tiles, PRECISION=dot_precision(qkv.dtype), num_warps=NUM_WARPS,
+                      num_stages=1)
     grid = (triton.cdiv(num_heads, heads) + 2 * triton.cdiv(num_kv_heads, heads), step.num_tiles)
     scalars = (float(attention_scaling), proj.rank.stride(0), qkv.stride(0), t.shape[2], key_cache.stride(-3),
                num_heads, num_kv_heads)
