@@ -128,25 +128,31 @@ class DecoderModel:
         lora = ctx.lora
         if (self.is_fused and lora is not None and lora.backend == "triton"
                 and is_expand_rotary(lora.proj["qkv"], lora.step, cfg.head_dim)):
-            # a prefill's q/k/v deltas added by the rotary launch (kernels/lora_rotary.py): no second pass over qkv
-            weights, buffers = self.weights.layers[layer], self.lora_buffers[layer]
-            qkv = F.linear(x, weights.weight["qkv"], weights.bias["qkv"])
-            add_lora_rotary_kv_cache_(qkv, x, buffers.lora_a["qkv"], buffers.lora_b["qkv"], lora.proj["qkv"],
-                                      lora.step, cfg.num_heads, cfg.num_kv_heads, ctx.positions, self.rope.inv_freq,
-                                      self.rope.attention_scaling, key_cache, value_cache, ctx.attention.slot_mapping)
-            q = qkv[:, :q_dim].view(-1, cfg.num_heads, cfg.head_dim)
-            return paged_attention(q, key_cache, value_cache, ctx.attention, cfg.sliding_windows[layer], self.scale)
-        q, k, v = self._proj(layer, "qkv", x, ctx).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if self.is_fused:  # one launch: q rotated in place, the rotated k and v stored in the cache
-            fused.rotary_kv_cache_(q, k, v, ctx.positions, self.rope.inv_freq, self.rope.attention_scaling,
-                                   key_cache, value_cache, ctx.attention.slot_mapping)
+            q = self._lora_rotary_q(layer, x, ctx, key_cache, value_cache)
         else:
-            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
-            write_kv(key_cache, value_cache, k, v, ctx.attention.slot_mapping)
+            q, k, v = self._proj(layer, "qkv", x, ctx).split([q_dim, kv_dim, kv_dim], dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if self.is_fused:  # one launch: q rotated in place, the rotated k and v stored in the cache
+                fused.rotary_kv_cache_(q, k, v, ctx.positions, self.rope.inv_freq, self.rope.attention_scaling,
+                                       key_cache, value_cache, ctx.attention.slot_mapping)
+            else:
+                q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+                write_kv(key_cache, value_cache, k, v, ctx.attention.slot_mapping)
         return paged_attention(q, key_cache, value_cache, ctx.attention, cfg.sliding_windows[layer], self.scale)
+
+    def _lora_rotary_q(self, layer: int, x: torch.Tensor, ctx: ForwardContext, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor) -> torch.Tensor:
+        """A prefill's q/k/v projection with its LoRA deltas added by the rotary launch (kernels/lora_rotary.py:
+        no second pass over the projection's output); K and V go to the caches; returns the rotated q."""
+        cfg, lora = self.config, ctx.lora
+        weights, buffers = self.weights.layers[layer], self.lora_buffers[layer]
+        qkv = F.linear(x, weights.weight["qkv"], weights.bias["qkv"])
+        add_lora_rotary_kv_cache_(qkv, x, buffers.lora_a["qkv"], buffers.lora_b["qkv"], lora.proj["qkv"], lora.step,
+                                  cfg.num_heads, cfg.num_kv_heads, ctx.positions, self.rope.inv_freq,
+                                  self.rope.attention_scaling, key_cache, value_cache, ctx.attention.slot_mapping)
+        return qkv[:, : cfg.num_heads * cfg.head_dim].view(-1, cfg.num_heads, cfg.head_dim)
 
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
