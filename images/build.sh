@@ -8,12 +8,14 @@
 #  3. podman build of the Dockerfile with --build-arg BASE=<that tag> and --pull=never, its final stage's
 #     `FROM deps` naming that image: a code change rebuilds only the builder stage and the project's layer;
 #  4. podman save into build/images/<name>.tar (load with `podman load -i` or `docker load -i`).
-# Podman runs with vfs storage and the runc runtime (no overlay or fuse needed) and a private containers.conf
-# with `default_ulimits = []`: podman's default ulimits fail where the caller's hard limits are lower.
+# Podman runs with the runc runtime and a private containers.conf with `default_ulimits = []` (podman's default
+# ulimits fail where the caller's hard limits are lower), on overlay storage where the kernel mounts overlayfs
+# over the cache's filesystem (as root), else on vfs, which needs neither overlayfs nor fuse.
 # An image is rebuilt only when its inputs changed (images/inputs_digest.py: Dockerfile, build context, base),
 # and then on its cached deps stage unless pyproject.toml, constraints.txt or the base changed too.
 # Env: KUBELORA_IMAGES (names, default all three), KUBELORA_CACHE (default ~/.cache/kubelora),
-# KUBELORA_DEBIAN_MIRROR, KUBELORA_REBASE=1 (rebuild the bases), KUBELORA_IMAGES_FORCE=1 (rebuild the images).
+# KUBELORA_DEBIAN_MIRROR, KUBELORA_REBASE=1 (rebuild the bases), KUBELORA_IMAGES_FORCE=1 (rebuild the images),
+# KUBELORA_STORAGE_DRIVER (overlay or vfs; default: overlay when a test mount of it works).
 # docs/chart.md says more.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -50,9 +52,34 @@ default_ulimits = []
 runtime = "runc"
 CONF
 export CONTAINERS_CONF="$cache/config/containers.conf"
-podman=(podman --storage-driver vfs --root "$cache/storage" --runroot "$cache/run" --runtime runc)
+# With overlay a layer holds only what its step changed; with vfs every layer is a full copy of the one below
+# it, so the engine's 6 GB dependency layer is copied again into each layer and container built on it.
+driver="${KUBELORA_STORAGE_DRIVER:-}"
+if [[ -z "$driver" ]]; then
+  driver=vfs
+  probe="$(mktemp -d "$cache/overlay-probe.XXXXXX")"
+  mkdir "$probe/lower" "$probe/upper" "$probe/work" "$probe/merged"
+  if mount -t overlay overlay -o "lowerdir=$probe/lower,upperdir=$probe/upper,workdir=$probe/work" \
+      "$probe/merged" 2>/dev/null; then
+    umount "$probe/merged"
+    driver=overlay
+  fi
+  rm -rf "$probe"
+fi
+case "$driver" in
+  vfs) storage="$cache/storage" run="$cache/run" ;;
+  overlay) storage="$cache/storage-overlay" run="$cache/run-overlay"
+    # A vfs store left by an earlier build here (7 GB or more) would only take up disk.
+    if [[ -d "$cache/storage" ]]; then
+      say "removing the vfs store $cache/storage: builds use overlay storage now"
+      rm -rf "$cache/storage" "$cache/run"
+    fi ;;
+  *) say "KUBELORA_STORAGE_DRIVER=$driver: expected overlay or vfs"; exit 2 ;;
+esac
+say "podman storage: $driver ($storage)"
+podman=(podman --storage-driver "$driver" --root "$storage" --runroot "$run" --runtime runc)
 # Untagged leftovers, also after a failed build: builder stages, a final image's layer, deps images of earlier
-# inputs (6 GB each for the engine with vfs). The tagged deps images stay: the next code change builds on them.
+# inputs (6 GB each for the engine). The tagged deps images stay: the next code change builds on them.
 trap '"${podman[@]}" image prune -f >/dev/null' EXIT
 
 # build_base TAG PACKAGES...: a Debian rootfs with python3 and PACKAGES, imported as TAG (once, then cached).
@@ -112,8 +139,8 @@ for name in "${names[@]}"; do
   fi
   start=$SECONDS
   # --network host: pip in the build stages reaches the package index; nothing is pulled (--pull=never).
-  # --layers=false: with vfs every committed layer is a full copy of the image below it (6 GB for the engine),
-  # so each build commits one layer per stage, and the deps stage is kept as an image of its own instead.
+  # --layers=false: each build commits one layer per stage (with vfs each committed layer is a full copy of
+  # the image below it, 6 GB for the engine), and the deps stage is kept as an image of its own instead.
   build=("${podman[@]}" build --pull=never --network host --layers=false "${ca_volume[@]}" --build-arg "BASE=$name_base")
   dockerfile="$repo/images/$name/Dockerfile"
   deps_tag="localhost/$name-deps:$(python3 "$repo/images/inputs_digest.py" --deps "$name" \
@@ -142,7 +169,7 @@ for name in "${names[@]}"; do
   mv "$out/$name.tar.partial" "$out/$name.tar"  # never a half-written archive under the name the kubelet reads
   echo "$inputs" >"$out/$name.inputs"
   size="$("${podman[@]}" image inspect --format '{{.Size}}' "$tag")"
-  # The archive is the product: with vfs the store would hold another full copy (6 GB for the engine).
+  # The archive is the product (with vfs the store would hold another full copy: 6 GB for the engine).
   # `podman load -i build/images/<name>.tar` brings it back, e.g. to push it.
   "${podman[@]}" rmi "$tag" >/dev/null
   say "$name: $((size / 1000000)) MB image, $(($(stat -c %s "$out/$name.tar") / 1000000)) MB archive, $((SECONDS - start)) s"

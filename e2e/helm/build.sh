@@ -26,7 +26,9 @@ echo "building helm $HELM_VERSION from the Go module proxy (about a minute on 2 
 # Progress while the build runs: a line every 30 s.
 ( while sleep 30; do echo "  helm: still building, $(( $(date +%s) - started )) s" >&2; done ) &
 ticker=$!
-trap 'kill "$ticker" 2>/dev/null; rm -rf "$tmp"' EXIT
+# The compile cache only serves a rebuild of the same release, which the cached binary makes moot: temporary.
+export GOCACHE="$bin_dir.gocache.$$"
+trap 'kill "$ticker" 2>/dev/null; rm -rf "$tmp" "$GOCACHE"' EXIT
 cd "$here"
 if ! go build -trimpath -ldflags "-s -w $stamp" -o "$tmp/" tool >"$log" 2>&1; then
   echo "helm $HELM_VERSION: the build failed after $(( $(date +%s) - started )) s; the end of $log:" >&2
