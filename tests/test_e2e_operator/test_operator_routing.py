@@ -147,8 +147,15 @@ def test_ready_means_routable_and_a_stale_router_degrades_the_pool(operator_env,
     assert condition(pool_status(env), "Degraded")["reason"] == "RouterPlacementStale"
 
     # A new router pod gets a valid token, takes the current placement, and the pool is no longer Degraded.
+    # Degraded clears once no router is stale, which can be before the new pod has answered at all (a router
+    # entry without a revision): wait for both.
     env.cluster.kubectl("delete", "pod", "-n", env.namespace, "-l", ROUTERS, "--wait=false")
-    wait_for("Degraded cleared", lambda: condition(pool_status(env), "Degraded").get("status") == "False",
-             timeout_s=120)
-    status = pool_status(env)
-    assert all(r["revision"] == status["placementRevision"] and not r["stale"] for r in status["routers"])
+
+    def recovered() -> dict | None:
+        status = pool_status(env)
+        routers_current = status.get("routers") and all(
+            r.get("revision") == status["placementRevision"] and not r["stale"] for r in status["routers"])
+        return status if routers_current and condition(status, "Degraded").get("status") == "False" else None
+
+    status = wait_for("Degraded cleared, every router on the current placement", recovered, timeout_s=120)
+    assert condition(status, "Degraded")["status"] == "False"
