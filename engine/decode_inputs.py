@@ -5,7 +5,7 @@ addresses, so a CUDA graph captured over them replays with new values. One int64
 holds every input; `fill` writes a step into it and copies it to the device buffer in one transfer. Regions:
 
     token_ids, positions, slot_mapping, context_lens: [max_seqs]
-    lora token_slots, token_rows, sorted_tokens: [max_seqs]; tiles: [max_tiles, TILE_HEAD + 16]
+    lora token_slots, sorted_tokens: [max_seqs]; tiles: [max_tiles, TILE_HEAD + 16]
     per projection kind: row_start, rank [max_slots + 1, num_slices], scale float32 (two to an int64)
     block_tables: [max_seqs, max_blocks]  (last: a bucket of B rows copies only what it reads)
 
@@ -81,8 +81,7 @@ class DecodeInputs:
     def _layout(self) -> list[tuple[str, int]]:
         n, table_rows = self.max_seqs, self.max_slots + 1
         regions = [("token_ids", n), ("positions", n), ("slot_mapping", n), ("context_lens", n),
-                   ("token_slots", n), ("token_rows", n), ("sorted_tokens", n),
-                   ("tiles", self.max_tiles * (TILE_HEAD + TILE_M))]
+                   ("token_slots", n), ("sorted_tokens", n), ("tiles", self.max_tiles * (TILE_HEAD + TILE_M))]
         for kind, slices in self.kind_slices.items():
             cells = table_rows * slices
             regions += [(f"{kind}.row_start", cells), (f"{kind}.rank", cells), (f"{kind}.scale", (cells + 1) // 2)]
@@ -117,8 +116,7 @@ class DecodeInputs:
                         num_slots=self.max_slots + 1, has_lora=True,
                         sorted_tokens=self._region(self.device_buf, "sorted_tokens", bucket),
                         tiles=tiles.view(num_tiles, TILE_HEAD + TILE_M), block_m=TILE_M, is_slot_tiles=False,
-                        num_lora_tokens=bucket, max_tile_count=key.rows,
-                        token_rows=self._region(self.device_buf, "token_rows", bucket))
+                        num_lora_tokens=bucket, max_tile_count=key.rows)
 
     def lora_projs(self, key: LoRAKey) -> dict[str, LoRAProj]:
         shape_rows = self.max_slots + 1
@@ -173,7 +171,7 @@ class DecodeInputs:
         for _ in self._host_bufs:
             self._take_turn()
             for name, value in (("token_ids", 0), ("positions", 0), ("context_lens", 1),
-                                ("slot_mapping", self.pad_slot), ("token_slots", -1), ("token_rows", -1),
+                                ("slot_mapping", self.pad_slot), ("token_slots", -1),
                                 ("block_tables", self.pad_slot // self.block_size)):
                 length = n * self.max_blocks if name == "block_tables" else n
                 self._put(name, [value] * length)
@@ -206,10 +204,6 @@ class DecodeInputs:
                 part = tokens[first : first + TILE_M]
                 rows += [slot, len(order) + first, len(part), *part, *[0] * (TILE_M - len(part))]
             order += tokens
-        token_rows = [-1] * bucket
-        for row, token in enumerate(order):
-            token_rows[token] = row
-        self._put("token_rows", token_rows)
         num_tiles = max_tiles_for(bucket, self.max_slots)
         width = TILE_HEAD + TILE_M
         assert len(rows) <= num_tiles * width

@@ -18,15 +18,11 @@ once eagerly per shape before capturing it (the first call compiles).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Rank rows of B a program reads per load where it adds a `LoRADelta` (the norm: [4, hidden] at once).
-DELTA_RANKS = 4
 
 
 def is_interpreted() -> bool:
@@ -42,75 +38,16 @@ def _check_device(t: torch.Tensor) -> None:
 # ---- residual add + RMSNorm ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LoRADelta:
-    """Low-rank deltas per token, added by the op that reads a projection's output next (a decode step's LoRA expand
-    done by that op's launch; kernels/lora_delta.py builds them). For token i with rows[i] >= 0, slot a = slots[i],
-    and slice s (o; or q, k, v) with r = rank[a, s] > 0 and a column c = t_cols[s] >= 0 of t:
-
-        x_s[i] <- x_s[i] + cast(sum_k cast(t[rows[i], c, k] * scale[a, s]) * b[s][row_start[a, s] + k, :]),  k < r
-
-    products and sum in float32, each cast to x's dtype: as the decode LoRA expand adds its delta (`y +
-    bf16(delta)`). Rows with rows[i] < 0, rank 0 or no column are left as they are; lanes of t at or past a
-    token's rank are never read."""
-
-    t: torch.Tensor  # [num_rows, num_columns, lanes] float32, contiguous (the shrink's output)
-    t_cols: tuple[int, ...]  # per slice: its column of t, -1 = none
-    b: tuple[torch.Tensor, ...]  # per slice: [pool_rows, width], contiguous
-    rows: torch.Tensor  # [num_tokens] int64: the token's row of t, -1 = no delta
-    slots: torch.Tensor  # [num_tokens] int64: the token's row of rank, row_start and scale
-    rank: torch.Tensor  # [num_slots, num_slices] int64
-    row_start: torch.Tensor  # as rank
-    scale: torch.Tensor  # [num_slots, num_slices] float32, the strides of rank
-
-
-def add_delta_torch(x: torch.Tensor, delta: LoRADelta, s: int = 0) -> torch.Tensor:
-    """Reference: x ([num_tokens, width] or [num_tokens, heads, head_dim], slice s's rows) with slice s of delta
-    added; a new tensor (syncs the host: test use)."""
-    shape, x = x.shape, x.reshape(x.shape[0], -1).clone()
-    column = delta.t_cols[s]
-    for i in torch.nonzero(delta.rows >= 0).flatten().tolist() if column >= 0 else ():
-        slot = int(delta.slots[i])
-        rank, start = int(delta.rank[slot, s]), int(delta.row_start[slot, s])
-        if rank == 0:
-            continue
-        t = (delta.t[int(delta.rows[i]), column, :rank] * delta.scale[slot, s]).to(x.dtype).float()
-        product = (t[:, None] * delta.b[s][start : start + rank].float()).sum(0)
-        x[i] = (x[i].float() + product.to(x.dtype).float()).to(x.dtype)
-    return x.view(shape)
-
-
-def _delta_args(delta: LoRADelta | None, filler: torch.Tensor, num_slices: int) -> tuple[tuple, dict]:
-    """The kernels' LoRADelta arguments (t, B pools, rows, slots, rank, row_start, scale, t's strides, the tables'
-    row stride) and constexprs; unread pointers without a delta."""
-    if delta is None:
-        return (filler,) * (6 + num_slices) + (0, 0, 0), dict(HAS_DELTA=False, LANES=DELTA_RANKS, T_COLS=0)
-    t = delta.t
-    assert t.dtype == torch.float32 and t.dim() == 3 and t.is_contiguous()
-    assert len(delta.b) == len(delta.t_cols) == num_slices and all(-1 <= c < t.shape[1] for c in delta.t_cols)
-    assert all(b.is_contiguous() and b.dtype == filler.dtype for b in delta.b)
-    assert delta.rows.dtype == delta.slots.dtype == torch.int64 and delta.scale.dtype == torch.float32
-    assert delta.rank.stride() == delta.row_start.stride() == delta.scale.stride()
-    t_cols = sum((3 if c < 0 else c) << (2 * s) for s, c in enumerate(delta.t_cols))
-    lanes = triton.cdiv(t.shape[2], DELTA_RANKS) * DELTA_RANKS  # the rank loop's bound (masked past each rank)
-    args = (t, *delta.b, delta.rows, delta.slots, delta.rank, delta.row_start, delta.scale, t.stride(0),
-            t.stride(1), delta.rank.stride(0))
-    return args, dict(HAS_DELTA=True, LANES=lanes, T_COLS=t_cols)
-
-
 def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                       delta: LoRADelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       out: torch.Tensor | None = None,
+                       residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: r = x + residual (r = x without residual); normed = weight * (r * rsqrt(mean(r^2) + eps)).
 
     x, residual, residual_out: [num_tokens, hidden]; weight: [hidden]; out: [num_tokens, hidden].
     r is rounded to x.dtype; the norm runs in float32, is cast to x.dtype, then scaled by weight in the promoted
     dtype. out / residual_out: optional buffers written in place (residual_out may be `residual`).
-    delta: slice 0 of it added to x first (`LoRADelta`); x itself is not written. Returns (normed, r).
+    Returns (normed, r).
     """
-    if delta is not None:
-        assert residual is not None, "a delta is added before the residual"
-        x = add_delta_torch(x, delta)
     if residual is None:
         assert residual_out is None, "without a residual, residual_out is x itself"
         summed = x
@@ -125,39 +62,13 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 
 
 @triton.jit
-def _token_delta(token, j, t_ptr, rows_ptr, lora_slots_ptr, rank_ptr, row_start_ptr, scale_ptr, t_stride,
-                 t_col_stride, meta_stride, T_COLS: tl.constexpr):
-    """A `LoRADelta`'s scalars for one token and slice j: (its row of t at j's column, scale, first B row, rank);
-    rank 0 where the token has no row or j no column. T_COLS packs each slice's column of t in 2 bits (3: none)."""
-    t_row = tl.load(rows_ptr + token)
-    t_col = (T_COLS >> (2 * j)) & 3
-    has = (t_row >= 0) & (t_col < 3)
-    lora_slot = tl.where(has, tl.load(lora_slots_ptr + token), 0)
-    rank = tl.where(has, tl.load(rank_ptr + lora_slot * meta_stride + j), 0)
-    b_start = tl.load(row_start_ptr + lora_slot * meta_stride + j)
-    scale = tl.load(scale_ptr + lora_slot * meta_stride + j)
-    return t_ptr + t_row * t_stride + t_col * t_col_stride, scale, b_start, rank
-
-
-@triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride,
-                         out_stride, residual_out_stride, hidden, eps, t_ptr, b_ptr, rows_ptr, lora_slots_ptr,
-                         rank_ptr, row_start_ptr, scale_ptr, t_stride, t_col_stride, meta_stride,
-                         HAS_RESIDUAL: tl.constexpr,
-                         HAS_DELTA: tl.constexpr, T_COLS: tl.constexpr, LANES: tl.constexpr, RANKS: tl.constexpr,
+                         out_stride, residual_out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr,
                          BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    if HAS_DELTA:  # the row as one head of `hidden` columns
-        t_row_ptr, scale, b_start, rank = _token_delta(row, 0, t_ptr, rows_ptr, lora_slots_ptr, rank_ptr,
-                                                       row_start_ptr, scale_ptr, t_stride, t_col_stride, meta_stride,
-                                                       T_COLS)
-        if rank > 0:
-            x2 = _heads_delta(x.to(tl.float32)[None, :], t_row_ptr, scale, b_ptr, b_start, rank, hidden, 0,
-                              tl.zeros([1], dtype=tl.int32), cols, mask[None, :], LANES, RANKS)
-            x = tl.reshape(x2, [BLOCK]).to(x.dtype)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded as `hidden + delta` is
@@ -176,14 +87,13 @@ def _norm_warps(block: int) -> int:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                 delta: LoRADelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None,
+                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: r = x + residual (r = x without residual); normed = weight * (r * rsqrt(mean(r^2) + eps)).
 
     Same arguments, shapes and roundings as `add_rms_norm_torch`; one program per row. Rows may be strided
     (views), columns must be contiguous. out may alias x, residual_out may alias residual (each row is read
-    before it is written, by the one program that owns it). With a delta, each program also reads its token's
-    rows of delta.b: meant for decode-sized batches (kernels/lora_delta.py says when).
+    before it is written, by the one program that owns it).
     """
     _check_device(x)
     num_tokens, hidden = x.shape
@@ -201,14 +111,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         return out, summed
     block = triton.next_power_of_2(hidden)
     res = x if residual is None else residual  # unread without HAS_RESIDUAL
-    assert delta is None or residual is not None, "a delta is added before the residual"
-    delta_args, delta_constexprs = _delta_args(delta, x, 1)
-    if delta is not None:
-        assert delta.rows.shape == (num_tokens,) and delta.b[0].shape[1] == hidden
     _add_rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, summed, x.stride(0), res.stride(0), out.stride(0), summed.stride(0), hidden,
-        float(eps), *delta_args, HAS_RESIDUAL=residual is not None, **delta_constexprs, RANKS=DELTA_RANKS,
-        BLOCK=block, num_warps=_norm_warps(block))
+        float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block))
     return out, summed
 
 
@@ -305,32 +210,9 @@ def rotate_rounded(x, partner, cos, sin, sign, dtype):
 
 
 @triton.jit
-def _heads_delta(x, t_row_ptr, scale, b_ptr, b_start, rank, width, head_dim, heads, cols, mask, LANES: tl.constexpr,
-                 RANKS: tl.constexpr):
-    """x ([heads, columns] of one token's row, float32 values of its dtype) plus the token's low-rank delta over
-    those columns of B (`b_ptr`: [pool_rows, width], head h's column c at h * head_dim + c), rounded as the decode
-    LoRA expand adds it: x + cast(sum_k cast(t[k] * scale) * B[b_start + k]), products and sum in float32."""
-    dtype = b_ptr.dtype.element_ty
-    lanes = tl.arange(0, RANKS)
-    offs = heads[:, None].to(tl.int64) * head_dim + cols[None, :]
-    acc = tl.zeros(x.shape, dtype=tl.float32)
-    for r0 in tl.static_range(0, LANES, RANKS):
-        r_ok = (r0 + lanes) < rank
-        t = tl.load(t_row_ptr + r0 + lanes, mask=r_ok, other=0.0)
-        t = (t * scale).to(dtype).to(tl.float32)
-        rows = (b_start + r0 + lanes).to(tl.int64) * width
-        b = tl.load(b_ptr + rows[:, None, None] + offs[None, :, :], mask=r_ok[:, None, None] & mask[None, :, :],
-                    other=0.0)
-        acc += tl.sum(t[:, None, None] * b.to(tl.float32), axis=0)
-    return (x + acc.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _rotate_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_stride, cos, sin, half,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, t_row_ptr, scale, b_ptr, b_start, rank, width,
-                  HAS_DELTA: tl.constexpr, LANES: tl.constexpr, RANKS: tl.constexpr):
-    """Rotates heads [first_head, first_head + BLOCK_H) of one token's row at x_ptr into out_ptr (may be x_ptr).
-    HAS_DELTA: the token's low-rank delta is added first where rank > 0 (`_heads_delta`)."""
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotates heads [first_head, first_head + BLOCK_H) of one token's row at x_ptr into out_ptr (may be x_ptr)."""
     heads = first_head + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < num_heads) & (cols[None, :] < half)
@@ -340,29 +222,17 @@ def _rotate_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_s
     x2 = tl.load(ptrs + half, mask=mask, other=0.0)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    if HAS_DELTA:
-        if rank > 0:
-            head_dim = 2 * half
-            x1 = _heads_delta(x1, t_row_ptr, scale, b_ptr, b_start, rank, width, head_dim, heads, cols, mask, LANES,
-                              RANKS)
-            x2 = _heads_delta(x2, t_row_ptr, scale, b_ptr, b_start, rank, width, head_dim, heads, cols + half, mask,
-                              LANES, RANKS)
     tl.store(out_ptrs, rotate_rounded(x1, x2, cos, sin, -1.0, dtype), mask=mask)
     tl.store(out_ptrs + half, rotate_rounded(x2, x1, cos, sin, 1.0, dtype), mask=mask)
 
 
 @triton.jit
 def _copy_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_stride, head_dim,
-                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, t_row_ptr, scale, b_ptr, b_start, rank, width,
-                HAS_DELTA: tl.constexpr, LANES: tl.constexpr, RANKS: tl.constexpr):
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     heads = first_head + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < num_heads) & (cols[None, :] < head_dim)
     x = tl.load(x_ptr + heads[:, None].to(tl.int64) * head_stride + cols[None, :], mask=mask, other=0.0)
-    if HAS_DELTA:
-        if rank > 0:
-            x = _heads_delta(x.to(tl.float32), t_row_ptr, scale, b_ptr, b_start, rank, width, head_dim, heads, cols,
-                             mask, LANES, RANKS).to(x.dtype)
     tl.store(out_ptr + heads[:, None].to(tl.int64) * out_head_stride + cols[None, :], x, mask=mask)
 
 
@@ -370,11 +240,8 @@ def _copy_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_str
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, key_cache_ptr, value_cache_ptr, slots_ptr,
                    attention_scaling, q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
                    v_head_stride, cache_slot_stride, cache_head_stride, num_heads, num_kv_heads, half,
-                   skip_ptr, t_ptr, bq_ptr, bk_ptr, bv_ptr, rows_ptr, lora_slots_ptr, rank_ptr, row_start_ptr,
-                   scale_ptr, t_stride, t_col_stride, meta_stride, HAS_CACHE: tl.constexpr,
-                   SKIP_ADAPTED: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_DELTA: tl.constexpr, T_COLS: tl.constexpr,
-                   LANES: tl.constexpr, RANKS: tl.constexpr):
+                   skip_ptr, HAS_CACHE: tl.constexpr, SKIP_ADAPTED: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     num_q_blocks = tl.cdiv(num_heads, BLOCK_H)
@@ -389,36 +256,26 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, key_cache_p
     is_skipped = False
     if SKIP_ADAPTED:  # the token has an adapter: kernels/lora_rotary.py rotates and stores its heads
         is_skipped = tl.load(skip_ptr + token) >= 0
-    # HAS_DELTA (a `LoRADelta` of slices q, k, v): the program's slice j gets the token's delta before it rotates.
-    t_row_ptr, scale, b_ptr, b_start, rank, width = t_ptr, 0.0, bq_ptr, 0, 0, 0
-    if HAS_DELTA:
-        j = tl.where(block < num_q_blocks, 0, tl.where(block < num_rotated_blocks, 1, 2))
-        t_row_ptr, scale, b_start, rank = _token_delta(token, j, t_ptr, rows_ptr, lora_slots_ptr, rank_ptr,
-                                                       row_start_ptr, scale_ptr, t_stride, t_col_stride, meta_stride,
-                                                       T_COLS)
-        b_ptr = tl.where(j == 0, bq_ptr, tl.where(j == 1, bk_ptr, bv_ptr))
-        width = tl.where(j == 0, num_heads, num_kv_heads) * (2 * half)
     if is_skipped:
         pass
     elif block < num_q_blocks:
         q_row = q_ptr + token * q_token_stride
         _rotate_heads(q_row, q_row, block * BLOCK_H, num_heads, q_head_stride, q_head_stride, cos, sin, half,
-                      BLOCK_H, BLOCK_HALF, t_row_ptr, scale, b_ptr, b_start, rank, width, HAS_DELTA, LANES, RANKS)
+                      BLOCK_H, BLOCK_HALF)
     elif block < num_rotated_blocks:
         k_row = k_ptr + token * k_token_stride
         first = (block - num_q_blocks) * BLOCK_H
         if HAS_CACHE:  # the rotated k goes straight into the key cache; k itself is left as it was
             if slot >= 0:
                 _rotate_heads(k_row, key_cache_ptr + slot * cache_slot_stride, first, num_kv_heads, k_head_stride,
-                              cache_head_stride, cos, sin, half, BLOCK_H, BLOCK_HALF, t_row_ptr, scale, b_ptr,
-                              b_start, rank, width, HAS_DELTA, LANES, RANKS)
+                              cache_head_stride, cos, sin, half, BLOCK_H, BLOCK_HALF)
         else:
             _rotate_heads(k_row, k_row, first, num_kv_heads, k_head_stride, k_head_stride, cos, sin, half, BLOCK_H,
-                          BLOCK_HALF, t_row_ptr, scale, b_ptr, b_start, rank, width, HAS_DELTA, LANES, RANKS)
+                          BLOCK_HALF)
     elif slot >= 0:  # HAS_CACHE only: v copied into the value cache as it is
         _copy_heads(v_ptr + token * v_token_stride, value_cache_ptr + slot * cache_slot_stride,
                     (block - num_rotated_blocks) * BLOCK_H, num_kv_heads, v_head_stride, cache_head_stride, 2 * half,
-                    BLOCK_H, 2 * BLOCK_HALF, t_row_ptr, scale, b_ptr, b_start, rank, width, HAS_DELTA, LANES, RANKS)
+                    BLOCK_H, 2 * BLOCK_HALF)
 
 
 def _rotary_heads_per_program(num_tokens: int, num_heads: int) -> int:
@@ -453,7 +310,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
 
 
 def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping,
-                   skip_adapted: torch.Tensor | None = None, delta: LoRADelta | None = None) -> None:
+                   skip_adapted: torch.Tensor | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
@@ -464,15 +321,11 @@ def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, v
     grid = (num_tokens, triton.cdiv(num_heads, block_h) + num_kv_blocks * (2 if has_cache else 1))
     v_arg, caches = (v, (key_cache, value_cache, slot_mapping)) if has_cache else (k, (k, k, positions))
     cache_strides = (key_cache.stride(-3), key_cache.stride(-2)) if has_cache else (0, 0)
-    delta_args, delta_constexprs = _delta_args(delta, q, 3)
-    if delta is not None:
-        assert has_cache and skip_adapted is None and delta.rows.shape == (num_tokens,)
-        assert [b.shape[1] for b in delta.b] == [num_heads * head_dim] + [num_kv_heads * head_dim] * 2
     _rotary_kernel[grid](q, k, v_arg, positions, inv_freq, *caches, float(attention_scaling), q.stride(0),
                          q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), *cache_strides,
                          num_heads, num_kv_heads, half, positions if skip_adapted is None else skip_adapted,
-                         *delta_args, HAS_CACHE=has_cache, SKIP_ADAPTED=skip_adapted is not None, BLOCK_H=block_h,
-                         BLOCK_HALF=block_half, **delta_constexprs, RANKS=DELTA_RANKS,
+                         HAS_CACHE=has_cache, SKIP_ADAPTED=skip_adapted is not None, BLOCK_H=block_h,
+                         BLOCK_HALF=block_half,
                          num_warps=max(min(block_h * block_half // 256, 4), 1))
 
 
@@ -481,19 +334,14 @@ def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, v
 
 def rotary_kv_cache_torch_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                            inv_freq: torch.Tensor, attention_scaling: float, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           delta: LoRADelta | None = None) -> None:
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Reference: q rotated in place as `rotary_torch_` rotates it; the rotated k and v stored at their flat cache
     slots (`engine/model/attention.py: write_kv`); k and v themselves are left as they were.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; key_cache, value_cache:
     [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] integer, flat slot
     (block * block_size + offset) of each token; a negative slot writes nothing.
-    delta: slices q, k, v (`LoRADelta`), each added to its part first (q in place too).
     """
-    if delta is not None:
-        q.copy_(add_delta_torch(q, delta, 0))
-        k, v = add_delta_torch(k, delta, 1), add_delta_torch(v, delta, 2)
     rotated_k = k.clone()
     rotary_torch_(q, rotated_k, positions, inv_freq, attention_scaling)
     num_kv_heads, head_dim = k.shape[1:]
@@ -506,13 +354,11 @@ def rotary_kv_cache_torch_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
 def rotary_kv_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      inv_freq: torch.Tensor, attention_scaling: float, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     skip_adapted: torch.Tensor | None = None, delta: LoRADelta | None = None) -> None:
+                     skip_adapted: torch.Tensor | None = None) -> None:
     """Triton: `rotary_kv_cache_torch_` in one launch (the rotary and the two cache writes of a layer).
 
     skip_adapted: [num_tokens] token -> adapter slot (`LoRAStep.token_slots`): tokens with a slot >= 0 are left as
     they are (`kernels/lora_rotary.py` adds their LoRA delta, rotates and stores them in its own launch).
-    delta: as the reference's; each program reads its token's rows of B for its heads (decode-sized batches:
-    kernels/lora_delta.py says when).
 
     Same arguments and roundings; q, k, v may be strided views of a fused qkv output (contiguous head_dim); the
     caches are contiguous in their last two dimensions. A program per (token, block of q, k or v heads); the k
@@ -532,4 +378,4 @@ def rotary_kv_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     if num_tokens == 0:
         return
     _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping,
-                   skip_adapted, delta)
+                   skip_adapted)

@@ -59,9 +59,6 @@ class LoRAStep:
     is_slot_tiles: bool = False
     num_lora_tokens: int = 0
     max_tile_count: int = 0  # the most tokens in one tile (<= block_m)
-    # [num_tokens] int64: the token's position in sorted_tokens (its row of the shrink's output); -1 = none.
-    # Read by ops that go over tokens in batch order (kernels/lora_delta.py).
-    token_rows: torch.Tensor | None = None
 
     @property
     def num_tiles(self) -> int:
@@ -133,18 +130,14 @@ def prepare_lora_step(
     block_m = _tile_height(counts_list, tile_heights, max_tiles)
     is_slot_tiles = bool(counts_list) and max(counts_list) <= block_m
     tiles = _tile_rows(counts if num_lora_tokens else counts[:0], order, block_m, is_slot_tiles)
+    packed = torch.from_numpy(np.concatenate([slots, order, tiles.reshape(-1)])).to(device)
     num_tokens = slots.size
-    token_rows = np.full(num_tokens, -1, dtype=np.int64)
-    token_rows[order] = np.arange(num_lora_tokens)
-    packed = torch.from_numpy(np.concatenate([slots, token_rows, order, tiles.reshape(-1)])).to(device)
-    sorted_first = 2 * num_tokens
     return LoRAStep(
         token_slots=packed[:num_tokens],
         num_slots=num_slots,
         has_lora=num_lora_tokens > 0,
-        sorted_tokens=packed[sorted_first : sorted_first + num_lora_tokens],
-        tiles=packed[sorted_first + num_lora_tokens :].view(-1, TILE_HEAD + block_m),
-        token_rows=packed[num_tokens:sorted_first],
+        sorted_tokens=packed[num_tokens : num_tokens + num_lora_tokens],
+        tiles=packed[num_tokens + num_lora_tokens :].view(-1, TILE_HEAD + block_m),
         block_m=block_m,
         is_slot_tiles=is_slot_tiles,
         num_lora_tokens=num_lora_tokens,

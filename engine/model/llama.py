@@ -24,14 +24,10 @@ from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused, gemv
 from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
-from kubelora.kernels.lora_delta import is_decode_delta, shrink_delta
 from kubelora.kernels.lora_rotary import add_lora_rotary_kv_cache_, is_expand_rotary
 
 
 GEMV_ENV = "KUBELORA_GEMV"
-# "1": decode steps leave the q/k/v and o LoRA expands to the rotary and post-attention norm launches
-# (kernels/lora_delta.py).
-DECODE_DELTA_ENV = "KUBELORA_DECODE_DELTA"
 
 
 @dataclass(frozen=True)
@@ -86,9 +82,6 @@ class DecoderModel:
         self.is_fused = weights.embed.is_cuda  # Triton small ops (kernels/fused.py) on CUDA
         # Triton GEMVs for one-token steps (kernels/gemv.py), on CUDA unless KUBELORA_GEMV=0
         self.is_gemv = self.is_fused and os.environ.get(GEMV_ENV, "1") != "0"
-        # Decode steps' q/k/v and o LoRA expands inside the rotary and norm launches (kernels/lora_delta.py): on
-        # with KUBELORA_DECODE_DELTA=1 only, until the engine benchmark on a GPU shows the step time it saves.
-        self.is_decode_delta = self.is_fused and os.environ.get(DECODE_DELTA_ENV, "0") == "1"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,22 +103,19 @@ class DecoderModel:
         """hidden: [n, hidden] -> logits [n, vocab] float32."""
         return F.linear(hidden, self.weights.lm_head).float()
 
-    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                  delta: fused.LoRADelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual); residual None: the first layer's input is the residual.
-        delta: the o projection's LoRA deltas, added to x first (`_o_proj`)."""
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual); residual None: the first layer's input is the residual."""
         op = fused.add_rms_norm if self.is_fused else fused.add_rms_norm_torch
-        return op(x, residual, weight, self.config.rms_norm_eps, delta=delta)
+        return op(x, residual, weight, self.config.rms_norm_eps)
 
     def _layer(self, layer: int, delta: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
                rope: _Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's output delta and the residual stream it adds to (summed by the next norm)."""
         norms = self.weights.layers[layer]
         x, residual = self._add_norm(delta, residual, norms.input_norm)
-        attn_out = self._attention(layer, x, ctx, rope)
-        # On decode-shaped steps the o projection's LoRA deltas come back for the norm to add (kernels/lora_delta.py).
-        attn, o_delta = self._decode_delta(layer, "o", attn_out, ctx) or (self._proj(layer, "o", attn_out, ctx), None)
-        x, residual = self._add_norm(attn, residual, norms.post_attn_norm, o_delta)
+        attn = self._proj(layer, "o", self._attention(layer, x, ctx, rope), ctx)
+        x, residual = self._add_norm(attn, residual, norms.post_attn_norm)
         gate_up = self._proj(layer, "gate_up", x, ctx)
         act = fused.silu_mul(gate_up) if self.is_fused else fused.silu_mul_torch(gate_up)
         return self._proj(layer, "down", act, ctx), residual
@@ -140,15 +130,13 @@ class DecoderModel:
                 and is_expand_rotary(lora.proj["qkv"], lora.step, cfg.head_dim)):
             q = self._lora_rotary_q(layer, x, ctx, key_cache, value_cache)
         else:
-            # On decode-shaped steps the rotary launch adds the LoRA deltas (kernels/lora_delta.py).
-            qkv, delta = self._decode_delta(layer, "qkv", x, ctx) or (self._proj(layer, "qkv", x, ctx), None)
-            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+            q, k, v = self._proj(layer, "qkv", x, ctx).split([q_dim, kv_dim, kv_dim], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             if self.is_fused:  # one launch: q rotated in place, the rotated k and v stored in the cache
                 fused.rotary_kv_cache_(q, k, v, ctx.positions, self.rope.inv_freq, self.rope.attention_scaling,
-                                       key_cache, value_cache, ctx.attention.slot_mapping, delta=delta)
+                                       key_cache, value_cache, ctx.attention.slot_mapping)
             else:
                 q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
                 write_kv(key_cache, value_cache, k, v, ctx.attention.slot_mapping)
@@ -166,28 +154,13 @@ class DecoderModel:
                                   self.rope.attention_scaling, key_cache, value_cache, ctx.attention.slot_mapping)
         return qkv[:, : cfg.num_heads * cfg.head_dim].view(-1, cfg.num_heads, cfg.head_dim)
 
-    def _linear(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
-        """y = x W^T + b: the GEMV kernel for one row on CUDA (kernels/gemv.py), else cuBLAS / torch."""
-        weights = self.weights.layers[layer]
-        if self.is_gemv and x.shape[0] == 1:
-            return gemv.linear(x, weights.weight[kind], weights.bias[kind])
-        return F.linear(x, weights.weight[kind], weights.bias[kind])
-
-    def _decode_delta(self, layer: int, kind: str, x: torch.Tensor,
-                      ctx: ForwardContext) -> tuple[torch.Tensor, fused.LoRADelta] | None:
-        """(x W^T + b, the step's shrink as a `fused.LoRADelta`) where the op after the projection adds its LoRA
-        deltas (kernels/lora_delta.py), else None."""
-        lora = ctx.lora
-        if not (self.is_decode_delta and lora is not None and lora.backend == "triton"
-                and is_decode_delta(lora.proj[kind], lora.step)):
-            return None
-        y = self._linear(layer, kind, x)
-        buffers = self.lora_buffers[layer]
-        return y, shrink_delta(x, buffers.lora_a[kind], buffers.lora_b[kind], lora.proj[kind], lora.step)
-
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
-        y = self._linear(layer, kind, x)
+        weights = self.weights.layers[layer]
+        if self.is_gemv and x.shape[0] == 1:
+            y = gemv.linear(x, weights.weight[kind], weights.bias[kind])
+        else:
+            y = F.linear(x, weights.weight[kind], weights.bias[kind])
         if ctx.lora is not None:
             buffers = self.lora_buffers[layer]
             add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], ctx.lora.proj[kind], ctx.lora.step,

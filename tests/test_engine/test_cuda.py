@@ -24,17 +24,6 @@ def _generate(material, prompts, params, **options):
         llm.close()
 
 
-def _check_triton_against_peft(material, peft_reference, prompts, results) -> None:
-    """Each float32 result on the Triton backend: logits within its tolerance of transformers+PEFT's, equal tokens."""
-    build_reference, reference_logits = peft_reference
-    reference = build_reference(material)
-    for name, prompt, result in zip(BATCH, prompts, results):
-        expected = reference_logits(reference, name, prompt + result.token_ids[:-1])
-        got = torch.cat([result.prompt_logits, result.logits[1:]])
-        assert float((got - expected).abs().max()) < TOLERANCE["triton"], name
-        assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("material", ["llama", "qwen2"], indirect=True)
 def test_cuda_float32_matches_transformers_peft(material, backend, prompt_ids, peft_reference):
@@ -76,36 +65,14 @@ def test_cuda_long_prefill_through_fused_rotary_matches_transformers_peft(materi
     calls = []
     fused_op = llama.add_lora_rotary_kv_cache_
     monkeypatch.setattr(llama, "add_lora_rotary_kv_cache_", lambda *args: calls.append(1) or fused_op(*args))
+    build_reference, reference_logits = peft_reference
     prompts = [prompt_ids(i, 120 + 7 * i) for i in range(len(BATCH))]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_logits=True)
     results = _generate(material, prompts, params, dtype="float32", lora_backend="triton")
     assert calls, "the prefill did not take the fused q/k/v LoRA + rotary launch"
-    _check_triton_against_peft(material, peft_reference, prompts, results)
-
-
-@pytest.mark.parametrize("material", ["llama", "qwen2"], indirect=True)
-def test_cuda_decode_delta_matches_transformers_peft(material, prompt_ids, peft_reference, monkeypatch):
-    """KUBELORA_DECODE_DELTA=1: decode steps' q/k/v and o deltas added by the rotary and norm launches
-    (kernels/lora_delta.py), replayed from CUDA graphs; the tokens still equal transformers+PEFT's."""
-    from kubelora.engine.model import llama
-
-    monkeypatch.setenv(llama.DECODE_DELTA_ENV, "1")
-    calls = []
-    shrink = llama.shrink_delta
-    monkeypatch.setattr(llama, "shrink_delta", lambda *args: calls.append(1) or shrink(*args))
-    prompts = [prompt_ids(i, 5 + 3 * i) for i in range(len(BATCH))]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, return_logits=True)
-    results = _generate(material, prompts, params, dtype="float32", lora_backend="triton")
-    assert calls, "no decode step took the deltas in the rotary and norm launches"
-    _check_triton_against_peft(material, peft_reference, prompts, results)
-
-
-def test_cuda_decode_delta_tokens_equal_with_graphs_on_and_off(llama, prompt_ids, monkeypatch):
-    from kubelora.engine.model import llama as model
-
-    monkeypatch.setenv(model.DECODE_DELTA_ENV, "1")
-    prompts = [prompt_ids(i, 6 + 2 * i) for i in range(len(BATCH))]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    graphs = _generate(llama, prompts, params, dtype="bfloat16", lora_backend="triton")
-    eager = _generate(llama, prompts, params, dtype="bfloat16", lora_backend="triton", enforce_eager=True)
-    assert [r.token_ids for r in graphs] == [r.token_ids for r in eager]
+    reference = build_reference(material)
+    for name, prompt, result in zip(BATCH, prompts, results):
+        expected = reference_logits(reference, name, prompt + result.token_ids[:-1])
+        got = torch.cat([result.prompt_logits, result.logits[1:]])
+        assert float((got - expected).abs().max()) < TOLERANCE["triton"], name
+        assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name

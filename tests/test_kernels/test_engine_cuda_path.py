@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
     return model_dir, adapters
 
 
-def _generate(tiny, is_cuda_path: bool, is_static: bool = False, is_decode_delta: bool = False):
+def _generate(tiny, is_cuda_path: bool, is_static: bool = False):
     from kubelora.engine import LLM, SamplingParams, setup
 
     model_dir, adapters = tiny
@@ -36,7 +36,6 @@ def _generate(tiny, is_cuda_path: bool, is_static: bool = False, is_decode_delta
     try:
         if is_cuda_path:
             engine._runner.model.is_fused = True
-            engine._runner.model.is_decode_delta = is_decode_delta
             engine._runner.config = replace(engine._runner.config, is_paged_attention=True)
         if is_static:
             engine._runner.decoder = setup.build_static_decoder(engine.config, engine._runner.model,
@@ -56,6 +55,3 @@ def test_cuda_path_under_interpreter_matches_reference(triton_backend, tiny, mon
     monkeypatch.setattr(attention, "uses_triton", lambda query: True)
     assert _generate(tiny, is_cuda_path=True) == expected
     assert _generate(tiny, is_cuda_path=True, is_static=True) == expected
-    # Decode steps' q/k/v and o LoRA expands done by the rotary and norm launches (kernels/lora_delta.py).
-    assert _generate(tiny, is_cuda_path=True, is_decode_delta=True) == expected
-    assert _generate(tiny, is_cuda_path=True, is_static=True, is_decode_delta=True) == expected
