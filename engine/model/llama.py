@@ -24,7 +24,6 @@ from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused, gemv
 from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
-from kubelora.kernels.lora_matmul import is_matmul_expand, matmul_lora
 from kubelora.kernels.lora_rotary import add_lora_rotary_kv_cache_, is_expand_rotary
 
 
@@ -158,13 +157,6 @@ class DecoderModel:
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
         weights = self.weights.layers[layer]
-        lora = ctx.lora
-        if (self.is_fused and lora is not None and lora.backend == "triton" and not (self.is_gemv and x.shape[0] == 1)
-                and is_matmul_expand(x, weights.weight[kind], self.lora_buffers[layer].lora_b[kind], lora.proj[kind],
-                                     lora.step)):
-            buffers = self.lora_buffers[layer]
-            return matmul_lora(x, weights.weight[kind], weights.bias[kind], buffers.lora_a[kind], buffers.lora_b[kind],
-                               lora.proj[kind], lora.step)
         if self.is_gemv and x.shape[0] == 1:
             y = gemv.linear(x, weights.weight[kind], weights.bias[kind])
         else:

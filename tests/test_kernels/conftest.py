@@ -30,9 +30,9 @@ def device() -> str:
 @pytest.fixture
 def triton_backend():
     """The Triton LoRA modules, built for the interpreter when there is no GPU."""
-    from kubelora.kernels import lora_matmul, lora_rotary, lora_triton  # noqa: F401 (reloaded below)
+    from kubelora.kernels import lora_rotary, lora_triton  # noqa: F401 (reloaded below)
 
     if not HAS_CUDA and not lora_triton.is_interpreted():
-        for name in ("lora_shrink", "lora_expand", "lora_triton", "lora_rotary", "lora_matmul"):
+        for name in ("lora_shrink", "lora_expand", "lora_triton", "lora_rotary"):
             importlib.reload(sys.modules[f"kubelora.kernels.{name}"])
     return sys.modules["kubelora.kernels.lora_triton"]

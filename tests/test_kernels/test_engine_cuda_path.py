@@ -55,27 +55,3 @@ def test_cuda_path_under_interpreter_matches_reference(triton_backend, tiny, mon
     monkeypatch.setattr(attention, "uses_triton", lambda query: True)
     assert _generate(tiny, is_cuda_path=True) == expected
     assert _generate(tiny, is_cuda_path=True, is_static=True) == expected
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA path on CPU needs Triton's interpreter")
-def test_cuda_path_with_the_fused_matmul_expand_matches_reference(triton_backend, tiny, monkeypatch):
-    """Projections of decode-shaped steps through kernels/lora_matmul.py (small blocks so the tiny model's widths
-    qualify), eager and from the static decode buffers: the reference path's tokens."""
-    from kubelora.engine.model import llama
-    from kubelora.kernels import lora_matmul
-
-    expected = _generate(tiny, is_cuda_path=False)
-    monkeypatch.setattr(attention, "uses_triton", lambda query: True)
-    monkeypatch.setenv(lora_matmul.CONFIG_ENV, "16,32,1,4")
-    calls = []
-
-    def counted(*args):
-        calls.append(args[-1].is_slot_tiles)
-        return lora_matmul.matmul_lora(*args)
-
-    monkeypatch.setattr(llama, "matmul_lora", counted)
-    assert _generate(tiny, is_cuda_path=True) == expected
-    assert calls, "no projection took the fused launch"
-    calls.clear()
-    assert _generate(tiny, is_cuda_path=True, is_static=True) == expected
-    assert False in calls, "the static decode step (tile table of the bucket, slot read per tile) took it"
