@@ -18,13 +18,13 @@ from triton.compiler import ASTSource
 from kubelora.kernels.lora_expand import _expand_kernel
 from kubelora.kernels.lora_shrink import _gemv_shrink_kernel, _shrink_kernel
 
-POINTERS = {"tiles_ptr": "*i64", "rank_ptr": "*i64", "row_ptr": "*i64", "scale_ptr": "*fp32",
+POINTERS = {"tiles_ptr": "*i64", "rank_ptr": "*i64", "row_ptr": "*i64", "scale_ptr": "*fp32", "tcol_ptr": "*i64",
             "t_ptr": "*fp32", "parts_ptr": "*fp32", "arrivals_ptr": "*i32"}
 # Arguments the launcher sees as multiples of 16 at the benchmark's sizes (Triton specializes on that).
 DIVISIBLE = {"in_dim", "x_stride", "y_stride", "width0", "width1", "width2", "y_off0", "y_off1", "y_off2", "lanes",
              "k_per_split", "num_groups"}
 COMMON = dict(NUM_S=3, SLOT_TILES=True, PRECISION="tf32", SPLIT=1, GROUPS=1, STACK=1, EARLY=False,
-              RED_Y=False)
+              RED_Y=False, T_IN_Y=False)
 EXPAND = dict(BLOCK_M=16, BLOCK_R=16, USE_PDL=True)  # the decode expand
 GEMV = dict(BLOCK_M=16, BLOCK_K=4096, USE_PDL=True)  # the GEMV shrink's shapes below, at in_dim 4096 in one step
 SHAPES = [

@@ -7,6 +7,7 @@ holds every input; `fill` writes a step into it and copies it to the device buff
     token_ids, positions, slot_mapping, context_lens: [max_seqs]
     lora token_slots, sorted_tokens: [max_seqs]; tiles: [max_tiles, TILE_HEAD + 16]
     per projection kind: row_start, rank [max_slots + 1, num_slices], scale float32 (two to an int64)
+    per staged kind (engine/adapters/staging.py): t_col [max_slots + 1, num_slices]
     block_tables: [max_seqs, max_blocks]  (last: a bucket of B rows copies only what it reads)
 
 A bucket of B sequences reads the first B rows of each region. Rows past the batch are padding: token 0 at
@@ -17,7 +18,7 @@ programs for them move no bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +40,8 @@ class LoRAKey:
     kinds: tuple[str, ...]  # projection kinds some adapter of the step adapts
     lanes: int  # max rank of the step rounded up to 16
     rows: int  # most tokens of one adapter in the step, rounded up to a power of two (<= 16)
+    # (kind, staged rows the kind's matmul reads) for the kinds whose shrink is staged (engine/adapters/staging.py)
+    stage: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,13 @@ class DecodeStep:
     block_tables: list[tuple[int, ...]]
     token_slots: list[int]  # -1: base model
     slot_tables: dict[str, tuple[list, list, list]]  # kind -> (row_start, rank, scale) per slot and slice
+    stage: dict[str, int] = field(default_factory=dict)  # staged kind -> rows its matmul reads (StagedStep.rows)
+    t_cols: dict[str, list[list[int]]] = field(default_factory=dict)  # staged kind -> StagedStep.t_col
 
 
 class DecodeInputs:
     def __init__(self, max_seqs: int, max_blocks: int, block_size: int, pad_block: int,
-                 kind_slices: dict[str, int], device: torch.device) -> None:
+                 kind_slices: dict[str, int], device: torch.device, staged_kinds: tuple[str, ...] = ()) -> None:
         self.max_seqs = max_seqs
         self.max_blocks = max_blocks
         self.block_size = block_size
@@ -62,6 +67,7 @@ class DecodeInputs:
         self.max_slots = max_seqs  # a step has at most one adapter per sequence
         self.max_tiles = max_tiles_for(max_seqs, self.max_slots)
         self.kind_slices = dict(kind_slices)
+        self.staged_kinds = tuple(staged_kinds)
         self._offsets: dict[str, int] = {}
         size = 0
         for name, length in self._layout():
@@ -85,6 +91,8 @@ class DecodeInputs:
         for kind, slices in self.kind_slices.items():
             cells = table_rows * slices
             regions += [(f"{kind}.row_start", cells), (f"{kind}.rank", cells), (f"{kind}.scale", (cells + 1) // 2)]
+            if kind in self.staged_kinds:
+                regions.append((f"{kind}.t_col", cells))
         return regions + [("block_tables", n * self.max_blocks)]
 
     def _region(self, buf: torch.Tensor, name: str, length: int) -> torch.Tensor:
@@ -120,15 +128,19 @@ class DecodeInputs:
 
     def lora_projs(self, key: LoRAKey) -> dict[str, LoRAProj]:
         shape_rows = self.max_slots + 1
+        staged = dict(key.stage)
         projs = {}
         for kind, slices in self.kind_slices.items():
             cells = shape_rows * slices
             scale = self._region(self.device_buf, f"{kind}.scale", (cells + 1) // 2).view(torch.float32)[:cells]
+            t_col = None
+            if staged.get(kind):
+                t_col = self._region(self.device_buf, f"{kind}.t_col", cells).view(shape_rows, slices)
             projs[kind] = LoRAProj(
                 row_start=self._region(self.device_buf, f"{kind}.row_start", cells).view(shape_rows, slices),
                 rank=self._region(self.device_buf, f"{kind}.rank", cells).view(shape_rows, slices),
                 scale=scale.view(shape_rows, slices),
-                max_rank=(key.lanes if kind in key.kinds else 0,) * slices)
+                max_rank=(key.lanes if kind in key.kinds else 0,) * slices, t_col=t_col)
         return projs
 
     # ---- host side, once per step ----
@@ -183,6 +195,8 @@ class DecodeInputs:
                 for region, length in ((f"{kind}.row_start", cells), (f"{kind}.rank", cells),
                                        (f"{kind}.scale", (cells + 1) // 2)):
                     self._put(region, [0] * length)
+                if kind in self.staged_kinds:
+                    self._put(f"{kind}.t_col", [0] * cells)
         self.device_buf.copy_(self.host_buf)
 
     def _put(self, name: str, values: list) -> None:
@@ -220,6 +234,8 @@ class DecodeInputs:
             scales = np.zeros(2 * ((table_rows * slices + 1) // 2), dtype=np.float32)
             scales[: num_slots * slices] = [v for r in scale for v in r]
             self._put(f"{kind}.scale", scales.view(np.int64))
+            if kind in step.t_cols:
+                self._put(f"{kind}.t_col", [v for r in step.t_cols[kind] for v in r] + [0] * (blank * slices))
 
 
 def lora_key(step: DecodeStep) -> LoRAKey | None:
@@ -239,4 +255,5 @@ def lora_key(step: DecodeStep) -> LoRAKey | None:
     if not kinds:
         return None
     rows = 1 << (min(max(counts.values()), TILE_M) - 1).bit_length()
-    return LoRAKey(kinds=tuple(kinds), lanes=-(-max_rank // 16) * 16, rows=rows)
+    stage = tuple((kind, step.stage[kind]) for kind in kinds if step.stage.get(kind))
+    return LoRAKey(kinds=tuple(kinds), lanes=-(-max_rank // 16) * 16, rows=rows, stage=stage)

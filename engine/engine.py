@@ -25,6 +25,7 @@ import torch
 from kubelora.engine.adapters.manager import AdapterManager
 from kubelora.engine.adapters.types import AdapterManagerConfig
 from kubelora.engine.adapters.pool import DeviceLoRAPool
+from kubelora.engine.adapters.staging import ShrinkStaging
 from kubelora.engine.adapters.spec import AdapterLimits
 from kubelora.engine.block_manager import BlockManager, BlockManagerConfig
 from kubelora.engine.config import EngineConfig
@@ -33,7 +34,7 @@ from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
 from kubelora.engine.model.config import PROJ_KINDS, load_hf_config, model_config_from_hf, rope_inv_freq
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
-from kubelora.engine.model.weights import ModelWeights, load_weights
+from kubelora.engine.model.weights import ModelWeights, extend_weights, load_weights
 from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
 from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig
 from kubelora.engine.sampling_params import SamplingParams
@@ -69,10 +70,20 @@ class LLMEngine:
         # Seconds of each start-up phase (the log has them too): weights, warm_up, capture, warm_up_requests.
         self.startup_seconds: dict[str, float] = {}
         started = time.perf_counter()
-        weights = _to_device(load_weights(config.model_dir, self.model_config, self.dtype), self.device)
+        host_weights = load_weights(config.model_dir, self.model_config, self.dtype)
+        # Staged shrinks: q/k/v and o weights inside taller buffers whose extra rows take adapters' A rows
+        stage_buffers = {}
+        if setup.uses_staged_shrink(config):
+            stage_buffers = extend_weights(host_weights, setup.staged_rows(self.model_config), self.device)
+        weights = _to_device(host_weights, self.device)
         self.startup_seconds["weights"] = time.perf_counter() - started
         pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype, self.device),
                               self.dtype, self.device)
+        self._staging = None
+        if stage_buffers:
+            self._staging = ShrinkStaging(
+                stage_buffers, {kind: weights.layers[0].weight[kind].shape[0] for kind in stage_buffers},
+                {kind: self.model_config.kind_modules(kind) for kind in stage_buffers}, pool)
         self.adapters = AdapterManager(self._adapter_config(), self.model_config, pool, self._adapter_limits(pool))
         # Distinct adapters a batch can hold: the count limit, else what the pool holds at max_lora_rank.
         self.max_loras = config.max_loras or max(1, pool.num_rows // config.max_lora_rank)
@@ -126,7 +137,7 @@ class LLMEngine:
             self.startup_seconds["warm_up"] = seconds
         if setup.uses_static_decode(self.config):
             runner.decoder = setup.build_static_decoder(self.config, model, self.max_model_len, self.num_kv_blocks,
-                                                        lora_backend)
+                                                        lora_backend, staging=self._staging)
             self.startup_seconds["capture"] = runner.decoder.capture_seconds
         return runner
 
@@ -335,7 +346,7 @@ class LLMEngine:
                 shape = (kinds, -(-info.rank // 16) * 16)
                 shapes[shape] = shapes.get(shape, 0) + 1
         common = sorted(shapes, key=lambda shape: -shapes[shape])[:MAX_GRAPH_SHAPES]
-        wanted = [graph for shape in common for graph in decoder.lora_graph_keys(*shape)]
+        wanted = [graph for shape in common for graph in decoder.lora_graph_keys(*shape, shapes[shape])]
         return [(bucket, key) for bucket, key in wanted if not decoder.has_graph(bucket, key)], wanted
 
     def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:

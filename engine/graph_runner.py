@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kubelora.engine.adapters.staging import ShrinkStaging, stage_bucket
 from kubelora.engine.decode_inputs import TILE_M, DecodeInputs, DecodeStep, LoRAKey, lora_key
 from kubelora.engine.model.attention import DecodeMetadata
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
@@ -42,8 +43,10 @@ class _Graph:
 
 
 class StaticDecoder:
-    def __init__(self, model: DecoderModel, inputs: DecodeInputs, lora_backend: str, use_graphs: bool) -> None:
+    def __init__(self, model: DecoderModel, inputs: DecodeInputs, lora_backend: str, use_graphs: bool,
+                 staging: ShrinkStaging | None = None) -> None:
         self.model = model
+        self.staging = staging  # staged shrinks for steps with adapters (engine/adapters/staging.py); None: off
         self.inputs = inputs
         self.lora_backend = lora_backend
         self.use_graphs = use_graphs
@@ -59,14 +62,31 @@ class StaticDecoder:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def lora_graph_keys(self, kinds: tuple[str, ...], lanes: int) -> list[tuple[int, LoRAKey]]:
-        """The graphs steps over adapters of one shape (projection kinds, rank lanes) use most: per bucket, one
-        token per adapter, two, and as many as a tile holds."""
+    def lora_graph_keys(self, kinds: tuple[str, ...], lanes: int, num_adapters: int | None = None
+                        ) -> list[tuple[int, LoRAKey]]:
+        """The graphs steps over adapters of one shape (projection kinds, rank lanes; num_adapters registered) use
+        most: per bucket, one token per adapter, two, and as many as a tile holds; with staged shrinks, the rows a
+        full bucket of such steps stages."""
         keys = []
         for bucket in self.buckets:
             top = 1 << (min(bucket, TILE_M) - 1).bit_length()
-            keys += [(bucket, LoRAKey(kinds, lanes, rows)) for rows in sorted({1, min(2, top), top})]
+            for rows in sorted({1, min(2, top), top}):
+                adapters = -(-bucket // rows) if num_adapters is None else min(-(-bucket // rows), num_adapters)
+                keys.append((bucket, LoRAKey(kinds, lanes, rows, self._stage_guess(kinds, lanes, adapters))))
         return keys
+
+    def _stage_guess(self, kinds: tuple[str, ...], lanes: int, num_adapters: int) -> tuple[tuple[str, int], ...]:
+        """LoRAKey.stage of a step over num_adapters adapters of rank `lanes` on every module of these kinds."""
+        if self.staging is None:
+            return ()
+        stage = []
+        for kind in kinds:
+            if kind in self.staging.modules:
+                rows = num_adapters * lanes * len(self.staging.modules[kind])
+                if rows > self.staging.capacity[kind]:
+                    return ()  # such a step runs its shrink launches (StagedStep: None)
+                stage.append((kind, stage_bucket(rows, self.staging.capacity[kind])))
+        return tuple(stage)
 
     def has_graph(self, bucket: int, key: LoRAKey | None) -> bool:
         return (bucket, key) in self._graphs
@@ -114,7 +134,7 @@ class StaticDecoder:
         lora = None
         if key is not None:
             lora = LoRAContext(step=inputs.lora_step(bucket, key), proj=inputs.lora_projs(key),
-                               backend=self.lora_backend)
+                               backend=self.lora_backend, stage=dict(key.stage))
         ctx = ForwardContext(attention=attention, positions=positions, lora=lora)
         hidden = self.model.forward(inputs.token_ids(bucket), ctx)
         return self.model.compute_logits(hidden)

@@ -140,12 +140,15 @@ class ModelRunner:
 
     def _forward_static(self, batch: Batch, pending) -> torch.Tensor:
         chunks = batch.chunks
-        tables = {}
+        tables, staged = {}, None
         if batch.slots:
             tables = {kind: _kind_tables(batch.slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
+            if self.decoder.staging is not None:  # the step's A rows beside the base weights (None: too many)
+                staged = self.decoder.staging.stage(batch.slots)
         step = DecodeStep(token_ids=[max(c.token_ids[0], 0) for c in chunks], positions=[c.start_pos for c in chunks],
                           block_tables=[c.block_table for c in chunks], token_slots=[c.slot for c in chunks],
-                          slot_tables=tables)
+                          slot_tables=tables, stage=staged.rows if staged else {},
+                          t_cols=staged.t_col if staged else {})
         return self.decoder.run(step, pending)  # a view of the graph's static output: sampling only reads it
 
     def _sampling_batch(self, seqs: list, device: torch.device):

@@ -8,6 +8,7 @@ import math
 import torch
 
 from kubelora.engine.adapters.pool import DeviceLoRAPool
+from kubelora.engine.adapters.staging import ROWS_PER_SLICE, STAGED_KINDS, ShrinkStaging, is_staging_enabled
 from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
 from kubelora.engine.decode_inputs import DecodeInputs
 from kubelora.engine.graph_runner import StaticDecoder
@@ -100,16 +101,28 @@ def uses_static_decode(config: EngineConfig) -> bool:
     return config.device.startswith("cuda") and not config.enforce_eager
 
 
+def uses_staged_shrink(config: EngineConfig) -> bool:
+    """LoRA decode steps compute their shrink in the base matmul (engine/adapters/staging.py): on the static decode
+    path with the Triton LoRA backend, unless KUBELORA_STAGED_SHRINK=0."""
+    return uses_static_decode(config) and resolve_lora_backend(config) == "triton" and is_staging_enabled()
+
+
+def staged_rows(model: ModelConfig) -> dict[str, int]:
+    """Staging capacity per staged kind: ROWS_PER_SLICE rows per module."""
+    return {kind: ROWS_PER_SLICE * len(model.kind_modules(kind)) for kind in STAGED_KINDS}
+
+
 def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
-                         lora_backend: str, use_graphs: bool | None = None) -> StaticDecoder:
+                         lora_backend: str, use_graphs: bool | None = None,
+                         staging: ShrinkStaging | None = None) -> StaticDecoder:
     """The static decode path; captures the base-model graph of every bucket now (start-up, not a request)."""
     device = torch.device(config.device)
     kind_slices = {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}
     inputs = DecodeInputs(max_seqs=config.max_num_seqs, max_blocks=math.ceil(max_model_len / config.kv_block_size),
                           block_size=config.kv_block_size, pad_block=pad_block, kind_slices=kind_slices,
-                          device=device)
+                          device=device, staged_kinds=tuple(staging.modules) if staging is not None else ())
     use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-    decoder = StaticDecoder(model, inputs, lora_backend, use_graphs=use_graphs)
+    decoder = StaticDecoder(model, inputs, lora_backend, use_graphs=use_graphs, staging=staging)
     if use_graphs:
         free_before = torch.cuda.mem_get_info(device)[0]
         decoder.capture_base()

@@ -73,6 +73,9 @@ class LoRAProj:
     rank: torch.Tensor  # [num_slots, num_slices] int64: 0 where the adapter does not adapt the slice
     scale: torch.Tensor  # [num_slots, num_slices] float32
     max_rank: tuple[int, ...]  # per slice, max of rank[:, s]: sizes the shrink buffer; 0 skips the slice
+    # [num_slots, num_slices] int64, steps whose shrink is staged into the base matmul only (kernels/lora_triton.py:
+    # add_lora_staged_triton): where the slot's shrink row of the slice starts past the base output's columns.
+    t_col: torch.Tensor | None = None
     # Host-side launch parameters a backend derives from this step's sizes, filled by the first layer's call
     # and reused by the others (the object lives for one step). Not part of the value.
     launch_cache: dict = field(default_factory=dict, compare=False, repr=False)

@@ -89,12 +89,12 @@ def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr,
+    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr, tcol_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
     y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_TILES: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, STACK: tl.constexpr, RED_Y: tl.constexpr,
+    PRECISION: tl.constexpr, STACK: tl.constexpr, RED_Y: tl.constexpr, T_IN_Y: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     # STACK > 1 (tiles of at most BLOCK_M / STACK tokens): the BLOCK_M rows of the product are STACK column
@@ -102,6 +102,9 @@ def _expand_kernel(
     # ROWS + token, and the rank dimension is STACK copies of the chunk's lanes, copy s multiplied only by the
     # rows of sub-block s (t is masked to zero elsewhere). One MMA then serves every column of the block
     # without computing or holding rows past the tile's tokens.
+    # T_IN_Y (a staged shrink, kernels/lora_triton.py: add_lora_staged_triton): t is not the shrink launch's
+    # [num_sorted, NUM_S, lanes] float32 buffer but columns of the projection's own output row: token tok's
+    # shrink row for this slice starts at t_ptr + tok * lanes + tcol[slot, col] (lanes: that row's pitch).
     ROWS: tl.constexpr = BLOCK_M // STACK
     SUB_N: tl.constexpr = BLOCK_N // STACK
     pid_n = tl.program_id(0)
@@ -137,7 +140,11 @@ def _expand_kernel(
     if not RED_Y:
         y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, SUB_N], dtype=tl.float32)
-    t_rows = ((start + q) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
+    if T_IN_Y:
+        t_col = tl.load(tcol_ptr + slot * meta_stride + col)
+        t_rows = (tok.to(tl.int64) * lanes + t_col)[:, None]
+    else:
+        t_rows = ((start + q) * NUM_S + j)[:, None] * lanes  # t: [num_sorted, NUM_S, lanes]
     n_mask = b_cols < width
     b_rows = b_ptr + row * width + b_cols
     r_first = 0
@@ -178,8 +185,9 @@ class ExpandShape:
 
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
-                config: KernelConfig, device: torch.device, dtype: torch.dtype) -> ExpandShape:
-    """The expand launch's host-side parameters (see `launch_expand`)."""
+                config: KernelConfig, device: torch.device, dtype: torch.dtype, is_t_in_y: bool = False
+                ) -> ExpandShape:
+    """The expand launch's host-side parameters (see `launch_expand`; is_t_in_y: `launch_expand_staged`)."""
     assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
@@ -191,7 +199,8 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SLOT_TILES=step.is_slot_tiles, B_FIRST=min(config.b_first, num_chunks),
         USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config), RED_Y=config.is_red_y,
-        num_warps=config.expand_warps, num_stages=config.expand_stages, **({"launch_pdl": True} if use_pdl else {}),
+        T_IN_Y=is_t_in_y, num_warps=config.expand_warps, num_stages=config.expand_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return ExpandShape(scalars, shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, scalars))
 
@@ -218,8 +227,51 @@ def launch_expand(
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
                             lora_b[0].dtype)
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
-    shape.launch(y, *pad_slices(lora_b), t, step.tiles, proj.rank, proj.row_start, proj.scale,
+    shape.launch(y, *pad_slices(lora_b), t, step.tiles, proj.rank, proj.row_start, proj.scale, proj.rank,
                  *shape.scalars, y.stride(0), t.shape[2])
+
+
+def launch_expand_staged(
+    y: torch.Tensor,
+    width: int,
+    lora_b: list[torch.Tensor],
+    proj: LoRAProj,
+    step: LoRAStep,
+    slices: list[int],
+    y_offsets: list[int],
+    shape: ExpandShape,
+) -> None:
+    """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * y[tok, width + t_col[a,s] : ... + r] @ B_{a,s}^T.
+
+    y: [num_tokens, width + staged rows], the output of a matmul whose weight rows past `width` are the step's
+    adapters' A rows (engine/adapters/staging.py), so its columns past `width` hold every token's shrink rows;
+    proj.t_col[a, s]: where slot a's rows of slice s start among them. Only y[:, :width] is written.
+    shape: `plan_expand(..., is_t_in_y=True)`.
+    """
+    assert len(lora_b) == len(slices) and y.stride(1) == 1 and proj.t_col is not None
+    assert proj.t_col.stride() == proj.rank.stride()
+    shape.launch(y, *pad_slices(lora_b), y[:, width:], step.tiles, proj.rank, proj.row_start, proj.scale,
+                 proj.t_col, *shape.scalars, y.stride(0), y.stride(0))
+
+
+def lora_expand_staged_torch(y: torch.Tensor, width: int, lora_b: list[torch.Tensor], proj: LoRAProj,
+                             step: LoRAStep, slices: list[int], y_offsets: list[int]) -> None:
+    """Reference of `launch_expand_staged` (same arguments, no shape): float32, added once into y."""
+    has_slot = step.token_slots >= 0
+    tokens = torch.nonzero(has_slot).flatten()
+    slots = step.token_slots[tokens]
+    t_all = y[:, width:]
+    for s, b_pool, off in zip(slices, lora_b, y_offsets):
+        for slot in torch.unique(slots).tolist():
+            rank, row = int(proj.rank[slot, s]), int(proj.row_start[slot, s])
+            if rank == 0:
+                continue
+            toks = tokens[slots == slot]
+            first = int(proj.t_col[slot, s])
+            t = (t_all[toks, first : first + rank].float() * float(proj.scale[slot, s])).to(b_pool.dtype)
+            delta = t.float() @ b_pool[row : row + rank].float()  # as the kernel: t scaled, rounded, then the dot
+            cols = slice(off, off + b_pool.shape[1])
+            y[toks, cols] = (y[toks, cols].float() + delta).to(y.dtype)
 
 
 def lora_expand_torch(

@@ -8,7 +8,7 @@ import torch
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
 from kubelora.kernels.lora_config import MAX_SLICES, KernelConfig, choose_config
-from kubelora.kernels.lora_expand import ExpandShape, _expand_kernel, launch_expand, plan_expand
+from kubelora.kernels.lora_expand import ExpandShape, _expand_kernel, launch_expand, launch_expand_staged, plan_expand
 from kubelora.kernels.lora_shrink import ShrinkShape, launch_shrink, plan_shrink
 
 
@@ -90,3 +90,34 @@ def add_lora_triton(
         a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
         t = launch_shrink(x, a_group, proj, step, group.slices, group.config, shape=group.shrink)
         launch_expand(y, t, b_group, proj, step, group.slices, group.y_offsets, group.config, shape=group.expand)
+
+
+def add_lora_staged_triton(y: torch.Tensor, width: int, lora_b: list[torch.Tensor], proj: LoRAProj,
+                           step: LoRAStep) -> None:
+    """The expand half of `add_lora_triton` for a staged shrink: y[:, :width] += each token's delta.
+
+    y: [num_tokens, width + staged rows], computed as x @ [W; A_staged]^T by one matmul whose weight rows past
+    `width` hold the step's adapters' A rows (engine/adapters/staging.py): its columns past `width` are the
+    shrink rows, at proj.t_col[slot, slice]. One expand launch per group of slices, as `add_lora_triton`'s, with
+    the same configs; no shrink launch.
+    """
+    if not step.has_lora:
+        return
+    assert step.tiles is not None and proj.t_col is not None
+    key = ("staged", width, y.dtype, y.device, tuple(b.shape[1] for b in lora_b))
+    cached_step, groups = proj.launch_cache.get(key, (None, None))
+    if cached_step is not step:
+        widths = [b.shape[1] for b in lora_b]
+        offsets = [sum(widths[:s]) for s in range(len(widths))]
+        active = [s for s, r in enumerate(proj.max_rank) if r > 0]
+        groups = []
+        for first in range(0, len(active), MAX_SLICES):
+            slices = active[first : first + MAX_SLICES]
+            config = choose_config(step, proj, slices)
+            y_offsets = [offsets[s] for s in slices]
+            shape = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, config, y.device,
+                                lora_b[0].dtype, is_t_in_y=True)
+            groups.append((slices, y_offsets, shape))
+        proj.launch_cache[key] = (step, groups)
+    for slices, y_offsets, shape in groups:
+        launch_expand_staged(y, width, [lora_b[s] for s in slices], proj, step, slices, y_offsets, shape)

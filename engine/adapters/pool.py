@@ -59,6 +59,7 @@ class SlotView:
     row_start: dict[str, int]  # module -> first row
     rank: dict[str, int]  # module -> rank rows (absent: module not adapted)
     scale: dict[str, float]
+    placement: int = -1  # unique per placement of an adapter into the pool (staged copies are keyed by it)
 
 
 class DeviceLoRAPool:
@@ -74,6 +75,8 @@ class DeviceLoRAPool:
             self.b[module] = torch.zeros(model.num_layers, num_rows, out_dim, dtype=dtype, device=device)
         self._allocators = {module: RowAllocator(num_rows) for module in LORA_MODULES}
         self._placements: dict[int, dict[str, tuple[int, int]]] = {}  # owner -> module -> (start, rank)
+        self._placement_ids: dict[int, int] = {}  # owner -> its placement's id (a new one for every place)
+        self._next_placement = 0
 
     @staticmethod
     def bytes_per_rank(model: ModelConfig, dtype: torch.dtype) -> int:
@@ -124,16 +127,20 @@ class DeviceLoRAPool:
             self.a[module][:, start : start + rank].copy_(host.a[module], non_blocking=True)
             self.b[module][:, start : start + rank].copy_(host.b[module], non_blocking=True)
         self._placements[owner] = placement
+        self._placement_ids[owner] = self._next_placement
+        self._next_placement += 1
         return True
 
     def free(self, owner: int) -> None:
+        self._placement_ids.pop(owner, None)
         for module, (start, rank) in self._placements.pop(owner, {}).items():
             self._allocators[module].free(start, rank)
 
     def view(self, owner: int, scales: dict[str, float]) -> SlotView:
         placement = self._placements[owner]
         return SlotView(row_start={m: s for m, (s, _) in placement.items()},
-                        rank={m: r for m, (_, r) in placement.items()}, scale=dict(scales))
+                        rank={m: r for m, (_, r) in placement.items()}, scale=dict(scales),
+                        placement=self._placement_ids[owner])
 
     def compact(self) -> None:
         """Pack every module's placements to the front (rows move down, in address order: no overlap hazard)."""

@@ -13,7 +13,7 @@ cuBLAS; `KUBELORA_GEMV=0` keeps cuBLAS.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ class LoRAContext:
     step: LoRAStep
     proj: dict[str, LoRAProj]  # kind -> slot table for that projection kind
     backend: str
+    # kind -> staged rows its matmul reads past the base output (engine/adapters/staging.py; triton backend):
+    # those kinds compute their shrink in the base matmul and launch only the expand
+    stage: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,17 @@ class DecoderModel:
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
         weights = self.weights.layers[layer]
+        staged = ctx.lora.stage.get(kind, 0) if ctx.lora is not None else 0
+        if staged:  # x @ [W; the step's A rows]^T, then the expand reads each token's shrink from its row
+            from kubelora.kernels.lora_triton import add_lora_staged_triton  # late, as add_lora's: TRITON_INTERPRET
+
+            weight, bias = weights.extended[kind]
+            width = weights.weight[kind].shape[0]
+            weight, bias = weight[: width + staged], None if bias is None else bias[: width + staged]
+            y = gemv.linear(x, weight, bias) if self.is_gemv and x.shape[0] == 1 else F.linear(x, weight, bias)
+            add_lora_staged_triton(y, width, self.lora_buffers[layer].lora_b[kind], ctx.lora.proj[kind],
+                                   ctx.lora.step)
+            return y[:, :width]
         if self.is_gemv and x.shape[0] == 1:
             y = gemv.linear(x, weights.weight[kind], weights.bias[kind])
         else:

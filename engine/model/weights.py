@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,9 @@ class LayerWeights:
     post_attn_norm: torch.Tensor  # [hidden]
     weight: dict[str, torch.Tensor]  # kind -> [sum of out dims, in_dim]
     bias: dict[str, torch.Tensor | None]  # kind -> [sum of out dims] or None
+    # kind -> (weight [out + staged rows, in_dim], bias [out + staged rows] or None): the weight and bias above are
+    # their first rows (`extend_weights`, for staged shrinks: engine/adapters/staging.py)
+    extended: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,3 +99,26 @@ def _fused_bias(reader: CheckpointReader, names: list[str], weight: torch.Tensor
         out_dim = reader.get(f"{n}.weight", dtype).shape[0]
         parts.append(reader.get(f"{n}.bias", dtype) if reader.has(f"{n}.bias") else torch.zeros(out_dim, dtype=dtype))
     return torch.cat(parts)
+
+
+def extend_weights(weights: ModelWeights, rows: dict[str, int], device: torch.device) -> dict[str, torch.Tensor]:
+    """Put each kind's weights into one `[num_layers, out_dim + rows[kind], in_dim]` device buffer (extra rows
+    zero) and return the buffers; every layer's weight (and bias, extended with zeros) becomes a view of its
+    first out_dim rows, with `LayerWeights.extended` the whole layer. The host tensors are copied straight in."""
+    buffers = {}
+    for kind, extra in rows.items():
+        first = weights.layers[0].weight[kind]
+        out_dim, in_dim = first.shape
+        buf = torch.zeros(len(weights.layers), out_dim + extra, in_dim, dtype=first.dtype, device=device)
+        for i, layer in enumerate(weights.layers):
+            buf[i, :out_dim].copy_(layer.weight[kind])
+            bias = layer.bias[kind]
+            ext_bias = None
+            if bias is not None:
+                ext_bias = torch.zeros(out_dim + extra, dtype=bias.dtype, device=device)
+                ext_bias[:out_dim].copy_(bias)
+                layer.bias[kind] = ext_bias[:out_dim]
+            layer.weight[kind] = buf[i, :out_dim]
+            layer.extended[kind] = (buf[i], ext_bias)
+        buffers[kind] = buf
+    return buffers

@@ -1,0 +1,92 @@
+"""Staged shrinks' placement (engine/adapters/staging.py): rows copied from the pool once per adapter placement,
+kept across steps, evicted for a step's new adapters, restaged from row 0 when spread out, and no staging at all
+for a step past the capacity."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kubelora.engine.adapters.pool import SlotView
+from kubelora.engine.adapters.staging import ShrinkStaging, stage_bucket
+
+LAYERS, IN_DIM, BASE = 2, 8, 5
+MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",)}
+
+
+def make(capacity: dict[str, int]):
+    gen = torch.Generator().manual_seed(0)
+    pool = SimpleNamespace(a={m: torch.randn(LAYERS, 200, IN_DIM, generator=gen) for mods in MODULES.values()
+                              for m in mods})
+    buffers = {kind: torch.zeros(LAYERS, BASE + cap, IN_DIM) for kind, cap in capacity.items()}
+    return ShrinkStaging(buffers, {kind: BASE for kind in capacity}, MODULES, pool), pool
+
+
+def view(placement: int, first: int, ranks: dict[str, int]) -> SlotView:
+    return SlotView(row_start={m: first + 10 * i for i, m in enumerate(ranks)}, rank=dict(ranks),
+                    scale={m: 1.0 for m in ranks}, placement=placement)
+
+
+def check_rows(staging, pool, slots, staged) -> None:
+    """Every slot's staged rows hold its pool rows, slice by slice, at t_col."""
+    for kind, mods in MODULES.items():
+        buf = staging.buffers[kind]
+        for v, cols in zip(slots, staged.t_col[kind]):
+            for m, col in zip(mods, cols):
+                rank = v.rank.get(m, 0)
+                if rank:
+                    want = pool.a[m][:, v.row_start[m] : v.row_start[m] + rank]
+                    assert torch.equal(buf[:, BASE + col : BASE + col + rank], want), (kind, m)
+
+
+def test_bucket_steps_by_at_most_half():
+    sizes = [stage_bucket(r, 10_000) for r in range(1, 5000)]
+    assert sizes[:64] == [64] * 64 and stage_bucket(65, 10_000) == 96 and stage_bucket(97, 10_000) == 128
+    assert stage_bucket(1536, 10_000) == 1536 and stage_bucket(3072, 10_000) == 3072
+    assert all(r <= s <= max(64, 1.5 * r) for r, s in zip(range(1, 5000), sizes))
+    assert stage_bucket(0, 100) == 0 and stage_bucket(90, 80) == 80
+
+
+def test_rows_copied_once_and_kept_across_steps():
+    staging, pool = make({"qkv": 96, "o": 32})
+    a = view(1, 0, {"q_proj": 4, "v_proj": 4, "o_proj": 4})
+    b = view(2, 50, {"q_proj": 8, "k_proj": 8, "v_proj": 8})
+    staged = staging.stage((a, b))
+    assert staged.t_col["qkv"] == [[0, 0, 4], [8, 16, 24]] and staged.t_col["o"] == [[0], [0]]
+    assert staged.rows == {"qkv": 64, "o": 32}  # 32 rows in the smallest bucket; o's capped at its capacity
+    check_rows(staging, pool, (a, b), staged)
+    copies = staging.num_copies
+    again = staging.stage((b, a))  # the next step, slots in another order: nothing copied
+    assert staging.num_copies == copies
+    assert again.t_col["qkv"] == [[8, 16, 24], [0, 0, 4]]
+    check_rows(staging, pool, (b, a), again)
+
+
+def test_new_adapters_evict_unused_ones_and_spread_rows_restage():
+    staging, pool = make({"qkv": 200, "o": 64})
+    first = [view(i, 3 * i, {"q_proj": 16, "k_proj": 16, "v_proj": 16, "o_proj": 16}) for i in range(4)]
+    staging.stage(tuple(first))  # qkv rows 0..192
+    c = view(9, 100, {"q_proj": 16, "k_proj": 16, "v_proj": 16, "o_proj": 16})
+    staged = staging.stage((first[3], c))  # c needs room: the three others go
+    check_rows(staging, pool, (first[3], c), staged)
+    assert staged.rows["qkv"] <= stage_bucket(96, 200)  # rows of first[3] were at 144: restaged from 0
+    assert sorted(col[0] for col in staged.t_col["qkv"]) == [0, 48]
+
+
+def test_a_step_past_the_capacity_is_not_staged():
+    staging, _ = make({"qkv": 40, "o": 64})
+    big = view(1, 0, {"q_proj": 16, "k_proj": 16, "v_proj": 16})
+    assert staging.stage((big,)) is None and staging.num_copies == 0
+    small = view(2, 0, {"q_proj": 8, "o_proj": 8})
+    assert staging.stage((small,)).rows == {"qkv": 40, "o": 64}
+
+
+def test_a_new_placement_of_the_same_rows_is_copied_again():
+    staging, pool = make({"qkv": 96, "o": 32})
+    a = view(1, 0, {"q_proj": 4})
+    staging.stage((a,))
+    pool.a["q_proj"][:, 0:4] += 1  # the pool reloaded an adapter into the same rows (a new placement id)
+    reloaded = view(2, 0, {"q_proj": 4})
+    staged = staging.stage((reloaded,))
+    check_rows(staging, pool, (reloaded,), staged)
