@@ -209,13 +209,20 @@ def test_known_adapter_is_loaded_on_demand_off_thread(llama):
     assert manager.stats().num_loads == 1
 
 
-def test_adapter_evicted_from_host_is_reloaded_from_its_source(llama):
+def test_adapter_evicted_from_host_is_reloaded_from_its_source(llama, monkeypatch):
+    import threading
+
+    from kubelora.engine.adapters import manager as manager_module
+
     manager, _ = make_manager(llama, max_cpu_loras=1)
     manager.load("a", llama.adapters["r4-qv"])
     manager.load("b", llama.adapters["r8-all"])
     assert tiers(manager) == {"a": "known", "b": "host"}
-    revision = manager.acquire("a")
+    read, go = manager_module.read_adapter_weights, threading.Event()
+    monkeypatch.setattr(manager_module, "read_adapter_weights", lambda *args: go.wait(10) and read(*args))
+    revision = manager.acquire("a")  # the reload starts on the loader thread and waits for `go`
     assert manager.ensure_device(revision, set()) is Residency.LOADING  # the scheduler skips it this step
+    go.set()
     wait_until(lambda: revision.host is not None)
     assert placed(manager, revision, set())
 
