@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep, prepare_lora_step
-from kubelora.kernels.lora_config import MAX_SLICES, KernelConfig, choose_config
+from kubelora.kernels.lora_config import MAX_SLICES, KernelConfig, choose_config, staged_expand_config
 from kubelora.kernels.lora_expand import ExpandShape, _expand_kernel, launch_expand, launch_expand_staged, plan_expand
 from kubelora.kernels.lora_shrink import ShrinkShape, launch_shrink, plan_shrink
 
@@ -93,18 +93,18 @@ def add_lora_triton(
 
 
 def add_lora_staged_triton(y: torch.Tensor, width: int, lora_b: list[torch.Tensor], proj: LoRAProj,
-                           step: LoRAStep) -> None:
+                           step: LoRAStep, config: KernelConfig | None = None) -> None:
     """The expand half of `add_lora_triton` for a staged shrink: y[:, :width] += each token's delta.
 
     y: [num_tokens, width + staged rows], computed as x @ [W; A_staged]^T by one matmul whose weight rows past
     `width` hold the step's adapters' A rows (engine/adapters/staging.py): its columns past `width` are the
     shrink rows, at proj.t_col[slot, slice]. One expand launch per group of slices, as `add_lora_triton`'s, with
-    the same configs; no shrink launch.
+    `staged_expand_config` (config: another one, for the benchmark and tests); no shrink launch.
     """
     if not step.has_lora:
         return
     assert step.tiles is not None and proj.t_col is not None
-    key = ("staged", width, y.dtype, y.device, tuple(b.shape[1] for b in lora_b))
+    key = ("staged", width, y.dtype, y.device, tuple(b.shape[1] for b in lora_b), config)
     cached_step, groups = proj.launch_cache.get(key, (None, None))
     if cached_step is not step:
         widths = [b.shape[1] for b in lora_b]
@@ -113,10 +113,10 @@ def add_lora_staged_triton(y: torch.Tensor, width: int, lora_b: list[torch.Tenso
         groups = []
         for first in range(0, len(active), MAX_SLICES):
             slices = active[first : first + MAX_SLICES]
-            config = choose_config(step, proj, slices)
             y_offsets = [offsets[s] for s in slices]
-            shape = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, config, y.device,
-                                lora_b[0].dtype, is_t_in_y=True)
+            shape = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets,
+                                config or staged_expand_config(step, proj, slices), y.device, lora_b[0].dtype,
+                                is_t_in_y=True)
             groups.append((slices, y_offsets, shape))
         proj.launch_cache[key] = (step, groups)
     for slices, y_offsets, shape in groups:
