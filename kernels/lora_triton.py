@@ -35,20 +35,24 @@ class GroupLaunch:
     expand: ExpandShape
 
 
-def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
-                config: KernelConfig | None) -> list[GroupLaunch]:
-    """The step's launches for this projection, from sizes only (the same for every layer of the step)."""
+def slice_groups(lora_b: list[torch.Tensor], proj: LoRAProj) -> list[tuple[list[int], list[int], list[int]]]:
+    """The projection's adapted slices (rank > 0 somewhere in the step) in launches of up to MAX_SLICES: per
+    launch (slices, their first columns in y, their widths)."""
     widths = [b.shape[1] for b in lora_b]
     offsets = [sum(widths[:s]) for s in range(len(widths))]
     active = [s for s, r in enumerate(proj.max_rank) if r > 0]
+    return [(slices, [offsets[s] for s in slices], [widths[s] for s in slices])
+            for slices in (active[first : first + MAX_SLICES] for first in range(0, len(active), MAX_SLICES))]
+
+
+def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
+                config: KernelConfig | None) -> list[GroupLaunch]:
+    """The step's launches for this projection, from sizes only (the same for every layer of the step)."""
     groups = []
-    for first in range(0, len(active), MAX_SLICES):
-        slices = active[first : first + MAX_SLICES]
+    for slices, y_offsets, widths in slice_groups(lora_b, proj):
         group_config = config or choose_config(step, proj, slices)
-        y_offsets = [offsets[s] for s in slices]
         shrink = plan_shrink(x.shape[1], proj, step, slices, group_config, x.device, x.dtype)
-        expand = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets, group_config, x.device,
-                             lora_b[0].dtype)
+        expand = plan_expand(widths, proj, step, slices, y_offsets, group_config, x.device, lora_b[0].dtype)
         groups.append(GroupLaunch(slices, y_offsets, group_config, shrink, expand))
     return groups
 
@@ -107,15 +111,10 @@ def add_lora_staged_triton(y: torch.Tensor, width: int, lora_b: list[torch.Tenso
     key = ("staged", width, y.dtype, y.device, tuple(b.shape[1] for b in lora_b), config)
     cached_step, groups = proj.launch_cache.get(key, (None, None))
     if cached_step is not step:
-        widths = [b.shape[1] for b in lora_b]
-        offsets = [sum(widths[:s]) for s in range(len(widths))]
-        active = [s for s, r in enumerate(proj.max_rank) if r > 0]
         groups = []
-        for first in range(0, len(active), MAX_SLICES):
-            slices = active[first : first + MAX_SLICES]
-            y_offsets = [offsets[s] for s in slices]
-            shape = plan_expand([widths[s] for s in slices], proj, step, slices, y_offsets,
-                                config or staged_expand_config(step, proj, slices), y.device, lora_b[0].dtype,
+        for slices, y_offsets, widths in slice_groups(lora_b, proj):
+            group_config = config or staged_expand_config(step, proj, slices)
+            shape = plan_expand(widths, proj, step, slices, y_offsets, group_config, y.device, lora_b[0].dtype,
                                 is_t_in_y=True)
             groups.append((slices, y_offsets, shape))
         proj.launch_cache[key] = (step, groups)

@@ -106,3 +106,36 @@ def check_y(p: Problem, y: torch.Tensor) -> None:
     ref = torch.where(touched, expected, 0).norm(dim=1)
     worst = float((err / ref.clamp(min=1e-30)).max()) if touched.any() else 0.0
     assert worst <= TOLERANCE[y.dtype], f"worst row relative error {worst:.2e} > {TOLERANCE[y.dtype]:.0e}"
+
+
+def write_tiny(root, adapters: dict[str, tuple[int, int, str]]):
+    """A tiny Llama directory and PEFT adapters (name -> (rank, alpha, targets)) under root: (model_dir, paths)."""
+    from kubelora.cli.tiny import make_adapter, make_tiny_model
+
+    model_dir = make_tiny_model(root / "model", arch="llama", seed=0)
+    paths = {name: make_adapter(root / name, model_dir, rank=rank, alpha=alpha, targets=targets, seed=seed)
+             for seed, (name, (rank, alpha, targets)) in enumerate(adapters.items(), start=1)}
+    return model_dir, paths
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap module.name so that every call appends to the returned list (which a test may clear)."""
+    calls: list = []
+    op = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: calls.append(1) or op(*args))
+    return calls
+
+
+def run_tiny(tiny, prompts, params, batch, inspect=None, **engine_args):
+    """Generate on CPU in float32 with every adapter of `tiny` (write_tiny's) loaded: (results, inspect(llm))."""
+    from kubelora.engine import LLM
+
+    model_dir, adapters = tiny
+    llm = LLM(model_dir, device="cpu", dtype="float32", **engine_args)
+    try:
+        for name, path in adapters.items():
+            llm.load_adapter(name, path)
+        results = llm.generate(prompts, params, adapters=batch)
+        return results, (inspect(llm) if inspect is not None else None)
+    finally:
+        llm.close()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kubelora.kernels.lora import BACKEND_ENV
+from lora_problems import count_calls, run_tiny, write_tiny
 
 # name -> (rank, alpha, targets)
 ADAPTERS = {
@@ -21,37 +22,22 @@ BATCH = [None, "r3-qv", "r12-all", "r24-attn", "r12-all", None, "r3-qv"]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from kubelora.cli.tiny import make_adapter, make_tiny_model
-
-    root = tmp_path_factory.mktemp("engine-backend")
-    model_dir = make_tiny_model(root / "model", arch="llama", seed=0)
-    adapters = {name: make_adapter(root / name, model_dir, rank=rank, alpha=alpha, targets=targets, seed=seed)
-                for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items(), start=1)}
-    return model_dir, adapters
+    return write_tiny(tmp_path_factory.mktemp("engine-backend"), ADAPTERS)
 
 
 def generate(tiny, monkeypatch, backend: str):
-    from kubelora.engine import LLM, SamplingParams
+    from kubelora.engine import SamplingParams
 
     monkeypatch.setenv(BACKEND_ENV, backend)
-    model_dir, adapters = tiny
-    llm = LLM(model_dir, max_loras=3, max_lora_rank=24, device="cpu", dtype="float32")
-    try:
-        for name, path in adapters.items():
-            llm.load_adapter(name, path)
-        prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
-        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, return_logits=True)
-        return llm.generate(prompts, params, adapters=BATCH)
-    finally:
-        llm.close()
+    prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, return_logits=True)
+    return run_tiny(tiny, prompts, params, BATCH, max_loras=3, max_lora_rank=24)[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine on CPU needs Triton's interpreter (set without CUDA)")
 def test_triton_backend_matches_torch_backend(triton_backend, monkeypatch, tiny):
     torch.set_num_threads(1)
-    calls = []
-    kernel_op = triton_backend.add_lora_triton
-    monkeypatch.setattr(triton_backend, "add_lora_triton", lambda *args: calls.append(1) or kernel_op(*args))
+    calls = count_calls(monkeypatch, triton_backend, "add_lora_triton")
     expected = generate(tiny, monkeypatch, "torch")
     assert not calls
     got = generate(tiny, monkeypatch, "triton")

@@ -1,8 +1,8 @@
 """The engine's static decode path with staged shrinks (engine/adapters/staging.py: adapters' A rows beside the
-q/k/v and o weights, one matmul for both) gives the outputs of the same path without staging
-(KUBELORA_STAGED_SHRINK=0) and of the torch backend: Triton's CPU interpreter, float32, a tiny Llama with GQA,
-adapters of odd ranks on attention and MLP, base-model rows in the batch, and a staging capacity small enough
-that some steps do not fit and run their shrink launches instead."""
+q/k/v and o weights, one matmul for both) gives the tokens and logprobs of the torch backend's eager engine:
+Triton's CPU interpreter, float32, a tiny Llama with GQA, adapters of odd ranks on attention, o alone and
+all-linear, base-model rows in the batch; once with every step staged, once with a staging capacity small enough
+that the first steps do not fit and run their shrink launches."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from kubelora.engine import setup
 from kubelora.engine.adapters import staging
 from kubelora.kernels.lora import BACKEND_ENV
+from lora_problems import count_calls, run_tiny, write_tiny
 
 ADAPTERS = {"r3-qv": (3, 6, "q_proj,v_proj"), "r12-all": (12, 24, "all-linear"),
             "r24-attn": (24, 16, "q_proj,k_proj,v_proj,o_proj"), "r5-o": (5, 10, "o_proj")}
@@ -20,44 +21,32 @@ BATCH = [None, "r3-qv", "r12-all", "r24-attn", "r12-all", None, "r3-qv", "r5-o"]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from kubelora.cli.tiny import make_adapter, make_tiny_model
-
-    root = tmp_path_factory.mktemp("staged-engine")
-    model_dir = make_tiny_model(root / "model", arch="llama", seed=0)
-    adapters = {name: make_adapter(root / name, model_dir, rank=rank, alpha=alpha, targets=targets, seed=seed)
-                for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items(), start=1)}
-    return model_dir, adapters
+    return write_tiny(tmp_path_factory.mktemp("staged-engine"), ADAPTERS)
 
 
 def generate(tiny, monkeypatch, backend: str, is_static: bool, is_staged: bool, rows_per_slice: int = 64):
-    from kubelora.engine import LLM, SamplingParams
+    from kubelora.engine import SamplingParams
 
     monkeypatch.setenv(BACKEND_ENV, backend)
     monkeypatch.setenv(staging.STAGE_ENV, "1" if is_staged else "0")
     monkeypatch.setattr(setup, "uses_static_decode", lambda config: is_static)
     monkeypatch.setattr(setup, "ROWS_PER_SLICE", rows_per_slice)
-    model_dir, adapters = tiny
-    llm = LLM(model_dir, max_loras=4, max_lora_rank=24, max_num_seqs=16, device="cpu", dtype="float32")
-    try:
+    prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(3 + i % 4)] for i in range(len(BATCH))]
+    # r24-attn's requests end first: with the small capacity the steps before that do not fit, those after do
+    params = [SamplingParams(max_tokens=3 if name == "r24-attn" else 8, temperature=0.0, ignore_eos=True,
+                             logprobs=0) for name in BATCH]
+
+    def copies(llm) -> int:
         assert (llm.engine._staging is not None) == is_staged
-        for name, path in adapters.items():
-            llm.load_adapter(name, path)
-        prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(3 + i % 4)] for i in range(len(BATCH))]
-        # r24-attn's requests end first: with the small capacity the steps before that do not fit, those after do
-        params = [SamplingParams(max_tokens=3 if name == "r24-attn" else 8, temperature=0.0, ignore_eos=True,
-                                 logprobs=0) for name in BATCH]
-        results = llm.generate(prompts, params, adapters=BATCH)
-        return results, (llm.engine._staging.num_copies if is_staged else 0)
-    finally:
-        llm.close()
+        return llm.engine._staging.num_copies if is_staged else 0
+
+    return run_tiny(tiny, prompts, params, BATCH, inspect=copies, max_loras=4, max_lora_rank=24, max_num_seqs=16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine on CPU needs Triton's interpreter (set without CUDA)")
 def test_staged_shrink_matches_the_torch_backend(triton_backend, monkeypatch, tiny):
     torch.set_num_threads(1)
-    calls = []
-    staged_op = triton_backend.add_lora_staged_triton
-    monkeypatch.setattr(triton_backend, "add_lora_staged_triton", lambda *args: calls.append(1) or staged_op(*args))
+    calls = count_calls(monkeypatch, triton_backend, "add_lora_staged_triton")
     expected, _ = generate(tiny, monkeypatch, "torch", is_static=False, is_staged=False)
     assert not calls
     runs = {}
