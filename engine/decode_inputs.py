@@ -18,12 +18,16 @@ programs for them move no bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
+
+if TYPE_CHECKING:
+    from kubelora.engine.adapters.staging import StagedStep
 
 TILE_M = 16  # LoRA tile height of decode steps (the kernels' decode launch shape)
 
@@ -53,8 +57,7 @@ class DecodeStep:
     block_tables: list[tuple[int, ...]]
     token_slots: list[int]  # -1: base model
     slot_tables: dict[str, tuple[list, list, list]]  # kind -> (row_start, rank, scale) per slot and slice
-    stage: dict[str, int] = field(default_factory=dict)  # staged kind -> rows its matmul reads (StagedStep.rows)
-    t_cols: dict[str, list[list[int]]] = field(default_factory=dict)  # staged kind -> StagedStep.t_col
+    staged: StagedStep | None = None  # the staged shrinks' rows and columns (None: none, or past the capacity)
 
 
 class DecodeInputs:
@@ -234,8 +237,9 @@ class DecodeInputs:
             scales = np.zeros(2 * ((table_rows * slices + 1) // 2), dtype=np.float32)
             scales[: num_slots * slices] = [v for r in scale for v in r]
             self._put(f"{kind}.scale", scales.view(np.int64))
-            if kind in step.t_cols:
-                self._put(f"{kind}.t_col", [v for r in step.t_cols[kind] for v in r] + [0] * (blank * slices))
+            if step.staged is not None and kind in step.staged.t_col:
+                t_col = step.staged.t_col[kind]
+                self._put(f"{kind}.t_col", [v for r in t_col for v in r] + [0] * (blank * slices))
 
 
 def lora_key(step: DecodeStep) -> LoRAKey | None:
@@ -255,5 +259,6 @@ def lora_key(step: DecodeStep) -> LoRAKey | None:
     if not kinds:
         return None
     rows = 1 << (min(max(counts.values()), TILE_M) - 1).bit_length()
-    stage = tuple((kind, step.stage[kind]) for kind in kinds if step.stage.get(kind))
+    staged_rows = step.staged.rows if step.staged is not None else {}
+    stage = tuple((kind, staged_rows[kind]) for kind in kinds if staged_rows.get(kind))
     return LoRAKey(kinds=tuple(kinds), lanes=-(-max_rank // 16) * 16, rows=rows, stage=stage)

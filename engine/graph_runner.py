@@ -71,7 +71,9 @@ class StaticDecoder:
         for bucket in self.buckets:
             top = 1 << (min(bucket, TILE_M) - 1).bit_length()
             for rows in sorted({1, min(2, top), top}):
-                adapters = -(-bucket // rows) if num_adapters is None else min(-(-bucket // rows), num_adapters)
+                adapters = -(-bucket // rows)  # at least this many adapters fill the bucket at `rows` tokens each
+                if num_adapters is not None:
+                    adapters = min(adapters, num_adapters)
                 keys.append((bucket, LoRAKey(kinds, lanes, rows, self._stage_guess(kinds, lanes, adapters))))
         return keys
 

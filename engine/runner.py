@@ -147,8 +147,7 @@ class ModelRunner:
                 staged = self.decoder.staging.stage(batch.slots)
         step = DecodeStep(token_ids=[max(c.token_ids[0], 0) for c in chunks], positions=[c.start_pos for c in chunks],
                           block_tables=[c.block_table for c in chunks], token_slots=[c.slot for c in chunks],
-                          slot_tables=tables, stage=staged.rows if staged else {},
-                          t_cols=staged.t_col if staged else {})
+                          slot_tables=tables, staged=staged)
         return self.decoder.run(step, pending)  # a view of the graph's static output: sampling only reads it
 
     def _sampling_batch(self, seqs: list, device: torch.device):

@@ -157,6 +157,12 @@ class DecoderModel:
                                   self.rope.attention_scaling, key_cache, value_cache, ctx.attention.slot_mapping)
         return qkv[:, : cfg.num_heads * cfg.head_dim].view(-1, cfg.num_heads, cfg.head_dim)
 
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b: a single-row Triton GEMV for one-token steps on CUDA (unless KUBELORA_GEMV=0), else cuBLAS."""
+        if self.is_gemv and x.shape[0] == 1:
+            return gemv.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
         weights = self.weights.layers[layer]
@@ -166,15 +172,11 @@ class DecoderModel:
 
             weight, bias = weights.extended[kind]
             width = weights.weight[kind].shape[0]
-            weight, bias = weight[: width + staged], None if bias is None else bias[: width + staged]
-            y = gemv.linear(x, weight, bias) if self.is_gemv and x.shape[0] == 1 else F.linear(x, weight, bias)
+            y = self._linear(x, weight[: width + staged], None if bias is None else bias[: width + staged])
             add_lora_staged_triton(y, width, self.lora_buffers[layer].lora_b[kind], ctx.lora.proj[kind],
                                    ctx.lora.step)
             return y[:, :width]
-        if self.is_gemv and x.shape[0] == 1:
-            y = gemv.linear(x, weights.weight[kind], weights.bias[kind])
-        else:
-            y = F.linear(x, weights.weight[kind], weights.bias[kind])
+        y = self._linear(x, weights.weight[kind], weights.bias[kind])
         if ctx.lora is not None:
             buffers = self.lora_buffers[layer]
             add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], ctx.lora.proj[kind], ctx.lora.step,

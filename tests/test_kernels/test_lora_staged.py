@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kubelora.engine.adapters.staging import StagedStep
 from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep, lora_key
 from kubelora.kernels.lora import prepare_lora_proj
 from lora_problems import build_problem, check_y
@@ -77,7 +78,8 @@ def test_staged_expand_on_the_graph_layout(triton_backend, device):
     inputs = DecodeInputs(max_seqs=32, max_blocks=2, block_size=16, pad_block=5, kind_slices={"qkv": 3},
                           device=torch.device(device), staged_kinds=("qkv",))
     decode = DecodeStep(token_ids=[1] * 7, positions=[0] * 7, block_tables=[(0,)] * 7, token_slots=slots,
-                        slot_tables={"qkv": (p.row_start, ranks, p.scale)}, stage={"qkv": 96}, t_cols={"qkv": t_col})
+                        slot_tables={"qkv": (p.row_start, ranks, p.scale)},
+                        staged=StagedStep(rows={"qkv": 96}, t_col={"qkv": t_col}))
     key = lora_key(decode)
     assert key.stage == (("qkv", 96),)
     inputs.fill(decode, bucket, key)
