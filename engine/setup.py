@@ -50,19 +50,26 @@ def pool_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, devi
     Call after the weights are on the device: the CUDA default is a share of the memory they leave free.
     """
     per_rank = DeviceLoRAPool.bytes_per_rank(model, dtype)
-    if config.max_lora_pool_bytes is not None:
-        budget = config.max_lora_pool_bytes
-    elif config.max_loras is not None:
-        budget = config.max_loras * config.max_lora_rank * per_rank
-    elif device.type == "cuda":
+    budget = _set_pool_budget(config, per_rank)
+    if budget is None and device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(device)[0] * config.lora_pool_fraction)
-    else:
+    elif budget is None:
         budget = DEFAULT_CPU_LORAS * config.max_lora_rank * per_rank
     rows = budget // per_rank
     if rows < 1:
         raise ValueError(f"max_lora_pool_bytes must hold at least one rank row of every module "
                          f"({per_rank} bytes), got {budget}")
     return rows
+
+
+def _set_pool_budget(config: EngineConfig, per_rank: int) -> int | None:
+    """The pool's bytes where the config fixes them (max_lora_pool_bytes, else max_loras x max_lora_rank rows);
+    None where they follow the device's free memory."""
+    if config.max_lora_pool_bytes is not None:
+        return config.max_lora_pool_bytes
+    if config.max_loras is not None:
+        return config.max_loras * config.max_lora_rank * per_rank
+    return None
 
 
 def kv_block_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
@@ -107,9 +114,17 @@ def uses_staged_shrink(config: EngineConfig) -> bool:
     return uses_static_decode(config) and resolve_lora_backend(config) == "triton" and is_staging_enabled()
 
 
-def staged_rows(model: ModelConfig) -> dict[str, int]:
-    """Staging capacity per staged kind: ROWS_PER_SLICE rows per module."""
-    return {kind: ROWS_PER_SLICE * len(model.kind_modules(kind)) for kind in STAGED_KINDS}
+def staged_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """Staging capacity per staged kind, in rows per module: what one decode step's adapters can take, at most
+    ROWS_PER_SLICE. A step's adapters hold at most max_num_seqs x max_lora_rank rank rows, and never more than the
+    device pool's rows where the config fixes the pool's size (the default pool, a share of free memory, holds
+    more than ROWS_PER_SLICE at the 7B shape)."""
+    per_rank = DeviceLoRAPool.bytes_per_rank(model, dtype)
+    per_module = min(ROWS_PER_SLICE, config.max_num_seqs * config.max_lora_rank)
+    budget = _set_pool_budget(config, per_rank)
+    if budget is not None:
+        per_module = min(per_module, max(1, budget // per_rank))
+    return {kind: per_module * len(model.kind_modules(kind)) for kind in STAGED_KINDS}
 
 
 def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,

@@ -29,7 +29,7 @@ from kubelora.engine.adapters.pool import DeviceLoRAPool, RowAllocator, SlotView
 
 STAGE_ENV = "KUBELORA_STAGED_SHRINK"  # 0: every LoRA decode step runs its shrink launches
 STAGED_KINDS = ("qkv", "o")
-ROWS_PER_SLICE = 1024  # staging capacity of a kind: this many rows per module (64 adapters of rank 16)
+ROWS_PER_SLICE = 1024  # staging capacity at most: this many rows per module (64 adapters of rank 16)
 MIN_BUCKET = 64
 
 

@@ -106,3 +106,26 @@ def test_graphs_captured_ahead_carry_the_staged_rows_of_their_steps():
     assert keys[(1, 1)] == (("qkv", 64), ("o", 64))
     big = {(bucket, key.rows): key.stage for bucket, key in decoder.lora_graph_keys(("qkv",), 64, 64)}
     assert big[(64, 1)] == () and big[(16, 16)] == (("qkv", 192),)  # past the capacity: the shrink launches
+
+
+def test_staging_capacity_follows_what_one_step_can_hold():
+    """Rows per module: at most ROWS_PER_SLICE, max_num_seqs x max_lora_rank, and a fixed pool's rows."""
+    from kubelora.engine import setup
+    from kubelora.engine.adapters.pool import DeviceLoRAPool
+    from kubelora.engine.adapters.staging import ROWS_PER_SLICE
+    from kubelora.engine.config import EngineConfig
+    from kubelora.engine.model.config import ModelConfig
+
+    model = ModelConfig(model_type="llama", name="m", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                        head_dim=16, intermediate_size=128, vocab_size=64, max_position_embeddings=256,
+                        rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
+                        sliding_windows=(None, None), eos_token_ids=(0,))
+    per_rank = DeviceLoRAPool.bytes_per_rank(model, torch.bfloat16)
+
+    def rows(**options) -> dict[str, int]:
+        return setup.staged_rows(EngineConfig(model_dir="/m", **options), model, torch.bfloat16)
+
+    assert rows(max_num_seqs=256) == {"qkv": 3 * ROWS_PER_SLICE, "o": ROWS_PER_SLICE}  # the pool follows free memory
+    assert rows(max_num_seqs=4, max_lora_rank=16) == {"qkv": 3 * 64, "o": 64}
+    assert rows(max_num_seqs=256, max_loras=8, max_lora_rank=16) == {"qkv": 3 * 128, "o": 128}
+    assert rows(max_num_seqs=256, max_lora_pool_bytes=40 * per_rank + 5) == {"qkv": 3 * 40, "o": 40}
