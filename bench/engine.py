@@ -8,7 +8,8 @@ against the device's matmul rate; transformers with a static cache and torch.com
 floor from the measured copy bandwidth; `kubelora engine serve` under streaming HTTP clients; and the base batch
 with `--structured-requests` of its requests constrained by a grammar (a JSON schema, a regex), against the same
 batch unconstrained. It prints the report (bench/engine_report.py) and the targets of issues 15 and 16, met or
-missed by how much.
+missed by how much. With `--checkpoint FILE` one run can span several processes on one machine
+(bench/engine_checkpoint.py), for device calls shorter than a whole run.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kubelora.bench import engine_rows
 from kubelora.bench.engine_assets import SHAPES, ModelShape, shape_of, with_overrides, write_adapters, write_model
+from kubelora.bench.engine_checkpoint import UNFINISHED_EXIT, Checkpoint, CheckpointMismatch, machine_id
 from kubelora.bench.engine_device import copy_bandwidth, environment, free_device, matmul_flops
 from kubelora.bench.engine_plan import DEFAULT_SCENARIOS, SCENARIOS, EngineBenchConfig, adapter_plan
 from kubelora.bench.engine_report import BenchResult, render_markdown
@@ -51,27 +54,52 @@ def _has_adapter(path: Path, rank: int, targets: tuple[str, ...]) -> bool:
             and (path / "adapter_model.safetensors").exists())
 
 
-def run(config: EngineBenchConfig, workdir: Path, model_dir: Path | None = None) -> BenchResult:
-    result = BenchResult(config=config, env=environment(config.device))
-    clock = result.stage
-    with clock("device rates"):
+def run(config: EngineBenchConfig, workdir: Path, model_dir: Path | None = None,
+        checkpoint: Checkpoint | None = None, process: dict | None = None) -> BenchResult:
+    """Every stage of the plan. With a checkpoint, the stages an earlier process finished are kept and not run
+    again, the result is saved after each stage, and no stage starts once the checkpoint's time is up."""
+    if checkpoint is not None and checkpoint.result is not None:
+        result = checkpoint.result
+    else:
+        result = BenchResult(config=config, env=environment(config.device))
+    done = checkpoint.done if checkpoint is not None else set()
+    result.processes.append(process if process is not None else {"machine": machine_id()})
+
+    def stage(name: str, body: Callable[[], object]) -> bool:
+        """body() as the stage `name` unless it is done; False (not run) once the checkpoint's time is up."""
+        if name in done:
+            print(f"== {name}: done by an earlier process", flush=True)
+            return True
+        if checkpoint is not None and checkpoint.is_out_of_time():
+            print(f"== {name}: left to the next process (--stop-after)", flush=True)
+            return False
+        result.errors.pop(name, None)
+        with result.stage(name):
+            body()
+        if name not in result.errors:
+            done.add(name)
+        if checkpoint is not None:
+            checkpoint.save(result)
+        free_device(config.device)  # again after a failed stage, once its traceback is gone
+        return True
+
+    def device_rates() -> None:
         result.copy_bytes_per_s = copy_bandwidth(config.device, config.copy_bytes)
         result.matmul_flops = matmul_flops(config.device, config.matmul_size)
-    with clock("model directory"):
+
+    stage("device rates", device_rates)
+    # The model and the adapters: written by the first process, found on disk by a resumed one.
+    with result.timed("model directory"):
         model_dir, result.shape = prepare_model(config, model_dir or workdir / "model")
-    with clock("adapters"):
+    with result.timed("adapters"):
         paths = prepare_adapters(config, result.shape, model_dir, workdir / "adapters")
     bench = engine_rows.EngineRows(config, result, model_dir, paths)
-    if config.has("hf"):
-        with clock("compiled transformers (subprocess)"):
-            bench.run_hf(workdir / "hf.json")
-    for name, step in bench.offline_steps():
-        with clock(name):
-            step()
-        free_device(config.device)  # again after a failed step, once its traceback is gone
+    steps = [("compiled transformers (subprocess)", lambda: bench.run_hf(workdir / "hf.json"))] \
+        if config.has("hf") else []
+    steps += bench.offline_steps()
     if config.has("http"):
-        with clock("HTTP server"):
-            bench.run_http(workdir / "server.log")
+        steps.append(("HTTP server", lambda: bench.run_http(workdir / "server.log")))
+    result.unfinished = [name for name, step in steps if not stage(name, step)]
     return result
 
 
@@ -128,6 +156,10 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--server-timeout", type=float, default=defaults.server_timeout_s, help="seconds to /ready")
     parser.add_argument("--enforce-eager", action="store_true", help="offline engines without CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="torch.profiler split of two decode rows")
+    parser.add_argument("--checkpoint", type=Path, help="a run over several processes: finished stages are saved "
+                        "here and a later process with the same file resumes (bench/engine_checkpoint.py)")
+    parser.add_argument("--stop-after", type=float, help="with --checkpoint: start no stage after this many "
+                        f"seconds; exit code {UNFINISHED_EXIT} while stages are left")
     if preset == "smoke":
         parser.set_defaults(**SMOKE)
     return parser
@@ -136,7 +168,11 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     preset = argparse.ArgumentParser(add_help=False)
     preset.add_argument("--preset")
-    return build_parser(preset.parse_known_args(argv)[0].preset).parse_args(argv)
+    parser = build_parser(preset.parse_known_args(argv)[0].preset)
+    args = parser.parse_args(argv)
+    if args.stop_after is not None and args.checkpoint is None:
+        parser.error("--stop-after needs --checkpoint (the stages it leaves are resumed from there)")
+    return args
 
 
 def config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
@@ -152,17 +188,31 @@ def config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = config_from_args(args)
+    checkpoint = None
+    if args.checkpoint is not None:
+        if args.workdir is None:  # the model and the adapters must outlive the process
+            print("kubelora bench engine: --checkpoint needs --workdir", flush=True)
+            return 2
+        try:
+            checkpoint = Checkpoint.open(args.checkpoint, config, args.stop_after)
+        except CheckpointMismatch as exc:
+            print(f"kubelora bench engine: {exc}", flush=True)
+            return 2
     start = time.perf_counter()
+    process = {"machine": machine_id(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with tempfile.TemporaryDirectory(prefix="kubelora-bench-engine-") as tmp:
-        result = run(config, args.workdir or Path(tmp), args.model_dir)
-    result.total_s = time.perf_counter() - start
+        result = run(config, args.workdir or Path(tmp), args.model_dir, checkpoint, process)
+    process["seconds"] = time.perf_counter() - start
+    result.total_s = sum(p["seconds"] for p in result.processes)
+    if checkpoint is not None:
+        checkpoint.save(result)
     text = render_markdown(result)
     print(text, flush=True)
     if args.write:
         Path(args.write).write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps(result.as_dict(), indent=2, default=str) + "\n")
-    return 0
+    return UNFINISHED_EXIT if result.unfinished else 0
 
 
 if __name__ == "__main__":

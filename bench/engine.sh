@@ -2,6 +2,7 @@
 # One device-machine call: the end-to-end engine benchmark (`kubelora bench engine`); report, JSON and log under
 # $OUT. As bench/h200.sh, the package is not installed there: the repo folders are copied into a namespace layout
 # on PYTHONPATH. Arguments go to the benchmark (e.g. --scenarios base,adapters --profile).
+# A run longer than one call: --workdir DIR --checkpoint DIR/run.ckpt --stop-after S, the same command again.
 # Here, on the CPU: PYTHON=.venv/bin/python bash bench/engine.sh --preset smoke
 set -uo pipefail
 OUT=${OUT:-/tmp/kubelora-out}

@@ -42,6 +42,9 @@ class BenchResult:
     stages: list[tuple[str, float]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
     total_s: float | None = None
+    # One entry per process of the run (a checkpointed run has several): machine, UTC start, seconds.
+    processes: list[dict] = field(default_factory=list)
+    unfinished: list[str] = field(default_factory=list)  # stages a checkpointed process left to the next one
 
     @contextmanager
     def stage(self, name: str):
@@ -56,6 +59,13 @@ class BenchResult:
         self.stages.append((name, time.perf_counter() - start))
         print(f"== {name}: {self.stages[-1][1]:.1f} s", flush=True)
 
+    @contextmanager
+    def timed(self, name: str):
+        """Time a stage whose failure ends the run (what every later stage needs)."""
+        start = time.perf_counter()
+        yield
+        self.stages.append((name, time.perf_counter() - start))
+
     def as_dict(self) -> dict:
         config = asdict(self.config)
         return {"env": self.env, "config": config, "shape": self.shape.as_dict() if self.shape else None,
@@ -63,7 +73,7 @@ class BenchResult:
                 "rows": {k: r.as_dict() for k, r in self.rows.items()}, "engines": self.engines, "hf": self.hf,
                 "floors": {f"{b}x{n}": vars(f) | {"ms": f.ms} for (b, n), f in floors(self).items()},
                 "targets": [vars(t) for t in targets(self)], "stages": self.stages, "errors": self.errors,
-                "total_s": self.total_s}
+                "total_s": self.total_s, "processes": self.processes, "unfinished": self.unfinished}
 
 
 def _ms(value: float | None, digits: int = 2) -> str:
@@ -174,6 +184,19 @@ def engines_table(result: BenchResult) -> list[str]:
     return lines
 
 
+def _process_lines(result: BenchResult) -> list[str]:
+    """Where a checkpointed run took several processes: how many, on how many machines, and when."""
+    if len(result.processes) < 2 and not result.unfinished:
+        return []
+    machines = len({p["machine"] for p in result.processes})
+    each = ", ".join(f"{p['started']} {p.get('seconds') or 0:.0f} s" for p in result.processes)
+    lines = [f"- processes: {len(result.processes)} on {machines} machine{'s' if machines > 1 else ''} "
+             f"(`--checkpoint`): {each}"]
+    if result.unfinished:
+        lines.append(f"- unfinished: {', '.join(result.unfinished)} not run yet (resume with the same --checkpoint)")
+    return lines
+
+
 def _gib(num_bytes: int | None) -> str:
     return "-" if num_bytes is None else f"{num_bytes / (1 << 30):.2f}"
 
@@ -210,7 +233,7 @@ def render_markdown(result: BenchResult) -> str:
             f"- device rates: copy {(result.copy_bytes_per_s or 0) / 1e12:.2f} TB/s (read + write), "
             f"{c.matmul_size}^3 matmul {(result.matmul_flops or 0) / 1e12:.0f} TFLOP/s",
             f"- wall time: {result.total_s or 0:.0f} s (" + ", ".join(f"{n} {s:.0f} s" for n, s in result.stages) + ")",
-            "", METHOD, "", "## Results", "", *results_table(result)]
+            *_process_lines(result), "", METHOD, "", "## Results", "", *results_table(result)]
     for title, lines in (("Prefill", prefill_table(result)), ("Bytes floor", floor_table(result)),
                          ("Engines", engines_table(result))):
         if lines:

@@ -90,3 +90,40 @@ def test_bench_model_loads_in_transformers_and_the_engine(tmp_path: Path):
     finally:
         llm.close()
     assert len(result.token_ids) == 3 and result.text  # every id decodes to text (added tokens past the BPE)
+
+
+def test_bench_engine_run_resumes_from_its_checkpoint(tiny_model: Path, tmp_path: Path, monkeypatch, capsys):
+    """A run over two processes: the first stops after the base engine (exit 3, the rest named unfinished), the
+    second keeps what the first measured, runs only the stages left and reports one run of two processes; other
+    settings or another machine are refused."""
+    from kubelora.bench import engine, engine_checkpoint, engine_rows
+
+    checkpoint, raw = tmp_path / "run.ckpt", tmp_path / "raw.json"
+    argv = ["--preset", "smoke", "--scenarios", "base,budget", "--model-dir", str(tiny_model), "--workdir",
+            str(tmp_path / "work"), "--checkpoint", str(checkpoint), "--json", str(raw), "--stop-after", "600"]
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_checkpoint.Checkpoint, "is_out_of_time", lambda self: "base engine" in self.done)
+        assert engine.main(argv) == engine_checkpoint.UNFINISHED_EXIT
+    first = json.loads(raw.read_text())
+    assert first["unfinished"] == ["adapter engine", "budget engine"]  # budget compares with the adapter engine
+    assert "budget" not in first["rows"] and "base-b4" in first["rows"]
+    assert "- unfinished: adapter engine, budget engine" in capsys.readouterr().out
+
+    ran = []
+    for name in ("run_base_engine", "run_lora_engine", "run_budget_engine"):
+        original = getattr(engine_rows.EngineRows, name)
+        monkeypatch.setattr(engine_rows.EngineRows, name,
+                            lambda self, original=original, name=name: (ran.append(name), original(self))[1])
+    assert engine.main(argv) == 0
+    second = json.loads(raw.read_text())
+    assert ran == ["run_lora_engine", "run_budget_engine"]
+    assert second["rows"]["base-b4"] == first["rows"]["base-b4"] and "budget" in second["rows"]
+    assert second["unfinished"] == [] and second["errors"] == {} and len(second["processes"]) == 2
+    assert second["total_s"] == sum(p["seconds"] for p in second["processes"])
+    assert "- processes: 2 on 1 machine (`--checkpoint`)" in capsys.readouterr().out
+
+    assert engine.main([*argv, "--repeats", "2"]) == 2
+    assert "other settings (num_repeats)" in capsys.readouterr().out
+    monkeypatch.setattr(engine_checkpoint, "machine_id", lambda: "elsewhere/0")
+    assert engine.main(argv) == 2
+    assert "holds a run of machine" in capsys.readouterr().out
