@@ -110,7 +110,8 @@ _INT_FLAGS = {"prompt_len": "--prompt-len", "output_len": "--output-len", "num_r
               "warmup_tokens": "--warmup-tokens", "batch": "--batch", "num_adapters": "--num-adapters",
               "num_registered": "--num-registered", "rank": "--rank", "budget_adapters": "--budget-adapters",
               "prefill_prompts": "--prefill-prompts", "prefill_len": "--prefill-len",
-              "prefill_adapters": "--prefill-adapters", "structured_requests": "--structured-requests",
+              "prefill_adapters": "--prefill-adapters", "prefill_repeats": "--prefill-repeats",
+              "structured_requests": "--structured-requests",
               "matmul_size": "--matmul-size",
               "profile_steps": "--profile-steps", "seed": "--seed"}
 _LIST_FLAGS = {"base_batches": "--base-batches", "adapter_counts": "--adapter-counts", "mixed_ranks": "--mixed-ranks",
@@ -127,8 +128,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 # flags given beside it still win.
 SMOKE = {"device": "cpu", "shape": "tiny", "num_repeats": 1, "warmup_tokens": 2, "prompt_len": 8, "output_len": 4,
          "base_batches": (1, 4), "batch": 4, "adapter_counts": (2, 4), "num_adapters": 2, "num_registered": 6,
-         "mixed_ranks": (8, 24), "budget_adapters": 1, "prefill_prompts": 2, "prefill_len": 16, "prefill_adapters": 2,
-         "structured_requests": 2, "matmul_size": 64, "copy_mib": 4, "hf_batches": (1, 4), "profile_steps": 2}
+         "mixed_ranks": (8, 24), "budget_adapters": 1, "prefill_prompts": 2, "prefill_repeats": 1, "prefill_len": 16,
+         "prefill_adapters": 2, "structured_requests": 2, "matmul_size": 64, "copy_mib": 4, "hf_batches": (1, 4), "profile_steps": 2}
 
 
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:

@@ -42,6 +42,9 @@ class EngineBenchConfig:
     prefill_prompts: int = 16
     prefill_len: int = 1024
     prefill_adapters: int = 8
+    # Timed repeats of the two prefill rows: a repeat takes a fraction of a second, and their ratio (target 1.05x)
+    # is of two rows measured apart, so more repeats than the decode rows' keep the medians steady.
+    prefill_repeats: int = 9
     structured_requests: int = 8  # of the structured row's `batch` requests, constrained by a grammar
     matmul_size: int = 8192
     copy_bytes: int = 2 << 30
@@ -60,7 +63,7 @@ class EngineBenchConfig:
             raise ValueError(f"scenarios must be a non-empty subset of {','.join(SCENARIOS)}, got {unknown or '[]'}")
         for name in ("prompt_len", "output_len", "num_repeats", "warmup_tokens", "batch", "num_adapters",
                      "num_registered", "rank", "budget_adapters", "prefill_prompts", "prefill_len",
-                     "prefill_adapters", "structured_requests", "matmul_size", "copy_bytes", "profile_steps"):
+                     "prefill_adapters", "prefill_repeats", "structured_requests", "matmul_size", "copy_bytes", "profile_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("base_batches", "adapter_counts", "mixed_ranks", "hf_batches"):

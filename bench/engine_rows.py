@@ -67,7 +67,8 @@ class EngineRows:
     def _row(self, llm, key: str, label: str, workload: Workload, is_profiled: bool = False) -> Row:
         c = self.config
         steps = c.profile_steps if is_profiled and c.is_profiled else 0
-        row = time_row(llm, key, label, workload, c.device, c.num_repeats, c.warmup_tokens, profile_steps=steps)
+        repeats = c.prefill_repeats if key.startswith("prefill") else c.num_repeats
+        row = time_row(llm, key, label, workload, c.device, repeats, c.warmup_tokens, profile_steps=steps)
         row.extra["num_requests"] = len(workload.prompts)
         self.result.rows[key] = row
         return row
