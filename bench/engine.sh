@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/kubelora-out}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT" /tmp/p/kubelora
 for d in kernels engine cli bench; do rm -rf "/tmp/p/kubelora/$d"; cp -r "$d" /tmp/p/kubelora/; done
-export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/p${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 fi

@@ -70,6 +70,7 @@ class Checkpoint:
     def save(self, result: BenchResult) -> None:
         """Write the result and the finished stages (a new file moved over the old one: never half written)."""
         self.result = result
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         staging = self.path.with_name(self.path.name + ".tmp")
         with staging.open("wb") as f:
             pickle.dump({"config": asdict(self.config), "machine": machine_id(), "result": result,
