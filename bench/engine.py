@@ -129,7 +129,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 SMOKE = {"device": "cpu", "shape": "tiny", "num_repeats": 1, "warmup_tokens": 2, "prompt_len": 8, "output_len": 4,
          "base_batches": (1, 4), "batch": 4, "adapter_counts": (2, 4), "num_adapters": 2, "num_registered": 6,
          "mixed_ranks": (8, 24), "budget_adapters": 1, "prefill_prompts": 2, "prefill_repeats": 1, "prefill_len": 16,
-         "prefill_adapters": 2, "structured_requests": 2, "matmul_size": 64, "copy_mib": 4, "hf_batches": (1, 4), "profile_steps": 2}
+         "prefill_adapters": 2, "structured_requests": 2, "matmul_size": 64, "copy_mib": 4, "hf_batches": (1, 4),
+         "profile_steps": 2}
 
 
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:

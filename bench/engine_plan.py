@@ -63,7 +63,8 @@ class EngineBenchConfig:
             raise ValueError(f"scenarios must be a non-empty subset of {','.join(SCENARIOS)}, got {unknown or '[]'}")
         for name in ("prompt_len", "output_len", "num_repeats", "warmup_tokens", "batch", "num_adapters",
                      "num_registered", "rank", "budget_adapters", "prefill_prompts", "prefill_len",
-                     "prefill_adapters", "prefill_repeats", "structured_requests", "matmul_size", "copy_bytes", "profile_steps"):
+                     "prefill_adapters", "prefill_repeats", "structured_requests", "matmul_size", "copy_bytes",
+                     "profile_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("base_batches", "adapter_counts", "mixed_ranks", "hf_batches"):

@@ -18,9 +18,9 @@ Each row runs in the offline engine loop of a fresh `LLM` where its engine setti
 freed before the next engine starts): random prompt ids, greedy, every request generates exactly its token
 count (ignore_eos). A row runs once untimed (warm-up, `warmup_tokens` per request), then `num_repeats` times
 (the prefill rows `prefill_repeats` times); the table shows the median and the spread (min..max) of the
-repeats. **ms/step** is the median wall time of the engine's own `step()` calls once every request has its first token (each call returns the sampled ids,
-so it is a whole step); **tokens/s** is generated tokens over a repeat's wall time, first request added to
-last token; **TTFT** is first_token_time - arrival_time per request. **vs base** is ms/step against our base
+repeats. **ms/step** is the median wall time of the engine's own `step()` calls once every request has its
+first token (each call returns the sampled ids, so it is a whole step); **tokens/s** is generated tokens over
+a repeat's wall time, first request added to last token; **TTFT** is first_token_time - arrival_time per request. **vs base** is ms/step against our base
 model at the same batch size from the same process. Compiled transformers runs in a subprocess (static cache,
 generate's own torch.compile; ms/step from a per-step streamer stamp after a device sync). The bytes floor is
 (weights + KV bytes read per step at the mean decode context + distinct adapters' bytes) / the measured

@@ -74,7 +74,8 @@ class LLMEngine:
         # Staged shrinks: q/k/v and o weights inside taller buffers whose extra rows take adapters' A rows
         stage_buffers = {}
         if setup.uses_staged_shrink(config):
-            stage_buffers = extend_weights(host_weights, setup.staged_rows(config, self.model_config, self.dtype), self.device)
+            rows = setup.staged_rows(config, self.model_config, self.dtype)
+            stage_buffers = extend_weights(host_weights, rows, self.device)
         weights = _to_device(host_weights, self.device)
         self.startup_seconds["weights"] = time.perf_counter() - started
         pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype, self.device),
