@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -18,6 +19,8 @@ from kubelora.engine.model.llama import DecoderModel
 
 log = logging.getLogger(__name__)
 CPU_KV_CAP_BYTES = 4 << 30
+BLAS_ENV = "KUBELORA_BLAS"  # the matmul library on CUDA: cublaslt (the default) or cublas
+BLAS_LIBRARIES = ("cublaslt", "cublas")
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -145,6 +148,27 @@ def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_le
         log.info("captured %d base decode graphs (buckets %s) in %.1f s, %.2f GiB of device memory",
                  decoder.num_captures, decoder.buckets, decoder.capture_seconds, used / (1 << 30))
     return decoder
+
+
+def blas_library() -> str:
+    """The library PyTorch's CUDA matmuls use: KUBELORA_BLAS, else cuBLASLt. On an H200 at the 7B shape cuBLASLt
+    runs the down projection of a 64-token decode step in 25.9 us a layer where cuBLAS picks a split-K kernel
+    taking 30.1 (a 2048-token prefill step: 275.6 against 299.7 us) and equals it on the other projections
+    (docs/benchmarks-engine.md)."""
+    name = os.environ.get(BLAS_ENV, BLAS_LIBRARIES[0]).strip().lower()
+    if name not in BLAS_LIBRARIES:
+        raise ValueError(f"{BLAS_ENV} must be one of {', '.join(BLAS_LIBRARIES)}, got {name!r}")
+    return name
+
+
+def configure_blas(device: torch.device) -> str | None:
+    """Choose the CUDA matmul library (a process-wide PyTorch setting) before any graph is captured: a captured
+    graph keeps the kernels chosen at capture. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    name = blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    return name
 
 
 def uses_async_scheduling(config: EngineConfig) -> bool:

@@ -219,3 +219,14 @@ def test_warm_up_requests_leave_the_engine_as_new(llama, prompt_ids):
         assert warm_up_requests(small.engine) > 0 and not small.engine.has_unfinished()
     finally:
         small.close()
+
+
+def test_the_matmul_library_is_cublaslt_unless_the_environment_names_another(monkeypatch):
+    monkeypatch.delenv(setup.BLAS_ENV, raising=False)
+    assert setup.blas_library() == "cublaslt"
+    monkeypatch.setenv(setup.BLAS_ENV, " cuBLAS ")
+    assert setup.blas_library() == "cublas"
+    assert setup.configure_blas(torch.device("cpu")) is None  # a CUDA setting only
+    monkeypatch.setenv(setup.BLAS_ENV, "rocblas")
+    with pytest.raises(ValueError, match="cublaslt, cublas"):
+        setup.blas_library()
