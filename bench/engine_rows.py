@@ -24,7 +24,9 @@ from kubelora.bench.engine_plan import (EngineBenchConfig, adapter_plan, base_ba
 from kubelora.bench.engine_report import BenchResult
 
 NUM_LOADERS = 8  # adapters registered at once (reading and hashing files releases the GIL)
-NUM_TTFT_PROBES = 3  # single requests after the first one, for the server's steady-state TTFT
+# Single requests after the first one, for the server's steady-state TTFT: a short prefill is host-bound, and the
+# same request's TTFT was seen to range 26..47 ms on an H200 machine (docs/benchmarks-engine.md).
+NUM_TTFT_PROBES = 9
 
 
 class EngineRows:
@@ -268,7 +270,7 @@ class EngineRows:
         finally:
             server.stop()
         extra = {"num_requests": len(workload.prompts), "ready_s": ready_s, "cold_ttft_s": cold.ttft_s[0],
-                 "steady_ttft_s": statistics.median(steady), "server": {**limits, "flags": flags},
+                 "steady_ttft_s": statistics.median(steady), "steady_ttft_probes_s": steady, "server": {**limits, "flags": flags},
                  "server_lacks": missing}
         self.result.rows["http"] = Row("http", f"HTTP, {c.batch} streams over {c.num_adapters} adapters", runs,
                                        warmup, extra)
