@@ -78,3 +78,54 @@ def test_7b_projections_and_graph_replay(gemv, shape):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, gemv.linear(x, w))
+
+
+def test_programmatic_launch_only_on_hopper_and_never_when_turned_off(monkeypatch):
+    from kubelora.kernels import pdl
+
+    assert pdl.base_launch(torch.device("cpu")) == {"USE_PDL": False}  # the interpreter has no griddepcontrol
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.base_launch(torch.device(DEVICE)) == {"USE_PDL": False}
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] >= 9 and pdl.HAS_PDL:
+        assert pdl.base_launch(torch.device("cuda")) == {"USE_PDL": True, "launch_pdl": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="programmatic dependent launches need a GPU")
+def test_a_layer_of_programmatic_launches_in_a_graph_equals_plain_launches(gemv, monkeypatch):
+    """norm -> qkv GEMV -> norm -> gate_up GEMV -> SiLU x mul -> down GEMV, 4 layers in one CUDA graph: each launch
+    reads what the one before wrote (and the residual two back), so a launch that started reading early would
+    change the result."""
+    from kubelora.kernels import fused, pdl
+
+    torch.manual_seed(0)
+    h, i = 4096, 11008
+    weights = [(torch.randn(3 * h, h, device="cuda", dtype=torch.bfloat16) * 0.02,
+                torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02,
+                torch.randn(h, i, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(4)]
+    norm = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+
+    def layers():
+        hidden, residual = x, None
+        for qkv, gate_up, down in weights:
+            normed, residual = fused.add_rms_norm(hidden, residual, norm, 1e-6)
+            attn = gemv.linear(normed, qkv)[:, :h].contiguous()
+            normed, residual = fused.add_rms_norm(attn, residual, norm, 1e-6)
+            hidden = gemv.linear(fused.silu_mul(gemv.linear(normed, gate_up)), down)
+        return hidden + residual
+
+    outputs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(pdl.PDL_ENV, flag)
+        eager = layers()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = layers()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager)
+        outputs[flag] = eager
+    assert torch.equal(outputs["0"], outputs["1"])
