@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from kubelora.kernels.arrivals import arrival_counters
-from kubelora.kernels.pdl import base_launch, gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634
 TARGET_PROGRAMS_PER_SM = 2  # default decode splits aim at this many (sequence, kv head, split) programs per SM
@@ -106,11 +105,8 @@ def _decode_kernel(
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_table, stride_os, stride_oh,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr, IS_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    if USE_PDL:  # kernels/pdl.py
-        gdc_wait()
-        gdc_launch_dependents()
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     lo = 0
@@ -294,7 +290,7 @@ def launch_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         out.stride(0), out.stride(1), GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None, IS_SPLIT=is_split, IS_DOT=tiles.is_dot,
         PRECISION=_precision(query.dtype), SPLITS=triton.next_power_of_2(num_splits), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **base_launch(query.device, num_seqs),
+        num_stages=tiles.num_stages,
     )
     return out
 

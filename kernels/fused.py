@@ -12,8 +12,7 @@ rounds again. Rotary on CUDA is the exception: its cos/sin at large angles diffe
 float32 bits often enough to flip the 16-bit rounding of up to a quarter of the elements (each within the
 bound). `tests/test_kernels/test_fused.py` holds the tolerances per dtype.
 
-Launches are CUDA-graph safe: grids and block sizes come from shapes only, nothing syncs the host. On Hopper a
-one-token launch is a programmatic dependent one (kernels/pdl.py). Call each op
+Launches are CUDA-graph safe: grids and block sizes come from shapes only, nothing syncs the host. Call each op
 once eagerly per shape before capturing it (the first call compiles).
 """
 
@@ -22,8 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kubelora.kernels.pdl import base_launch, gdc_launch_dependents, gdc_wait
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -67,10 +64,7 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride,
                          out_stride, residual_out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # kernels/pdl.py
-        gdc_wait()
-        gdc_launch_dependents()
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -119,8 +113,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     res = x if residual is None else residual  # unread without HAS_RESIDUAL
     _add_rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, summed, x.stride(0), res.stride(0), out.stride(0), summed.stride(0), hidden,
-        float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
-        **base_launch(x.device, num_tokens))
+        float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block))
     return out, summed
 
 
@@ -139,11 +132,7 @@ def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> to
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, out_stride, inter, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    if USE_PDL:  # kernels/pdl.py
-        gdc_wait()
-        gdc_launch_dependents()
+def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, out_stride, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -179,8 +168,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     block = min(_silu_block(num_tokens), triton.next_power_of_2(inter))
     grid = (num_tokens, triton.cdiv(inter, block))
     _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
-                           num_warps=max(block // 256, 1),
-                           **base_launch(gate_up.device, num_tokens))
+                           num_warps=max(block // 256, 1))
     return out
 
 
@@ -253,10 +241,7 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, key_cache_p
                    attention_scaling, q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
                    v_head_stride, cache_slot_stride, cache_head_stride, num_heads, num_kv_heads, half,
                    skip_ptr, HAS_CACHE: tl.constexpr, SKIP_ADAPTED: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # kernels/pdl.py
-        gdc_wait()
-        gdc_launch_dependents()
+                   BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     num_q_blocks = tl.cdiv(num_heads, BLOCK_H)
@@ -341,8 +326,7 @@ def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, v
                          num_heads, num_kv_heads, half, positions if skip_adapted is None else skip_adapted,
                          HAS_CACHE=has_cache, SKIP_ADAPTED=skip_adapted is not None, BLOCK_H=block_h,
                          BLOCK_HALF=block_half,
-                         num_warps=max(min(block_h * block_half // 256, 4), 1),
-                         **base_launch(q.device, num_tokens))
+                         num_warps=max(min(block_h * block_half // 256, 4), 1))
 
 
 # ---- rotary embedding with the KV-cache write ------------------------------------------------------------------

@@ -13,8 +13,7 @@ program recomputes the activation for its columns.
 
 `linear_torch` is the reference with the same signature (F.linear). The Triton op sums in another order than
 cuBLAS: results agree to float32 rounding before the one cast to the dtype. Launches are CUDA-graph safe (grid and
-blocks from shapes only); the first call per shape compiles. On Hopper a launch is a programmatic dependent one
-(kernels/pdl.py): its programs load their first chunk of W while the launch before finishes.
+blocks from shapes only); the first call per shape compiles.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kubelora.kernels.pdl import base_launch, gdc_launch_dependents, gdc_wait
-
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: F.linear(x, weight, bias)."""
@@ -34,27 +31,14 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, w_stride, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]
     x_ptrs = x_ptr + ks
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    first = 0
-    if USE_PDL:  # the first chunk of W (no launch writes weights) streams in while the launch before finishes
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
-        gdc_wait()
-        gdc_launch_dependents()
-        x = tl.load(x_ptrs, mask=ks < K, other=0.0)
-        acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        first = BLOCK_K
-    for k in range(first, K, BLOCK_K):
+    for k in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
             x = tl.load(x_ptrs)
@@ -100,6 +84,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     block_n, block_k, num_warps = config or default_config(out_dim, in_dim)
     _gemv_kernel[(triton.cdiv(out_dim, block_n),)](
         x, weight, weight if bias is None else bias, y, out_dim, in_dim, weight.stride(0), HAS_BIAS=bias is not None,
-        EVEN_K=in_dim % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        **base_launch(x.device))
+        EVEN_K=in_dim % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return y

@@ -7,13 +7,40 @@ is read.
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 from kubelora.kernels.lora import TILE_HEAD
-from kubelora.kernels.pdl import HAS_PDL, gdc_launch_dependents, gdc_wait, uses_pdl  # noqa: F401 (re-exported)
 
 _HEAD = tl.constexpr(TILE_HEAD)
+
+try:  # Hopper programmatic dependent launch (griddepcontrol); absent from older Triton builds
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = True
+except ImportError:  # pragma: no cover
+    HAS_PDL = False
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+
+@functools.cache
+def _has_griddepcontrol(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def uses_pdl(is_pdl: bool, device: torch.device) -> bool:
+    """is_pdl where it can run: a CUDA device of compute capability >= 9 (not the CPU interpreter)."""
+    return is_pdl and HAS_PDL and _has_griddepcontrol(device)
 
 
 @triton.jit
