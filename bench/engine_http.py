@@ -138,6 +138,31 @@ async def _run_clients(url: str, workload: Workload) -> RunStats:
                     ttft_s=[t for _, t, _ in results])
 
 
+def server_split(url: str, adapter: str) -> tuple[float, float]:
+    """The server's summed queue and prefill seconds of `adapter`'s finished requests (its /metrics histograms):
+    the difference across one request is where that request's time to first token went inside the server."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    names = {f"kubelora_request_{part}_time_seconds_sum": part for part in ("queue", "prefill")}
+    sums = {"queue": 0.0, "prefill": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names and sample.labels.get("adapter") == adapter:
+                sums[names[sample.name]] = sample.value
+    return sums["queue"], sums["prefill"]
+
+
+def probe_ttft(url: str, workload: Workload) -> tuple[float, float, float]:
+    """One request alone: (TTFT at the client, its queue and prefill seconds in the server)."""
+    adapter = workload.adapters[0] or "base"
+    queue, prefill = server_split(url, adapter)
+    ttft = run_clients(url, workload).ttft_s[0]
+    queue_after, prefill_after = server_split(url, adapter)
+    return ttft, queue_after - queue, prefill_after - prefill
+
+
 def run_clients(url: str, workload: Workload) -> RunStats:
     """All of the workload's requests at once, one streaming client each."""
     return asyncio.run(_run_clients(url, workload))

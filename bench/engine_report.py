@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 import traceback
 from contextlib import contextmanager
@@ -222,6 +223,18 @@ def targets_table(result: BenchResult) -> list[str]:
     return lines
 
 
+def _ttft_split_lines(extra: dict) -> list[str]:
+    """Where the single requests' TTFT went inside the server (its queue and prefill histograms), when measured."""
+    cold, steady = extra.get("cold_split_s"), extra.get("steady_split_s")
+    if not cold or not steady:
+        return []
+    prefills = [1e3 * prefill for _, prefill in steady]
+    return ["", f"Inside the server (`kubelora_request_queue_time_seconds`, `..._prefill_time_seconds`): the first "
+                f"request queued {1e3 * cold[0]:.1f} ms and its prefill took {1e3 * cold[1]:.1f} ms; the steady ones "
+                f"queued {1e3 * max(q for q, _ in steady):.1f} ms at most and their prefills took "
+                f"{min(prefills):.1f}..{max(prefills):.1f} ms (median {statistics.median(prefills):.1f})."]
+
+
 def render_markdown(result: BenchResult) -> str:
     c = result.config
     workload = {k: v for k, v in asdict(c).items() if k not in ("shape", "device")}
@@ -243,7 +256,7 @@ def render_markdown(result: BenchResult) -> str:
         text += ["", f"HTTP server: /ready after {extra['ready_s']:.1f} s; the first request's TTFT "
                  f"{1e3 * extra['cold_ttft_s']:.0f} ms, then single requests {1e3 * extra['steady_ttft_s']:.0f} ms "
                  f"(median of {len(extra.get('steady_ttft_probes_s') or [0])}); flags as the adapter engine: "
-                 f"`{json.dumps(extra['server'])}`."]
+                 f"`{json.dumps(extra['server'])}`.", *_ttft_split_lines(extra)]
     lacks = result.rows["http"].extra.get("server_lacks") if "http" in result.rows else None
     if lacks:
         text += ["", f"`kubelora engine serve` has no {', '.join(lacks)}: the server ran with EngineConfig's "

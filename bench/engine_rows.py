@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kubelora.bench.engine_device import device_bytes_in_use, free_device, is_cuda, weight_bytes
 from kubelora.bench.engine_hf import run_baseline
-from kubelora.bench.engine_http import Server, ServerSettings, run_clients, server_flags
+from kubelora.bench.engine_http import Server, ServerSettings, probe_ttft, run_clients, server_flags
 from kubelora.bench.engine_offline import Row, RunStats, Workload, random_prompts, round_robin, time_row
 from kubelora.bench.engine_plan import (EngineBenchConfig, adapter_plan, base_batches, lora_adapter_counts,
                                         needs_base_engine, needs_lora_engine, pool_bytes_for)
@@ -263,15 +263,18 @@ class EngineRows:
         server = Server(settings, log_path)
         try:
             ready_s = server.wait_ready(c.server_timeout_s)
-            cold = run_clients(server.url, single)
-            steady = [run_clients(server.url, single).ttft_s[0] for _ in range(NUM_TTFT_PROBES)]
+            cold = probe_ttft(server.url, single)
+            probes = [probe_ttft(server.url, single) for _ in range(NUM_TTFT_PROBES)]
+            steady = [ttft for ttft, _, _ in probes]
             warmup = run_clients(server.url, workload.with_max_tokens(min(c.warmup_tokens, c.output_len)))
             runs = [run_clients(server.url, workload) for _ in range(c.num_repeats)]
         finally:
             server.stop()
-        extra = {"num_requests": len(workload.prompts), "ready_s": ready_s, "cold_ttft_s": cold.ttft_s[0],
-                 "steady_ttft_s": statistics.median(steady), "steady_ttft_probes_s": steady, "server": {**limits, "flags": flags},
-                 "server_lacks": missing}
+        extra = {"num_requests": len(workload.prompts), "ready_s": ready_s, "cold_ttft_s": cold[0],
+                 "steady_ttft_s": statistics.median(steady), "steady_ttft_probes_s": steady,
+                 # (queue, prefill) seconds inside the server of the first request and of each steady one
+                 "cold_split_s": list(cold[1:]), "steady_split_s": [list(p[1:]) for p in probes],
+                 "server": {**limits, "flags": flags}, "server_lacks": missing}
         self.result.rows["http"] = Row("http", f"HTTP, {c.batch} streams over {c.num_adapters} adapters", runs,
                                        warmup, extra)
         print(f"  HTTP: ready {ready_s:.1f} s, " + ", ".join(f"{r.seconds:.2f} s" for r in runs), flush=True)

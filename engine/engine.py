@@ -291,6 +291,7 @@ class LLMEngine:
             error=seq.error,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
+            first_scheduled_time=seq.first_scheduled_time,
             prompt_logits=torch.stack(seq.prompt_logits) if keep_logits and seq.prompt_logits else None,
             logits=torch.stack(seq.logits) if keep_logits and seq.logits else None,
             new_logprobs=tuple(seq.output_logprobs[-len(new_token_ids):]) if has_logprobs else (),

@@ -37,6 +37,9 @@ class RequestOutput:
     error: str | None  # set with finish_reason "error" (e.g. the adapter's on-demand load failed)
     arrival_time: float  # time.time() of add_request
     first_token_time: float | None  # time.time() of the first generated token (TTFT = this - arrival_time)
+    # time.time() of the first step that computed part of its prompt: arrival -> this is the time queued (waiting
+    # for admission, an adapter load, KV room), this -> first_token_time the prefill
+    first_scheduled_time: float | None = None
     prompt_logits: torch.Tensor | None = None  # [num_prompt_tokens, vocab], finished + return_logits only
     logits: torch.Tensor | None = None  # [num_generated, vocab]: the distribution of each generated token
     # With params.logprobs: one per token of new_token_ids; every one so far once finished.

@@ -104,7 +104,9 @@ class Scheduler:
         self._schedule_running(budget, chunks)
         self._admit_waiting(budget, chunks)
         batch = self._build_batch(chunks)
+        now = time.time()
         for chunk in batch.chunks:
+            chunk.seq.first_scheduled_time = chunk.seq.first_scheduled_time or now
             chunk.seq.num_computed_tokens += len(chunk.token_ids)
             chunk.seq.num_pending += chunk.is_sampled
         return batch

@@ -51,6 +51,7 @@ class Sequence:
     # Sampled tokens not read back yet (steps in flight, engine/engine.py): they follow output_token_ids.
     num_pending: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or are being written by a step in flight)
+    first_scheduled_time: float | None = None  # time.time() when a step first took some of its prompt
     first_token_time: float | None = None
     text: str = ""  # stable decoded output (stop strings removed, incomplete characters held back)
     # Incremental detokenization (engine/detokenizer.py): output_token_ids[:read_offset] decode to

@@ -53,6 +53,14 @@ def test_bench_engine_runs_every_scenario_on_cpu(tiny_model: Path, tmp_path: Pat
     for name in TARGETS:
         assert name in targets, name
     assert data["rows"]["http"]["runs"][0]["num_tokens"] == 4 * 4
+    http = data["rows"]["http"]  # its extra fields are flattened into the row
+    # Each single request's time inside the server, from the difference of two /metrics scrapes around it: its
+    # queue and prefill seconds are that request's own (positive, and within what its client waited).
+    assert len(http["steady_split_s"]) == len(http["steady_ttft_probes_s"]) == 9
+    for (queued, prefill), ttft in zip([http["cold_split_s"]] + http["steady_split_s"],
+                                       [http["cold_ttft_s"]] + http["steady_ttft_probes_s"]):
+        assert queued >= 0 and 0 < prefill and queued + prefill <= ttft
+    assert "Inside the server" in text
     assert data["rows"]["base-b4"]["profile"]["num_steps"] >= 1
     assert "## Profile" in text and "## Bytes floor" in text and "## Prefill" in text
     assert data["engines"]["base"]["startup_phases_s"]["weights"] > 0 and "(weights " in text  # phases timed

@@ -47,6 +47,12 @@ class ServerMetrics:
                                 labelnames=["adapter", "finish_reason"], registry=self.registry)
         self.ttft = Histogram("kubelora_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=TTFT_BUCKETS, **by_adapter)
+        self.queue_time = Histogram("kubelora_request_queue_time_seconds",
+                                    "Arrival to the first step that computed part of the prompt",
+                                    buckets=TTFT_BUCKETS, **by_adapter)
+        self.prefill_time = Histogram("kubelora_request_prefill_time_seconds",
+                                      "The first step that computed part of the prompt to the first generated token",
+                                      buckets=TTFT_BUCKETS, **by_adapter)
         self.tpot = Histogram("kubelora_time_per_output_token_seconds", "Mean time between generated tokens",
                               buckets=TPOT_BUCKETS, **by_adapter)
         self.load_seconds = Histogram("kubelora_adapter_load_seconds",
@@ -69,6 +75,9 @@ class ServerMetrics:
         if output.first_token_time is None:
             return
         self.ttft.labels(adapter).observe(max(0.0, output.first_token_time - output.arrival_time))
+        if output.first_scheduled_time is not None:
+            self.queue_time.labels(adapter).observe(max(0.0, output.first_scheduled_time - output.arrival_time))
+            self.prefill_time.labels(adapter).observe(max(0.0, output.first_token_time - output.first_scheduled_time))
         if num_generated > 1:
             end = time.time() if now is None else now
             self.tpot.labels(adapter).observe(max(0.0, end - output.first_token_time) / (num_generated - 1))

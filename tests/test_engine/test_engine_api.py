@@ -105,6 +105,7 @@ def test_outputs_stream_growing_text_and_times(engine, prompt_ids):
     assert [t for o in outputs for t in o.new_token_ids] == outputs[-1].token_ids
     last = outputs[-1]
     assert last.num_prompt_tokens == 6 and last.first_token_time >= last.arrival_time
+    assert last.arrival_time <= last.first_scheduled_time <= last.first_token_time  # queued, then the prefill
 
 
 def test_snapshot_reports_per_adapter_counts(engine, prompt_ids):

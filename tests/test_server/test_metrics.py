@@ -44,6 +44,11 @@ def test_metrics_after_known_workload(material, live_server):
     assert _value(s, "kubelora_prompt_tokens_total", adapter="a0") == 3 * num_prompt
     assert _value(s, "kubelora_time_to_first_token_seconds_count", adapter="a0") == 3
     assert _value(s, "kubelora_time_per_output_token_seconds_count", adapter=base) == 2
+    queued, prefill = (f"kubelora_request_{part}_time_seconds" for part in ("queue", "prefill"))
+    assert _value(s, f"{queued}_count", adapter="a0") == _value(s, f"{prefill}_count", adapter=base) + 1 == 3
+    # The two parts of each request's time to first token add up to it.
+    parts = _value(s, f"{queued}_sum", adapter="a0") + _value(s, f"{prefill}_sum", adapter="a0")
+    assert abs(parts - _value(s, "kubelora_time_to_first_token_seconds_sum", adapter="a0")) < 1e-6
     for name in ("a0", "a1", "a2"):
         assert _value(s, "kubelora_adapter_load_seconds_count", adapter=name) == 1
         assert _value(s, "kubelora_requests_running", adapter=name) == 0  # idle adapters are listed too
