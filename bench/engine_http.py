@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kubelora.bench.engine_offline import RunStats, Workload
 
+SERVED_NAME = "base"  # the base model's name in requests and in the server's metrics labels
 STOP_GRACE_S = 2.0  # SIGTERM, then SIGKILL: the server's graceful drain (seconds) buys the benchmark nothing
 
 
@@ -50,7 +51,7 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-P", "-m", "kubelora.cli.main", "engine", "serve",
-                   "--model", str(settings.model_dir), "--served-model-name", "base",
+                   "--model", str(settings.model_dir), "--served-model-name", SERVED_NAME,
                    "--max-loras", str(settings.max_loras), "--max-lora-rank", str(settings.max_lora_rank),
                    "--max-cpu-loras", str(settings.max_cpu_loras), "--max-model-len", str(settings.max_model_len),
                    "--max-num-seqs", str(settings.max_num_seqs), "--device", settings.device,
@@ -131,7 +132,7 @@ async def _run_clients(url: str, workload: Workload) -> RunStats:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         start = time.perf_counter()
-        results = await asyncio.gather(*(_stream_one(session, url, adapter or "base", prompt, workload.max_tokens)
+        results = await asyncio.gather(*(_stream_one(session, url, adapter or SERVED_NAME, prompt, workload.max_tokens)
                                          for prompt, adapter in zip(workload.prompts, workload.adapters)))
         seconds = time.perf_counter() - start
     return RunStats(seconds=seconds, num_tokens=sum(n for _, _, n in results), decode_ms=None, num_steps=0,
@@ -156,7 +157,7 @@ def server_split(url: str, adapter: str) -> tuple[float, float]:
 
 def probe_ttft(url: str, workload: Workload) -> tuple[float, float, float]:
     """One request alone: (TTFT at the client, its queue and prefill seconds in the server)."""
-    adapter = workload.adapters[0] or "base"
+    adapter = workload.adapters[0] or SERVED_NAME
     queue, prefill = server_split(url, adapter)
     ttft = run_clients(url, workload).ttft_s[0]
     queue_after, prefill_after = server_split(url, adapter)

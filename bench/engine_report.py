@@ -255,7 +255,7 @@ def render_markdown(result: BenchResult) -> str:
         extra = result.rows["http"].extra
         text += ["", f"HTTP server: /ready after {extra['ready_s']:.1f} s; the first request's TTFT "
                  f"{1e3 * extra['cold_ttft_s']:.0f} ms, then single requests {1e3 * extra['steady_ttft_s']:.0f} ms "
-                 f"(median of {len(extra.get('steady_ttft_probes_s') or [0])}); flags as the adapter engine: "
+                 f"(median of {len(extra['steady_ttft_probes_s'])}); flags as the adapter engine: "
                  f"`{json.dumps(extra['server'])}`.", *_ttft_split_lines(extra)]
     lacks = result.rows["http"].extra.get("server_lacks") if "http" in result.rows else None
     if lacks:

@@ -59,7 +59,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = setup.resolve_dtype(config)
-        self.blas = setup.configure_blas(self.device)  # before the warm-up and the graphs pick their kernels
+        setup.configure_blas(self.device)  # before the warm-up and the graphs pick their kernels
         hf_config = load_hf_config(config.model_dir)
         self.model_config = model_config_from_hf(hf_config, config.model_dir)
         self.model_name = config.served_model_name or self.model_config.name

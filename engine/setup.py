@@ -153,8 +153,7 @@ def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_le
 def blas_library() -> str:
     """The library PyTorch's CUDA matmuls use: KUBELORA_BLAS, else cuBLASLt. On an H200 at the 7B shape cuBLASLt
     runs the down projection of a 64-token decode step in 25.9 us a layer where cuBLAS picks a split-K kernel
-    taking 30.1 (a 2048-token prefill step: 275.6 against 299.7 us) and equals it on the other projections
-    (docs/benchmarks-engine.md)."""
+    taking 30.1, and equals it on the other projections (docs/benchmarks-engine.md, runs X and Z)."""
     name = os.environ.get(BLAS_ENV, BLAS_LIBRARIES[0]).strip().lower()
     if name not in BLAS_LIBRARIES:
         raise ValueError(f"{BLAS_ENV} must be one of {', '.join(BLAS_LIBRARIES)}, got {name!r}")
@@ -168,6 +167,7 @@ def configure_blas(device: torch.device) -> str | None:
         return None
     name = blas_library()
     torch.backends.cuda.preferred_blas_library(name)
+    log.info("CUDA matmuls through %s", name)
     return name
 
 
