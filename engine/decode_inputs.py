@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
+from kubelora.engine.static_inputs import StaticInputs, table_regions
 from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class DecodeStep:
     staged: StagedStep | None = None  # the staged shrinks' rows and columns (None: none, or past the capacity)
 
 
-class DecodeInputs:
+class DecodeInputs(StaticInputs):
     def __init__(self, max_seqs: int, max_blocks: int, block_size: int, pad_block: int,
                  kind_slices: dict[str, int], device: torch.device, staged_kinds: tuple[str, ...] = ()) -> None:
         self.max_seqs = max_seqs
@@ -71,36 +71,15 @@ class DecodeInputs:
         self.max_tiles = max_tiles_for(max_seqs, self.max_slots)
         self.kind_slices = dict(kind_slices)
         self.staged_kinds = tuple(staged_kinds)
-        self._offsets: dict[str, int] = {}
-        size = 0
-        for name, length in self._layout():
-            self._offsets[name] = size
-            size += length
-        self.size = size
-        self.device = device
-        self.device_buf = torch.zeros(size, dtype=torch.int64, device=device)
-        # Two host buffers in turn: a step is filled while the previous step's copy may still be queued.
-        is_cuda = device.type == "cuda"
-        self._host_bufs = [torch.zeros(size, dtype=torch.int64, pin_memory=is_cuda) for _ in range(2)]
-        self._copied = [torch.cuda.Event() if is_cuda else None for _ in range(2)]  # each buffer's last copy
-        self._turn = 0
-        self.host_buf = self._host_bufs[0]
-        self._host = self.host_buf.numpy()
+        super().__init__(self._layout(), device)
 
     def _layout(self) -> list[tuple[str, int]]:
         n, table_rows = self.max_seqs, self.max_slots + 1
         regions = [("token_ids", n), ("positions", n), ("slot_mapping", n), ("context_lens", n),
                    ("token_slots", n), ("sorted_tokens", n), ("tiles", self.max_tiles * (TILE_HEAD + TILE_M))]
-        for kind, slices in self.kind_slices.items():
-            cells = table_rows * slices
-            regions += [(f"{kind}.row_start", cells), (f"{kind}.rank", cells), (f"{kind}.scale", (cells + 1) // 2)]
-            if kind in self.staged_kinds:
-                regions.append((f"{kind}.t_col", cells))
+        regions += table_regions(self.kind_slices, table_rows)
+        regions += [(f"{kind}.t_col", table_rows * self.kind_slices[kind]) for kind in self.staged_kinds]
         return regions + [("block_tables", n * self.max_blocks)]
-
-    def _region(self, buf: torch.Tensor, name: str, length: int) -> torch.Tensor:
-        first = self._offsets[name]
-        return buf[first : first + length]
 
     # ---- device views a graph captures (bucket = the padded batch size) ----
 
@@ -130,21 +109,10 @@ class DecodeInputs:
                         num_lora_tokens=bucket, max_tile_count=key.rows)
 
     def lora_projs(self, key: LoRAKey) -> dict[str, LoRAProj]:
-        shape_rows = self.max_slots + 1
-        staged = dict(key.stage)
-        projs = {}
-        for kind, slices in self.kind_slices.items():
-            cells = shape_rows * slices
-            scale = self._region(self.device_buf, f"{kind}.scale", (cells + 1) // 2).view(torch.float32)[:cells]
-            t_col = None
-            if staged.get(kind):
-                t_col = self._region(self.device_buf, f"{kind}.t_col", cells).view(shape_rows, slices)
-            projs[kind] = LoRAProj(
-                row_start=self._region(self.device_buf, f"{kind}.row_start", cells).view(shape_rows, slices),
-                rank=self._region(self.device_buf, f"{kind}.rank", cells).view(shape_rows, slices),
-                scale=scale.view(shape_rows, slices),
-                max_rank=(key.lanes if kind in key.kinds else 0,) * slices, t_col=t_col)
-        return projs
+        table_rows = self.max_slots + 1
+        t_cols = {kind: self._region(self.device_buf, f"{kind}.t_col", table_rows * self.kind_slices[kind])
+                  .view(table_rows, self.kind_slices[kind]) for kind, rows in key.stage if rows}
+        return self._slot_projs(self.kind_slices, table_rows, key.kinds, key.lanes, t_cols)
 
     # ---- host side, once per step ----
 
@@ -167,18 +135,7 @@ class DecodeInputs:
             tables[row, : len(table)] = table
         if key is not None:
             self._fill_lora(step, bucket)
-        end = first + bucket * self.max_blocks
-        self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
-        if self._copied[self._turn] is not None:
-            self._copied[self._turn].record()
-
-    def _take_turn(self) -> None:
-        """Switch to the other host buffer, once its last copy to the device has run."""
-        self._turn ^= 1
-        if self._copied[self._turn] is not None:
-            self._copied[self._turn].synchronize()
-        self.host_buf = self._host_bufs[self._turn]
-        self._host = self.host_buf.numpy()
+        self._copy(first + bucket * self.max_blocks)
 
     def fill_padding(self) -> None:
         """Every row padding (what graphs are captured over at start-up: their warm-up writes only the pad block)."""
@@ -193,18 +150,10 @@ class DecodeInputs:
             # LoRA regions: every tile empty, on the rank-0 pad slot.
             self._put("sorted_tokens", [0] * n)
             self._put("tiles", ([self.max_slots, 0, 0] + [0] * TILE_M) * self.max_tiles)
-            for kind, slices in self.kind_slices.items():
-                cells = (self.max_slots + 1) * slices
-                for region, length in ((f"{kind}.row_start", cells), (f"{kind}.rank", cells),
-                                       (f"{kind}.scale", (cells + 1) // 2)):
-                    self._put(region, [0] * length)
-                if kind in self.staged_kinds:
-                    self._put(f"{kind}.t_col", [0] * cells)
+            self._clear_slot_tables(self.kind_slices, self.max_slots + 1)
+            for kind in self.staged_kinds:
+                self._put(f"{kind}.t_col", [0] * ((self.max_slots + 1) * self.kind_slices[kind]))
         self.device_buf.copy_(self.host_buf)
-
-    def _put(self, name: str, values: list) -> None:
-        first = self._offsets[name]
-        self._host[first : first + len(values)] = values
 
     def _fill_lora(self, step: DecodeStep, bucket: int) -> None:
         num = len(step.token_slots)
@@ -228,18 +177,11 @@ class DecodeInputs:
         self._put("sorted_tokens", order + [0] * (bucket - len(order)))
         self._put("tiles", rows)
         table_rows = self.max_slots + 1
-        for kind, slices in self.kind_slices.items():
-            row_start, rank, scale = step.slot_tables[kind]
-            num_slots = len(rank)
-            blank = table_rows - num_slots
-            self._put(f"{kind}.row_start", [v for r in row_start for v in r] + [0] * (blank * slices))
-            self._put(f"{kind}.rank", [v for r in rank for v in r] + [0] * (blank * slices))
-            scales = np.zeros(2 * ((table_rows * slices + 1) // 2), dtype=np.float32)
-            scales[: num_slots * slices] = [v for r in scale for v in r]
-            self._put(f"{kind}.scale", scales.view(np.int64))
-            if step.staged is not None and kind in step.staged.t_col:
-                t_col = step.staged.t_col[kind]
-                self._put(f"{kind}.t_col", [v for r in t_col for v in r] + [0] * (blank * slices))
+        self._put_slot_tables(step.slot_tables, self.kind_slices, table_rows)
+        if step.staged is not None:
+            for kind, t_col in step.staged.t_col.items():
+                blank = (table_rows - len(t_col)) * self.kind_slices[kind]
+                self._put(f"{kind}.t_col", [v for r in t_col for v in r] + [0] * blank)
 
 
 def lora_key(step: DecodeStep) -> LoRAKey | None:

@@ -39,6 +39,7 @@ from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutp
 from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from kubelora.engine.prefill_inputs import PrefillKey
 from kubelora.engine.sequence import Sequence, SequenceStatus
 from kubelora.engine.structured.compiler import GrammarCompiler
 from kubelora.engine.structured.matcher import Advance, advance, new_matcher
@@ -140,7 +141,10 @@ class LLMEngine:
         if setup.uses_static_decode(self.config):
             runner.decoder = setup.build_static_decoder(self.config, model, self.max_model_len, self.num_kv_blocks,
                                                         lora_backend, staging=self._staging)
-            self.startup_seconds["capture"] = runner.decoder.capture_seconds
+            runner.prefill = setup.build_static_prefill(self.config, model, self.max_model_len, self.num_kv_blocks,
+                                                        lora_backend)
+            self.startup_seconds["capture"] = runner.decoder.capture_seconds + (
+                runner.prefill.capture_seconds if runner.prefill is not None else 0.0)
         return runner
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -320,8 +324,9 @@ class LLMEngine:
     # ---- CUDA graphs for the registered adapters' shapes (engine thread, between steps) ----
 
     def pending_graphs(self) -> list[tuple[int, object]]:
-        """LoRA decode graphs that steps over the registered adapters will need and that are not captured: for
-        the two most common adapter shapes (projection kinds, rank rounded to 16), `lora_graph_keys` of each."""
+        """Graphs that steps over the registered adapters will need and that are not captured: for the two most
+        common adapter shapes (projection kinds, rank rounded to 16), the decode graphs of `lora_graph_keys` and
+        the prefill graphs of `graph_keys` (engine/prefill_graph.py) of each, as (bucket, LoRAKey | PrefillKey)."""
         return self._graph_plan()[0]
 
     def pending_warm_ups(self) -> list[tuple[tuple[str, int], ...]]:
@@ -338,7 +343,7 @@ class LLMEngine:
 
     def _graph_plan(self) -> tuple[list, list]:
         """(the graphs not captured yet, every graph wanted) for the registered adapters' shapes."""
-        decoder = self._runner.decoder
+        decoder, prefill = self._runner.decoder, self._runner.prefill
         if decoder is None:
             return [], []
         shapes: dict[tuple, int] = {}
@@ -350,7 +355,12 @@ class LLMEngine:
                 shapes[shape] = shapes.get(shape, 0) + 1
         common = sorted(shapes, key=lambda shape: -shapes[shape])[:MAX_GRAPH_SHAPES]
         wanted = [graph for shape in common for graph in decoder.lora_graph_keys(*shape, shapes[shape])]
-        return [(bucket, key) for bucket, key in wanted if not decoder.has_graph(bucket, key)], wanted
+        pending = [graph for graph in wanted if not decoder.has_graph(*graph)]
+        if prefill is not None and prefill.use_graphs:
+            prefill_wanted = [graph for shape in common for graph in prefill.graph_keys(*shape)]
+            wanted += prefill_wanted
+            pending += [graph for graph in prefill_wanted if not prefill.has_graph(*graph)]
+        return pending, wanted
 
     def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:
         """Warm up pending adapter shapes' prefill kernels, then capture pending graphs, for up to budget_s (one
@@ -367,11 +377,14 @@ class LLMEngine:
             if time.perf_counter() - started >= budget_s:
                 return True
         pending, wanted = self._graph_plan()
-        if self._runner.decoder is not None:  # shapes no longer common go back to the LRU
-            self._runner.decoder.pinned &= frozenset(wanted)
+        decoder, prefill = self._runner.decoder, self._runner.prefill
+        if decoder is not None:  # shapes no longer common: their decode graphs go back to the LRU
+            decoder.pinned &= frozenset(wanted)
+        if prefill is not None:  # and their prefill graphs go
+            prefill.keep(set(wanted))
         while pending and not self._has_work():
             bucket, key = pending.pop()
-            self._runner.decoder.capture_idle(bucket, key)
+            (prefill if isinstance(key, PrefillKey) else decoder).capture_idle(bucket, key)
             if time.perf_counter() - started >= budget_s:
                 break
         return bool(pending)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -158,24 +159,31 @@ class StaticDecoder:
             del self._graphs[evictable[0]]
         return entry
 
-    @torch.inference_mode()
     def _capture(self, bucket: int, key: LoRAKey | None) -> _Graph:
-        started = time.perf_counter()
-        stream = torch.cuda.Stream(self.inputs.device)
-        stream.wait_stream(torch.cuda.current_stream(self.inputs.device))
-        with torch.cuda.stream(stream):  # warm-up off the capture: kernel compiles, library handles
-            self._forward(bucket, key)
-        torch.cuda.current_stream(self.inputs.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # thread_local: adapter loader threads may pin host memory meanwhile (a global capture forbids that to
-        # every thread); nothing but this thread launches device work.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._forward(bucket, key)
-        torch.cuda.synchronize(self.inputs.device)
-        elapsed = time.perf_counter() - started
+        graph, logits, elapsed = capture_graph(self.inputs.device, self._pool, lambda: self._forward(bucket, key))
         self.num_captures += 1
         self.capture_seconds += elapsed
         log.info("captured decode graph bucket=%d lora=%s in %.3f s", bucket, key, elapsed)
         return _Graph(graph, logits)
+
+
+@torch.inference_mode()
+def capture_graph(device: torch.device, pool, forward: Callable[[], torch.Tensor]
+                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, float]:
+    """(graph, its static output, seconds): `forward` run once on a side stream (kernel compiles, library handles,
+    none of it captured), then captured into `pool`."""
+    started = time.perf_counter()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: adapter loader threads may pin host memory meanwhile (a global capture forbids that to
+    # every thread); nothing but this thread launches device work.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        output = forward()
+    torch.cuda.synchronize(device)
+    return graph, output, time.perf_counter() - started

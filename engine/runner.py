@@ -20,6 +20,8 @@ from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import prepare_attention, prepare_decode_attention, prepare_prefill_attention
 from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
+from kubelora.engine.prefill_graph import StaticPrefill
+from kubelora.engine.prefill_inputs import PrefillStep, prefill_key
 from kubelora.engine.sampler import SampledStep, TokenLogprobs, keep_top, prompt_logprobs, sample_on_device
 from kubelora.engine.sampling_batch import prepare_sampling
 from kubelora.engine.scheduler import Batch
@@ -84,16 +86,18 @@ class ForwardStep:
 
 @dataclass(frozen=True)
 class LogitsPlan:
-    rows: torch.Tensor  # [num_rows] int64: batch token rows whose logits are computed
+    rows: torch.Tensor | None  # [num_rows] int64: batch token rows whose logits are computed (None: a static step's)
     chunk_rows: list[tuple[int, int]]  # per chunk: (first, end) into the logits rows; empty when none
     sample_rows: list[int | None]  # per chunk: logits row to sample from
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, config: RunnerConfig, decoder: StaticDecoder | None = None) -> None:
+    def __init__(self, model: DecoderModel, config: RunnerConfig, decoder: StaticDecoder | None = None,
+                 prefill: StaticPrefill | None = None) -> None:
         self.model = model
         self.config = config
         self.decoder = decoder  # decode steps from static buffers (CUDA graphs); None: every step eager
+        self.prefill = prefill  # one sequence's short prefill chunks likewise; None: eager
 
     def execute(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step (forward, then sampling); `previous`: the launched step whose ids the batch's pending
@@ -106,6 +110,9 @@ class ModelRunner:
         pending = _pending_tokens(batch, previous)
         if self.decoder is not None and self._is_static_decode(batch):
             return ForwardStep(batch, self._forward_static(batch, pending), None)
+        prefill = self._static_prefill(batch) if self.prefill is not None else None
+        if prefill is not None:
+            return ForwardStep(batch, self.prefill.run(prefill, pending), _one_row_plan(batch.chunks[0].is_sampled))
         token_ids, ctx = self.prepare_inputs(batch)
         if pending is not None:
             rows, sources, tokens = pending
@@ -137,6 +144,25 @@ class ModelRunner:
         return (self.decoder.bucket_for(len(batch.chunks)) is not None
                 and all(len(c.token_ids) == 1 and c.is_sampled and not c.seq.params.return_logits
                         for c in batch.chunks))
+
+    def _static_prefill(self, batch: Batch) -> PrefillStep | None:
+        """The batch as a static prefill chunk: one sequence's chunk of several tokens that a bucket holds, with
+        only its last token's logits wanted, and its graph captured; else None (the eager path)."""
+        if len(batch.chunks) != 1:
+            return None
+        chunk = batch.chunks[0]
+        num = len(chunk.token_ids)
+        bucket = self.prefill.bucket_for(num)
+        if num < 2 or bucket is None or chunk.seq.params.return_logits or _num_prompt_targets(chunk):
+            return None
+        tables = None
+        if chunk.slot >= 0:
+            slot = batch.slots[chunk.slot : chunk.slot + 1]
+            tables = {kind: _kind_tables(slot, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
+        if not self.prefill.is_ready(bucket, prefill_key(tables)):
+            return None
+        return PrefillStep(token_ids=[max(t, 0) for t in chunk.token_ids], start_pos=chunk.start_pos,
+                           block_table=tuple(chunk.block_table), slot_tables=tables)
 
     def _forward_static(self, batch: Batch, pending) -> torch.Tensor:
         chunks = batch.chunks
@@ -216,6 +242,11 @@ def _kind_tables(slots: tuple[SlotView, ...], modules: tuple[str, ...]) -> tuple
     rank = [[view.rank.get(m, 0) for m in modules] for view in slots]
     scale = [[view.scale.get(m, 0.0) for m in modules] for view in slots]
     return row_start, rank, scale
+
+
+def _one_row_plan(is_sampled: bool) -> LogitsPlan:
+    """The logits plan of a static prefill step: its one row, the chunk's last token."""
+    return LogitsPlan(rows=None, chunk_rows=[(0, 1)], sample_rows=[0 if is_sampled else None])
 
 
 def prepare_logits_plan(batch: Batch, device: torch.device) -> LogitsPlan:

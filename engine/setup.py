@@ -16,6 +16,8 @@ from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import KVCache
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.model.llama import DecoderModel
+from kubelora.engine.prefill_graph import StaticPrefill, is_prefill_graphs_enabled, prefill_buckets
+from kubelora.engine.prefill_inputs import PrefillInputs
 
 log = logging.getLogger(__name__)
 CPU_KV_CAP_BYTES = 4 << 30
@@ -133,7 +135,7 @@ def staged_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) ->
 def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
                          lora_backend: str, use_graphs: bool | None = None,
                          staging: ShrinkStaging | None = None) -> StaticDecoder:
-    """The static decode path; captures the base-model graph of every bucket now (start-up, not a request)."""
+    """The static decode path; on CUDA captures the base-model graph of every bucket now."""
     device = torch.device(config.device)
     kind_slices = {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}
     inputs = DecodeInputs(max_seqs=config.max_num_seqs, max_blocks=math.ceil(max_model_len / config.kv_block_size),
@@ -142,12 +144,34 @@ def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_le
     use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
     decoder = StaticDecoder(model, inputs, lora_backend, use_graphs=use_graphs, staging=staging)
     if use_graphs:
-        free_before = torch.cuda.mem_get_info(device)[0]
-        decoder.capture_base()
-        used = free_before - torch.cuda.mem_get_info(device)[0]
-        log.info("captured %d base decode graphs (buckets %s) in %.1f s, %.2f GiB of device memory",
-                 decoder.num_captures, decoder.buckets, decoder.capture_seconds, used / (1 << 30))
+        _capture_base(decoder, device, "decode")
     return decoder
+
+
+def build_static_prefill(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
+                         lora_backend: str, use_graphs: bool | None = None) -> StaticPrefill | None:
+    """The static prefill path (None when KUBELORA_PREFILL_GRAPHS=0); on CUDA captures every bucket's base graph now."""
+    if not is_prefill_graphs_enabled():
+        return None
+    device = torch.device(config.device)
+    kind_slices = {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}
+    inputs = PrefillInputs(max_tokens=prefill_buckets(config.max_num_batched_tokens)[-1],
+                           max_blocks=math.ceil(max_model_len / config.kv_block_size), block_size=config.kv_block_size,
+                           pad_block=pad_block, kind_slices=kind_slices, device=device)
+    use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+    prefill = StaticPrefill(model, inputs, lora_backend, use_graphs=use_graphs)
+    if use_graphs:
+        _capture_base(prefill, device, "prefill")
+    return prefill
+
+
+def _capture_base(graphs: StaticDecoder | StaticPrefill, device: torch.device, what: str) -> None:
+    """Capture the base-model graph of every bucket now (start-up, not a request), its time and memory logged."""
+    free_before = torch.cuda.mem_get_info(device)[0]
+    graphs.capture_base()
+    used = free_before - torch.cuda.mem_get_info(device)[0]
+    log.info("captured %d base %s graphs (buckets %s) in %.1f s, %.2f GiB of device memory", graphs.num_captures,
+             what, graphs.buckets, graphs.capture_seconds, used / (1 << 30))
 
 
 def blas_library() -> str:

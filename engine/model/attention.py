@@ -47,6 +47,9 @@ class PrefillMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int64: new tokens
     context_lens: torch.Tensor  # [num_seqs] int64: positions attended, the new tokens included
     max_query_len: int
+    # Rows past the sequences' tokens (a static prefill padded to its bucket): the kernels leave them unwritten,
+    # so their output starts as zeros (finite values for the padding rows' later ops, which no real row reads)
+    is_padded: bool = False
 
 
 @dataclass
@@ -188,6 +191,7 @@ def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     from kubelora.kernels import attention
 
     kernel = attention.paged_prefill_attention if uses_triton(query) else attention.paged_prefill_attention_torch
+    out = torch.zeros_like(query) if meta.is_padded else None
     out = kernel(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                 meta.context_lens, meta.max_query_len, scale, window=window)
+                 meta.context_lens, meta.max_query_len, scale, window=window, out=out)
     return out.reshape(query.shape[0], -1)

@@ -26,7 +26,9 @@ def tiny(tmp_path_factory):
     return model_dir, adapters
 
 
-def _generate(tiny, is_cuda_path: bool, is_static: bool = False):
+def _generate(tiny, is_cuda_path: bool, is_static: bool = False, is_alone: bool = False):
+    """Greedy tokens of the prompts in one batch, or each alone (is_alone: one-sequence prefills, which the
+    static path runs from its prefill buffers)."""
     from kubelora.engine import LLM, SamplingParams, setup
 
     model_dir, adapters = tiny
@@ -40,10 +42,14 @@ def _generate(tiny, is_cuda_path: bool, is_static: bool = False):
         if is_static:
             engine._runner.decoder = setup.build_static_decoder(engine.config, engine._runner.model,
                                                                 engine.max_model_len, engine.num_kv_blocks, "triton")
+            engine._runner.prefill = setup.build_static_prefill(engine.config, engine._runner.model,
+                                                                engine.max_model_len, engine.num_kv_blocks, "triton")
         for name, path in adapters.items():
             llm.load_adapter(name, path)
         prompts = [[1] + [(11 * i + 7 * j) % 480 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        if is_alone:
+            return [llm.generate([p], params, adapters=[a])[0].token_ids for p, a in zip(prompts, BATCH)]
         return [r.token_ids for r in llm.generate(prompts, params, adapters=BATCH)]
     finally:
         llm.close()
@@ -55,3 +61,5 @@ def test_cuda_path_under_interpreter_matches_reference(triton_backend, tiny, mon
     monkeypatch.setattr(attention, "uses_triton", lambda query: True)
     assert _generate(tiny, is_cuda_path=True) == expected
     assert _generate(tiny, is_cuda_path=True, is_static=True) == expected
+    alone = _generate(tiny, is_cuda_path=False, is_alone=True)
+    assert _generate(tiny, is_cuda_path=True, is_static=True, is_alone=True) == alone

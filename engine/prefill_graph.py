@@ -1,0 +1,121 @@
+"""Short one-sequence prefills replayed as CUDA graphs, one per token bucket (and per adapter shape).
+
+An eager prefill pays the host cost of 32 layers of launches (about 0.3 ms a layer at the 7B shape, 0.55 with an
+adapter's LoRA launches), which for a short prompt is several times the GPU's own time: a lone request's time to
+first token was the host's. A step that prefills one sequence's chunk of at most `max(buckets)` tokens, with no
+per-token logits wanted, instead fills `PrefillInputs` (engine/prefill_inputs.py) and replays the graph of its
+token bucket (powers of two from 16), padded to it; the graph writes the chunk's last-token logits `[1, vocab]`
+float32 into a static output and sampling runs after it, as after a decode graph.
+
+Base-model graphs are captured at start-up for every bucket. Graphs for adapters are keyed by `PrefillKey`
+(projection kinds, rank lanes) and captured while the engine is idle for the registered adapters' common shapes
+(engine/engine.py: capture_pending_graphs), never on a request's path: a chunk whose graph is not captured runs
+eagerly. Batches of several sequences, longer chunks and chunks asking for prompt logprobs or logits run eagerly.
+`KUBELORA_PREFILL_GRAPHS=0` (or `--enforce-eager`) turns this off.
+
+Off CUDA (tests) the same static path runs eagerly: `StaticPrefill(..., use_graphs=False)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kubelora.engine.graph_runner import capture_graph
+from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
+from kubelora.engine.prefill_inputs import PrefillInputs, PrefillKey, PrefillStep, prefill_key
+
+log = logging.getLogger(__name__)
+PREFILL_GRAPHS_ENV = "KUBELORA_PREFILL_GRAPHS"  # 0: every prefill eager
+MAX_PREFILL_GRAPH_TOKENS = 512  # the largest bucket; longer chunks are compute-bound, their launches a small share
+MIN_BUCKET = 16  # the LoRA tile height: a bucket is whole tiles
+
+
+def is_prefill_graphs_enabled() -> bool:
+    return os.environ.get(PREFILL_GRAPHS_ENV, "1") != "0"
+
+
+def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Powers of two from 16 up to the first that holds a step's whole token budget, at most 512."""
+    top = min(MAX_PREFILL_GRAPH_TOKENS, max(MIN_BUCKET, 1 << (max_num_batched_tokens - 1).bit_length()))
+    return [1 << k for k in range(MIN_BUCKET.bit_length() - 1, top.bit_length())]
+
+
+class StaticPrefill:
+    def __init__(self, model: DecoderModel, inputs: PrefillInputs, lora_backend: str, use_graphs: bool) -> None:
+        self.model = model
+        self.inputs = inputs
+        self.lora_backend = lora_backend
+        self.use_graphs = use_graphs
+        self.buckets = prefill_buckets(inputs.max_tokens)
+        self._graphs: dict[tuple[int, PrefillKey | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.num_captures = 0
+        self.capture_seconds = 0.0
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def is_ready(self, bucket: int, key: PrefillKey | None) -> bool:
+        """Whether a chunk of this bucket and key runs here: its graph is captured (always, off graphs)."""
+        return not self.use_graphs or (bucket, key) in self._graphs
+
+    def graph_keys(self, kinds: tuple[str, ...], lanes: int) -> list[tuple[int, PrefillKey]]:
+        """The graphs chunks over an adapter of one shape (projection kinds, rank lanes) use: one per bucket."""
+        return [(bucket, PrefillKey(kinds, lanes)) for bucket in self.buckets]
+
+    def has_graph(self, bucket: int, key: PrefillKey | None) -> bool:
+        return (bucket, key) in self._graphs
+
+    def keep(self, wanted: set[tuple[int, PrefillKey]]) -> None:
+        """Drop the adapter graphs outside `wanted` (shapes no longer registered); the base graphs stay."""
+        for entry in [e for e in self._graphs if e[1] is not None and e not in wanted]:
+            del self._graphs[entry]
+
+    def capture_base(self) -> None:
+        """The base-model graph of every bucket, largest first (the pool then serves the smaller ones)."""
+        self.inputs.fill_padding()
+        for bucket in sorted(self.buckets, reverse=True):
+            self._capture(bucket, None)
+
+    def capture_idle(self, bucket: int, key: PrefillKey) -> None:
+        """Capture one graph between steps (nothing in flight), over padding: it writes only the pad block."""
+        self.inputs.fill_padding()
+        self._capture(bucket, key)
+
+    def run(self, step: PrefillStep, pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
+        """The chunk's last-token logits [1, vocab] float32 (the graph's static output, or an eager forward's).
+
+        pending: (rows, sources, tokens) device tensors: token_ids[rows] = tokens[sources] before the replay."""
+        bucket = self.bucket_for(len(step.token_ids))
+        key = prefill_key(step.slot_tables)
+        self.inputs.fill(step, bucket, key)
+        if pending is not None:
+            rows, sources, tokens = pending
+            self.inputs.token_ids(bucket)[rows] = tokens[sources]
+        if not self.use_graphs:
+            return self._forward(bucket, key)
+        graph, logits = self._graphs[(bucket, key)]
+        graph.replay()
+        return logits
+
+    def _forward(self, bucket: int, key: PrefillKey | None) -> torch.Tensor:
+        inputs = self.inputs
+        lora = None
+        if key is not None:
+            lora = LoRAContext(step=inputs.lora_step(bucket), proj=inputs.lora_projs(key), backend=self.lora_backend)
+        ctx = ForwardContext(attention=inputs.attention(bucket), positions=inputs.positions(bucket), lora=lora)
+        hidden = self.model.forward(inputs.token_ids(bucket), ctx)
+        return self.model.compute_logits(hidden.index_select(0, inputs.last_row()))
+
+    def _capture(self, bucket: int, key: PrefillKey | None) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph, logits, elapsed = capture_graph(self.inputs.device, self._pool, lambda: self._forward(bucket, key))
+        self._graphs[(bucket, key)] = (graph, logits)
+        self.num_captures += 1
+        self.capture_seconds += elapsed
+        log.info("captured prefill graph bucket=%d lora=%s in %.3f s", bucket, key, elapsed)

@@ -1,0 +1,185 @@
+"""The static prefill path (one sequence's chunk padded to a token bucket, what prefill CUDA graphs replay over),
+run on CPU against the eager engine; graphs stood in for by a replay that reruns the captured forward into its
+static output (the path's bookkeeping: which chunks take it, idle capture, the static logits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubelora.engine import LLM, SamplingParams
+from kubelora.engine import prefill_graph, setup
+from kubelora.engine.prefill_graph import StaticPrefill, prefill_buckets
+from kubelora.engine.prefill_inputs import PrefillInputs, PrefillKey, PrefillStep, prefill_key
+from kubelora.kernels.lora import TILE_HEAD
+
+ADAPTERS = [None, "r4-qv", "r8-all", "r16-all-rs", "r32-attn"]
+
+
+def test_buckets_are_powers_of_two_up_to_the_step_budget():
+    assert prefill_buckets(2048) == [16, 32, 64, 128, 256, 512]
+    assert prefill_buckets(100) == [16, 32, 64, 128]
+    assert prefill_buckets(64) == [16, 32, 64]
+    assert prefill_buckets(8) == [16]
+
+
+def _tables(rank: list[int]) -> dict:
+    return {"qkv": ([[40, 0, 40]], [rank], [[0.5, 0.0, 0.5]]), "o": ([[0]], [[0]], [[0.0]])}
+
+
+def test_prefill_key_is_the_adapted_kinds_and_rank_lanes():
+    assert prefill_key(None) is None
+    assert prefill_key(_tables([0, 0, 0])) is None
+    assert prefill_key(_tables([20, 0, 20])) == PrefillKey(("qkv",), 32)
+
+
+def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
+    inputs = PrefillInputs(max_tokens=64, max_blocks=5, block_size=8, pad_block=9, kind_slices={"qkv": 3, "o": 1},
+                           device=torch.device("cpu"))
+    step = PrefillStep(token_ids=list(range(100, 120)), start_pos=5, block_table=(3, 6, 2, 5),
+                       slot_tables=_tables([20, 0, 20]))
+    key = prefill_key(step.slot_tables)
+    inputs.fill(step, 32, key)
+    assert inputs.token_ids(32).tolist() == list(range(100, 120)) + [0] * 12
+    assert inputs.positions(32).tolist() == list(range(5, 25)) + [0] * 12
+    meta = inputs.attention(32)
+    # positions 5..7 in block 3, 8..15 in block 6, 16..23 in block 2, 24 in block 5; padding on the pad block
+    assert meta.slot_mapping.tolist() == [29, 30, 31] + list(range(48, 56)) + list(range(16, 24)) + [40] + [72] * 12
+    assert meta.query_start_loc.tolist() == [0, 20] and meta.seq_lens.tolist() == [20]
+    assert meta.context_lens.tolist() == [25] and meta.max_query_len == 32
+    assert meta.block_tables.tolist() == [[3, 6, 2, 5, 9]]
+    assert inputs.last_row().tolist() == [19]
+    lora = inputs.lora_step(32)
+    assert lora.tiles.shape == (2, TILE_HEAD + 16) and lora.token_slots.tolist() == [0] * 20 + [-1] * 12
+    tiles = lora.tiles.tolist()
+    assert tiles[0][:3] == [0, 0, 16] and tiles[0][TILE_HEAD:] == list(range(16))
+    assert tiles[1][:3] == [0, 16, 4] and tiles[1][TILE_HEAD : TILE_HEAD + 4] == list(range(16, 20))
+    proj = inputs.lora_projs(key)
+    assert proj["qkv"].rank.tolist() == [[20, 0, 20], [0, 0, 0]] and proj["qkv"].max_rank == (32, 32, 32)
+    assert proj["qkv"].scale[0].tolist() == [0.5, 0.0, 0.5] and proj["o"].max_rank == (0,)
+    step = PrefillStep(token_ids=[7] * 3, start_pos=0, block_table=(1,), slot_tables=_tables([4, 0, 4]))
+    inputs.fill(step, 32, prefill_key(step.slot_tables))
+    tiles = inputs.lora_step(32).tiles.tolist()
+    assert tiles[0][:3] == [0, 0, 3] and tiles[1][:3] == [1, 0, 0]  # the second tile empty, on the rank-0 slot
+
+
+class _Replay:
+    """A stand-in for a CUDA graph on CPU: replay reruns the captured forward into the same static output."""
+
+    def __init__(self, forward, output: torch.Tensor) -> None:
+        self.forward, self.output = forward, output
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        self.output.copy_(self.forward())
+
+
+def _fake_capture(device, pool, forward):
+    output = forward()
+    return _Replay(forward, output), output, 0.0
+
+
+def _llm(llama, monkeypatch, is_static: bool, is_graphs: bool = False, **kwargs) -> LLM:
+    monkeypatch.setattr(setup, "uses_static_decode", lambda config: is_static)
+    if is_graphs:  # StaticPrefill as on CUDA: only captured graphs run, base ones at start-up, the rest when idle
+        monkeypatch.setattr(prefill_graph, "capture_graph", _fake_capture)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+        build = setup.build_static_prefill
+        monkeypatch.setattr(setup, "build_static_prefill", lambda *a, **k: _captured(build(*a, **k)))
+    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=8, **kwargs)
+    for name in ADAPTERS[1:]:
+        llm.load_adapter(name, llama.adapters[name])
+    return llm
+
+
+def _captured(prefill: StaticPrefill) -> StaticPrefill:
+    prefill.use_graphs = True
+    prefill.capture_base()  # what build_static_prefill does on CUDA (where it measures the device memory too)
+    return prefill
+
+
+def _one_at_a_time(llm: LLM, prompts, params: SamplingParams):
+    """Each prompt alone (a batch of one sequence: the static prefill's case), its outputs."""
+    return [llm.generate([p], params, adapters=[a])[0] for p, a in zip(prompts, ADAPTERS)]
+
+
+def _spy_runs(monkeypatch) -> list[int]:
+    calls = []
+    run = StaticPrefill.run
+
+    def spy(self, step, pending=None):
+        calls.append(len(step.token_ids))
+        return run(self, step, pending)
+
+    monkeypatch.setattr(StaticPrefill, "run", spy)
+    return calls
+
+
+PROMPTS = [[1] + [(11 + 7 * i + 5 * j) % 480 + 10 for j in range(n)] for i, n in enumerate((20, 3, 37, 15, 60))]
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 24])  # 24: chunked prefills (a start past 0)
+def test_static_prefill_gives_the_eager_tokens_and_logprobs(llama, monkeypatch, max_num_batched_tokens):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    eager_llm = _llm(llama, monkeypatch, is_static=False, max_num_batched_tokens=max_num_batched_tokens)
+    try:
+        eager = _one_at_a_time(eager_llm, PROMPTS, params)
+    finally:
+        eager_llm.close()
+    static_llm = _llm(llama, monkeypatch, is_static=True, max_num_batched_tokens=max_num_batched_tokens)
+    calls = _spy_runs(monkeypatch)
+    try:
+        assert static_llm.engine._runner.prefill is not None
+        static = _one_at_a_time(static_llm, PROMPTS, params)
+    finally:
+        static_llm.close()
+    size = max_num_batched_tokens
+    chunks = [n for p in PROMPTS for n in [size] * (len(p) // size) + [len(p) % size] if n]
+    assert sorted(calls) == sorted(chunks)  # every prompt chunk took the static path
+    for name, a, b in zip(ADAPTERS, eager, static):
+        assert a.token_ids == b.token_ids, name
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert [t.token_id for t in x.top] == [t.token_id for t in y.top], name
+            assert x.chosen.logprob == pytest.approx(y.chosen.logprob, abs=1e-4), name
+
+
+def test_prompt_logprobs_and_batches_take_the_eager_path(llama, monkeypatch):
+    llm = _llm(llama, monkeypatch, is_static=True)
+    calls = _spy_runs(monkeypatch)
+    try:
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, prompt_logprobs=1))
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2), adapters=ADAPTERS[:2])
+        assert calls == []
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+        assert calls == [len(PROMPTS[0])]
+    finally:
+        llm.close()
+
+
+def test_adapter_graphs_are_captured_when_idle_and_replayed(llama, monkeypatch):
+    """As on CUDA: base graphs from start-up; an adapter's chunk runs eagerly until the idle engine has captured
+    its shape's graphs, then replays them with the eager tokens."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm = _llm(llama, monkeypatch, is_static=True, is_graphs=True)
+    calls = _spy_runs(monkeypatch)
+    try:
+        engine, prefill = llm.engine, llm.engine._runner.prefill
+        assert prefill.num_captures == len(prefill.buckets)
+        pending = [graph for graph in engine.pending_graphs() if isinstance(graph[1], PrefillKey)]
+        shapes = {key for _, key in pending}  # the two most common: every kind at 16 lanes, and one more
+        assert len(shapes) == 2 and PrefillKey(("qkv", "o", "gate_up", "down"), 16) in shapes
+        assert {bucket for bucket, _ in pending} == set(prefill.buckets)
+        monkeypatch.setattr(llm, "capture_graphs", lambda: None)  # as a server's first requests meet the engine
+        before = [r.token_ids for r in _one_at_a_time(llm, PROMPTS, params)]
+        assert calls == [len(PROMPTS[0])]  # the base prompt only: no adapter graph yet
+        while engine.capture_pending_graphs(budget_s=0.0):
+            pass
+        assert engine.pending_graphs() == [] and all(prefill.has_graph(*graph) for graph in pending)
+        calls.clear()
+        after = [r.token_ids for r in _one_at_a_time(llm, PROMPTS, params)]
+        keys = [None, PrefillKey(("qkv",), 16)] + [PrefillKey(("qkv", "o", "gate_up", "down"), 16)] * 2 + [
+            PrefillKey(("qkv", "o"), 32)]
+        assert calls == [len(p) for p, key in zip(PROMPTS, keys) if key is None or key in shapes]
+        assert after == before
+    finally:
+        llm.close()
