@@ -178,7 +178,7 @@ def _startup_targets(result) -> list[Target]:
                          "met (start-up, weights included, is within it)" if startup <= 30 else
                          "not separated: start-up includes loading the weights")
     else:
-        capture = Target("graph capture time (the base engine's decode graphs)",
+        capture = Target("graph capture time (the base engine's decode and prefill graphs)",
                          f"{seconds:.1f} s (whole start-up {startup:.1f} s)", "<= 30 s", _verdict(seconds, 30.0, True))
     return [capture,
             Target("device memory beyond weights, KV cache and adapter pool after start-up", f"{extra / GIB:.2f} GiB",

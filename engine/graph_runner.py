@@ -173,7 +173,8 @@ class StaticDecoder:
 def capture_graph(device: torch.device, pool, forward: Callable[[], torch.Tensor]
                   ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, float]:
     """(graph, its static output, seconds): `forward` run once on a side stream (kernel compiles, library handles,
-    none of it captured), then captured into `pool`."""
+    none of it captured), then captured into `pool`, then replayed once over the same inputs: a graph's first
+    launch also uploads it to the device, which belongs here rather than in the first step that replays it."""
     started = time.perf_counter()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -185,5 +186,6 @@ def capture_graph(device: torch.device, pool, forward: Callable[[], torch.Tensor
     # every thread); nothing but this thread launches device work.
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = forward()
+    graph.replay()
     torch.cuda.synchronize(device)
     return graph, output, time.perf_counter() - started
