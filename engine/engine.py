@@ -31,7 +31,8 @@ from kubelora.engine.block_manager import BlockManager, BlockManagerConfig
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.detokenizer import Detokenizer
 from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
-from kubelora.engine.model.config import PROJ_KINDS, load_hf_config, model_config_from_hf, rope_inv_freq
+from kubelora.engine.graph_plan import plan_graphs, plan_warm_ups
+from kubelora.engine.model.config import load_hf_config, model_config_from_hf, rope_inv_freq
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.model.weights import ModelWeights, extend_weights, load_weights
@@ -48,8 +49,6 @@ from kubelora.engine.warmup import warm_up, warm_up_adapter_shape, warm_up_reque
 
 log = logging.getLogger(__name__)
 
-MAX_GRAPH_SHAPES = 2  # adapter shapes whose LoRA decode graphs are captured ahead of their first step
-MAX_WARM_SHAPES = 8  # adapters' module ranks whose prefill kernels are run ahead of their first request (CUDA)
 IDLE_STEP_SLEEP_S = 0.002  # an empty step (requests only wait for adapter loads) yields the CPU briefly
 
 
@@ -334,33 +333,10 @@ class LLMEngine:
         the most common MAX_WARM_SHAPES of them."""
         if self.device.type != "cuda":
             return []
-        counts: dict[tuple, int] = {}
-        for info in self.adapters.list():
-            ranks = tuple(sorted((m, r) for m, r in info.ranks.items() if r > 0))
-            counts[ranks] = counts.get(ranks, 0) + 1
-        common = sorted(counts, key=lambda ranks: -counts[ranks])[:MAX_WARM_SHAPES]
-        return [ranks for ranks in common if ranks and ranks not in self._warmed_shapes]
+        return plan_warm_ups(self.adapters.list(), self._warmed_shapes)
 
     def _graph_plan(self) -> tuple[list, list]:
-        """(the graphs not captured yet, every graph wanted) for the registered adapters' shapes."""
-        decoder, prefill = self._runner.decoder, self._runner.prefill
-        if decoder is None:
-            return [], []
-        shapes: dict[tuple, int] = {}
-        for info in self.adapters.list():
-            kinds = tuple(k for k in PROJ_KINDS
-                          if any(info.ranks.get(m, 0) > 0 for m in self.model_config.kind_modules(k)))
-            if kinds:
-                shape = (kinds, -(-info.rank // 16) * 16)
-                shapes[shape] = shapes.get(shape, 0) + 1
-        common = sorted(shapes, key=lambda shape: -shapes[shape])[:MAX_GRAPH_SHAPES]
-        wanted = [graph for shape in common for graph in decoder.lora_graph_keys(*shape, shapes[shape])]
-        pending = [graph for graph in wanted if not decoder.has_graph(*graph)]
-        if prefill is not None and prefill.use_graphs:
-            prefill_wanted = [graph for shape in common for graph in prefill.graph_keys(*shape)]
-            wanted += prefill_wanted
-            pending += [graph for graph in prefill_wanted if not prefill.has_graph(*graph)]
-        return pending, wanted
+        return plan_graphs(self.adapters.list(), self.model_config, self._runner.decoder, self._runner.prefill)
 
     def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:
         """Warm up pending adapter shapes' prefill kernels, then capture pending graphs, for up to budget_s (one

@@ -73,9 +73,9 @@ def test_prefill_graphs_give_the_eager_prefill_tokens(llama, prompt_ids, monkeyp
     """One request at a time (each prefill one sequence's, padded to its token bucket): the same greedy tokens
     with the prefill graphs as with eager prefills (KUBELORA_PREFILL_GRAPHS=0); every prefill replayed a graph
     (generate captures the adapters' graphs first)."""
-    from kubelora.engine import engine, prefill_graph
+    from kubelora.engine import graph_plan, prefill_graph
 
-    monkeypatch.setattr(engine, "MAX_GRAPH_SHAPES", 3)  # graphs for each of the adapters' three shapes
+    monkeypatch.setattr(graph_plan, "MAX_GRAPH_SHAPES", 3)  # graphs for each of the adapters' three shapes
     names = [None, "r4-qv", "r8-all", "r16-all-rs", "r32-attn"]
     prompts = [prompt_ids(i, n) for i, n in enumerate((5, 17, 40, 100, 300))]
     results, runs = {}, []

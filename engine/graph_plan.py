@@ -1,0 +1,58 @@
+"""Which graphs and kernel variants the registered adapters will need, decided from their shapes (pure functions).
+
+The idle engine thread captures what `plan_graphs` lists and runs the prefill sizes for what `plan_warm_ups` lists
+(engine/engine.py: capture_pending_graphs) before the adapters' first requests need them; `/ready` waits for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kubelora.engine.adapters.types import AdapterInfo
+from kubelora.engine.graph_runner import StaticDecoder
+from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
+from kubelora.engine.prefill_graph import StaticPrefill
+
+MAX_GRAPH_SHAPES = 2  # adapter shapes whose LoRA decode and prefill graphs are captured before their first step
+MAX_WARM_SHAPES = 8  # adapters' module ranks whose prefill kernels are run ahead of their first request (CUDA)
+
+Ranks = tuple[tuple[str, int], ...]  # (module, rank) of the modules an adapter adapts, sorted
+
+
+def _most_common(items: Iterable, limit: int) -> tuple[list, dict]:
+    """(the `limit` most frequent items, most frequent first, ties in first-seen order; every item's count)."""
+    counts: dict = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return sorted(counts, key=lambda item: -counts[item])[:limit], counts
+
+
+def plan_warm_ups(infos: list[AdapterInfo], warmed: set[Ranks]) -> list[Ranks]:
+    """The most common MAX_WARM_SHAPES module-rank sets of the adapters whose eager LoRA kernels have not run."""
+    common, _ = _most_common((tuple(sorted((m, r) for m, r in info.ranks.items() if r > 0)) for info in infos),
+                             MAX_WARM_SHAPES)
+    return [ranks for ranks in common if ranks and ranks not in warmed]
+
+
+def adapter_shape(info: AdapterInfo, model: ModelConfig) -> tuple[tuple[str, ...], int] | None:
+    """(projection kinds adapted, max rank rounded up to 16): what an adapter's graphs are specialised on."""
+    kinds = tuple(k for k in PROJ_KINDS if any(info.ranks.get(m, 0) > 0 for m in model.kind_modules(k)))
+    return (kinds, -(-info.rank // 16) * 16) if kinds else None
+
+
+def plan_graphs(infos: list[AdapterInfo], model: ModelConfig, decoder: StaticDecoder | None,
+                prefill: StaticPrefill | None) -> tuple[list, list]:
+    """(the graphs not captured yet, every graph wanted) for the MAX_GRAPH_SHAPES most common adapter shapes: each
+    shape's decode graphs (`lora_graph_keys`) and, where prefill graphs are captured, its prefill graphs
+    (`graph_keys`), as (bucket, LoRAKey | PrefillKey)."""
+    if decoder is None:
+        return [], []
+    shapes = [shape for shape in (adapter_shape(info, model) for info in infos) if shape is not None]
+    common, counts = _most_common(shapes, MAX_GRAPH_SHAPES)
+    wanted = [graph for shape in common for graph in decoder.lora_graph_keys(*shape, counts[shape])]
+    pending = [graph for graph in wanted if not decoder.has_graph(*graph)]
+    if prefill is not None and prefill.use_graphs:
+        prefill_wanted = [graph for shape in common for graph in prefill.graph_keys(*shape)]
+        wanted += prefill_wanted
+        pending += [graph for graph in prefill_wanted if not prefill.has_graph(*graph)]
+    return pending, wanted
