@@ -339,11 +339,18 @@ class LLMEngine:
         return plan_graphs(self.adapters.list(), self.model_config, self._runner.decoder, self._runner.prefill)
 
     def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:
-        """Warm up pending adapter shapes' prefill kernels, then capture pending graphs, for up to budget_s (one
-        of either at least); True while some remain. Only while no step is in flight: the engine thread calls it
-        when it has no work."""
+        """Prefetch registered adapters into free pool rows, warm up pending adapter shapes' prefill kernels, then
+        capture pending graphs, for up to budget_s (one of any at least); True while some remain. Only while no step
+        is in flight: the engine thread calls it when it has no work."""
         started = time.perf_counter()
-        for ranks in self.pending_warm_ups():  # first the registered shapes' prefill kernels, one shape a slice
+        # First, registered adapters into free pool rows (CUDA: a host -> device copy a first request would wait
+        # for), one at a time: a request that arrives meanwhile waits for one adapter's copy at most. Being first,
+        # it is done before the captures below, which /ready waits for.
+        while self.device.type == "cuda" and not self._has_work() and self.adapters.prefetch_device(1):
+            torch.cuda.synchronize(self.device)
+            if time.perf_counter() - started >= budget_s:
+                return True
+        for ranks in self.pending_warm_ups():  # then the registered shapes' prefill kernels, one shape a slice
             if self._has_work():
                 return True
             seconds = warm_up_adapter_shape(self._runner, warm_up_sizes(self.config.max_num_batched_tokens),

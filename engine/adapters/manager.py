@@ -159,6 +159,24 @@ class AdapterManager:
             self._touch(revision)
             return Residency.RESIDENT
 
+    def prefetch_device(self, limit: int) -> int:
+        """Engine thread, while no step is in flight: place up to `limit` host-tier adapters into free pool rows,
+        most recently used first, evicting nothing; returns how many it placed. A registered adapter's first
+        request then finds it resident instead of copying it in ahead of its prefill; a prefetched adapter is idle
+        and the first to be evicted."""
+        placed = 0
+        with self._state:
+            for revision in reversed(list(self._host_lru.values())):
+                if placed >= limit:
+                    break
+                if revision.is_on_device or revision.is_retired or not self._could_fit(revision, []):
+                    continue
+                if self._pool.place(revision.id, revision.spec.ranks, revision.host):
+                    self._device[revision.id] = revision
+                    revision.is_on_device = True
+                    placed += 1
+        return placed
+
     def take_load_error(self, revision: AdapterRevision) -> str | None:
         """The error of the last failed on-demand load (once); the next request for it retries."""
         with self._state:

@@ -256,3 +256,23 @@ def test_changed_files_fail_the_on_demand_load(llama, tmp_path):
     revision = manager.acquire("moving")
     wait_until(lambda: not manager.get("moving").is_loading)
     assert "load_inplace" in manager.take_load_error(revision)
+
+
+def test_prefetch_fills_free_rows_only_most_recent_first(llama):
+    """Idle prefetch places host-tier adapters into free rows (most recently used first), evicts nothing, and
+    leaves what does not fit on the host; a prefetched adapter is evicted like any idle resident."""
+    manager, pool = make_manager(llama, rows=48)
+    for name in ("r32-attn", "r8-all", "r16-all-rs"):
+        manager.load(name, llama.adapters[name])
+    busy = manager.acquire("r32-attn")
+    assert placed(manager, busy, set())
+    assert manager.prefetch_device(1) == 1  # the most recently loaded first: r16-all-rs
+    assert tiers(manager) == {"r32-attn": "device", "r8-all": "host", "r16-all-rs": "device"}
+    assert manager.prefetch_device(4) == 0  # r8-all needs 8 rows of every module: 48 - 32 - 16 left none
+    assert tiers(manager)["r8-all"] == "host" and manager.stats().num_device_evictions == 0
+    prefetched = manager.acquire("r16-all-rs")
+    assert_resident_weights(pool, prefetched)
+    manager.release(prefetched)
+    mid = manager.acquire("r8-all")
+    assert placed(manager, mid, {busy})  # the prefetched, idle r16-all-rs makes room
+    assert tiers(manager) == {"r32-attn": "device", "r8-all": "device", "r16-all-rs": "host"}

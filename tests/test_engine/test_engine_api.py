@@ -287,3 +287,27 @@ def test_wait_for_work(engine, prompt_ids):
     engine.add_request("w", prompt_ids(0, 4), GREEDY, None)
     assert engine.wait_for_work(timeout=0.01)
     drain(engine)
+
+
+def test_idle_engine_prefetches_registered_adapters_on_cuda(llama, monkeypatch):
+    """On CUDA the idle engine copies host-tier adapters into free pool rows before requests need them (so a
+    first request does not wait for the copy); its traffic then finds them resident. CPU engines leave them."""
+    import torch
+
+    engine = make_engine(llama, max_num_batched_tokens=32)
+    try:
+        for name in ("r4-qv", "r8-all"):
+            engine.adapters.load(name, llama.adapters[name])
+        engine.capture_pending_graphs(budget_s=float("inf"))
+        assert {info.tier for info in engine.adapters.list()} == {"host"}
+        monkeypatch.setattr(engine, "device", torch.device("cuda"))  # the engine's CUDA-only idle work, on CPU
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        while engine.capture_pending_graphs(budget_s=0.0):  # one adapter (or warm-up) a call
+            pass
+        assert {info.tier for info in engine.adapters.list()} == {"device"}
+        monkeypatch.undo()
+        engine.add_request("a", [1, 2, 3], GREEDY, adapter="r8-all")
+        assert drain(engine)["a"].finish_reason == "length"
+        assert engine.adapters.stats().num_device_evictions == 0
+    finally:
+        engine.close()
