@@ -2,8 +2,11 @@
 
 `execute` queues a step's work on the device and returns it as a `LaunchedStep` without waiting for it; its
 `result()` waits for the sampled ids. The engine queues the two halves apart (`forward`, then `sample`) so that
-the previous step is read back on the host while the device runs this step's forward pass. A batch may feed tokens that the previous launched step sampled and the host
-has not read yet (`PENDING_TOKEN`, engine/engine.py): they are copied on the device from that step's ids.
+the previous step is read back on the host while the device runs this step's forward pass. A batch may feed
+tokens that the previous launched step sampled and the host has not read yet (`PENDING_TOKEN`,
+engine/engine.py): they are copied on the device from that step's ids. Decode steps and one sequence's short
+prefill chunks run from static buffers (CUDA graphs: engine/graph_runner.py, engine/prefill_graph.py); the
+rest run eagerly from `prepare_inputs`.
 """
 
 from __future__ import annotations
