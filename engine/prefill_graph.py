@@ -4,7 +4,7 @@ An eager prefill pays the host cost of 32 layers of launches (about 0.3 ms a lay
 adapter's LoRA launches), which for a short prompt is several times the GPU's own time: a lone request's time to
 first token was the host's. A step that prefills one sequence's chunk of at most `max(buckets)` tokens, with no
 per-token logits wanted, instead fills `PrefillInputs` (engine/prefill_inputs.py) and replays the graph of its
-token bucket (powers of two from 16), padded to it; the graph writes the chunk's last-token logits `[1, vocab]`
+token bucket (`prefill_buckets`: multiples of the 16-token LoRA tile), padded to it; the graph writes the chunk's last-token logits `[1, vocab]`
 float32 into a static output and sampling runs after it, as after a decode graph.
 
 Base-model graphs are captured at start-up for every bucket. Graphs for adapters are keyed by `PrefillKey`
@@ -30,7 +30,6 @@ from kubelora.engine.prefill_inputs import PrefillInputs, PrefillKey, PrefillSte
 log = logging.getLogger(__name__)
 PREFILL_GRAPHS_ENV = "KUBELORA_PREFILL_GRAPHS"  # 0: every prefill eager
 MAX_PREFILL_GRAPH_TOKENS = 512  # the largest bucket; longer chunks are compute-bound, their launches a small share
-MIN_BUCKET = 16  # the LoRA tile height: a bucket is whole tiles
 
 
 def is_prefill_graphs_enabled() -> bool:
@@ -38,9 +37,12 @@ def is_prefill_graphs_enabled() -> bool:
 
 
 def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from 16 up to the first that holds a step's whole token budget, at most 512."""
-    top = min(MAX_PREFILL_GRAPH_TOKENS, max(MIN_BUCKET, 1 << (max_num_batched_tokens - 1).bit_length()))
-    return [1 << k for k in range(MIN_BUCKET.bit_length() - 1, top.bit_length())]
+    """16, 32, 64, then steps of 1.5x and 2x in turn (96, 128, 192, 256, 384, 512: padding at most a third of a
+    bucket, whose compute a short prefill's weight reads mostly hide), up to the first that holds a step's whole
+    token budget, at most 512."""
+    sizes = [16, 32, 64] + [size for power in (64, 128, 256) for size in (power * 3 // 2, power * 2)]
+    top = next((size for size in sizes if size >= min(max_num_batched_tokens, MAX_PREFILL_GRAPH_TOKENS)), sizes[-1])
+    return [size for size in sizes if size <= top]
 
 
 class StaticPrefill:

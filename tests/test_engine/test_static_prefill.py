@@ -16,11 +16,12 @@ from kubelora.kernels.lora import TILE_HEAD
 ADAPTERS = [None, "r4-qv", "r8-all", "r16-all-rs", "r32-attn"]
 
 
-def test_buckets_are_powers_of_two_up_to_the_step_budget():
-    assert prefill_buckets(2048) == [16, 32, 64, 128, 256, 512]
-    assert prefill_buckets(100) == [16, 32, 64, 128]
+def test_buckets_cover_the_step_budget_in_whole_tiles():
+    assert prefill_buckets(2048) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert prefill_buckets(100) == [16, 32, 64, 96, 128]
     assert prefill_buckets(64) == [16, 32, 64]
     assert prefill_buckets(8) == [16]
+    assert all(size % 16 == 0 for size in prefill_buckets(512))
 
 
 def _tables(rank: list[int]) -> dict:
