@@ -184,23 +184,30 @@ class DecodeInputs(StaticInputs):
                 self._put(f"{kind}.t_col", [v for r in t_col for v in r] + [0] * blank)
 
 
+def rank_lanes(rank: int) -> int:
+    """Rank lanes a LoRA graph is specialised on: the rank rounded up to 16 (the graphs captured ahead for an
+    adapter's shape and the keys of its steps must round alike, or the captured graphs are never replayed)."""
+    return -(-rank // 16) * 16
+
+
+def table_shape(slot_tables: dict[str, tuple[list, list, list]]) -> tuple[tuple[str, ...], int] | None:
+    """(projection kinds some slot adapts, their max rank in lanes) of a step's slot tables; None: nothing adapted."""
+    ranks = {kind: max((r for row in rank for r in row), default=0) for kind, (_, rank, _) in slot_tables.items()}
+    kinds = tuple(kind for kind, rank in ranks.items() if rank > 0)
+    return (kinds, rank_lanes(max(ranks.values()))) if kinds else None
+
+
 def lora_key(step: DecodeStep) -> LoRAKey | None:
     """The LoRA graph a step needs, or None when no token of it has an adapter."""
     counts: dict[int, int] = {}
     for slot in step.token_slots:
         if slot >= 0:
             counts[slot] = counts.get(slot, 0) + 1
-    if not counts:
+    shape = table_shape(step.slot_tables) if counts else None
+    if shape is None:
         return None
-    kinds, max_rank = [], 0
-    for kind, (_, rank, _) in step.slot_tables.items():
-        kind_rank = max((r for row in rank for r in row), default=0)
-        if kind_rank > 0:
-            kinds.append(kind)
-            max_rank = max(max_rank, kind_rank)
-    if not kinds:
-        return None
+    kinds, lanes = shape
     rows = 1 << (min(max(counts.values()), TILE_M) - 1).bit_length()
     staged_rows = step.staged.rows if step.staged is not None else {}
     stage = tuple((kind, staged_rows[kind]) for kind in kinds if staged_rows.get(kind))
-    return LoRAKey(kinds=tuple(kinds), lanes=-(-max_rank // 16) * 16, rows=rows, stage=stage)
+    return LoRAKey(kinds=kinds, lanes=lanes, rows=rows, stage=stage)

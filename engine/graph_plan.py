@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kubelora.engine.adapters.types import AdapterInfo
+from kubelora.engine.decode_inputs import rank_lanes
 from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.prefill_graph import StaticPrefill
@@ -37,7 +38,7 @@ def plan_warm_ups(infos: list[AdapterInfo], warmed: set[Ranks]) -> list[Ranks]:
 def adapter_shape(info: AdapterInfo, model: ModelConfig) -> tuple[tuple[str, ...], int] | None:
     """(projection kinds adapted, max rank rounded up to 16): what an adapter's graphs are specialised on."""
     kinds = tuple(k for k in PROJ_KINDS if any(info.ranks.get(m, 0) > 0 for m in model.kind_modules(k)))
-    return (kinds, -(-info.rank // 16) * 16) if kinds else None
+    return (kinds, rank_lanes(info.rank)) if kinds else None
 
 
 def plan_graphs(infos: list[AdapterInfo], model: ModelConfig, decoder: StaticDecoder | None,

@@ -173,8 +173,9 @@ class StaticDecoder:
 def capture_graph(device: torch.device, pool, forward: Callable[[], torch.Tensor]
                   ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, float]:
     """(graph, its static output, seconds): `forward` run once on a side stream (kernel compiles, library handles,
-    none of it captured), then captured into `pool`, then replayed once over the same inputs: a graph's first
-    launch also uploads it to the device, which belongs here rather than in the first step that replays it."""
+    none of it captured), then captured into `pool`, then replayed once over the same inputs, so that what a
+    graph's first launch costs (CUDA uploads an instantiated graph on its first launch unless it was uploaded
+    before) is paid here rather than by the first step that replays it."""
     started = time.perf_counter()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))

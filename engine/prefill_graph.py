@@ -4,8 +4,8 @@ An eager prefill pays the host cost of 32 layers of launches (about 0.3 ms a lay
 adapter's LoRA launches), which for a short prompt is several times the GPU's own time: a lone request's time to
 first token was the host's. A step that prefills one sequence's chunk of at most `max(buckets)` tokens, with no
 per-token logits wanted, instead fills `PrefillInputs` (engine/prefill_inputs.py) and replays the graph of its
-token bucket (`prefill_buckets`: multiples of the 16-token LoRA tile), padded to it; the graph writes the chunk's last-token logits `[1, vocab]`
-float32 into a static output and sampling runs after it, as after a decode graph.
+token bucket (`prefill_buckets`: multiples of the 16-token LoRA tile), padded to it; the graph writes the chunk's
+last-token logits `[1, vocab]` float32 into a static output and sampling runs after it, as after a decode graph.
 
 Base-model graphs are captured at start-up for every bucket. Graphs for adapters are keyed by `PrefillKey`
 (projection kinds, rank lanes) and captured while the engine is idle for the registered adapters' common shapes

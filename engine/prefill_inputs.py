@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubelora.engine.decode_inputs import TILE_M
+from kubelora.engine.decode_inputs import TILE_M, table_shape
 from kubelora.engine.model.attention import PrefillMetadata
 from kubelora.engine.static_inputs import StaticInputs, table_regions
 from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
@@ -50,13 +50,8 @@ class PrefillStep:
 
 def prefill_key(slot_tables: dict[str, tuple[list, list, list]] | None) -> PrefillKey | None:
     """The LoRA graph a chunk over this one slot's tables needs; None for the base graph (no slot, or rank 0)."""
-    if slot_tables is None:
-        return None
-    ranks = {kind: max((r for row in rank for r in row), default=0) for kind, (_, rank, _) in slot_tables.items()}
-    kinds = tuple(kind for kind, rank in ranks.items() if rank > 0)
-    if not kinds:
-        return None
-    return PrefillKey(kinds, -(-max(ranks.values()) // 16) * 16)
+    shape = table_shape(slot_tables) if slot_tables is not None else None
+    return PrefillKey(*shape) if shape is not None else None
 
 
 class PrefillInputs(StaticInputs):

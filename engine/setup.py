@@ -137,9 +137,8 @@ def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_le
                          staging: ShrinkStaging | None = None) -> StaticDecoder:
     """The static decode path; on CUDA captures the base-model graph of every bucket now."""
     device = torch.device(config.device)
-    kind_slices = {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}
     inputs = DecodeInputs(max_seqs=config.max_num_seqs, max_blocks=math.ceil(max_model_len / config.kv_block_size),
-                          block_size=config.kv_block_size, pad_block=pad_block, kind_slices=kind_slices,
+                          block_size=config.kv_block_size, pad_block=pad_block, kind_slices=_kind_slices(model),
                           device=device, staged_kinds=tuple(staging.modules) if staging is not None else ())
     use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
     decoder = StaticDecoder(model, inputs, lora_backend, use_graphs=use_graphs, staging=staging)
@@ -154,15 +153,19 @@ def build_static_prefill(config: EngineConfig, model: DecoderModel, max_model_le
     if not is_prefill_graphs_enabled():
         return None
     device = torch.device(config.device)
-    kind_slices = {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}
     inputs = PrefillInputs(max_tokens=prefill_buckets(config.max_num_batched_tokens)[-1],
                            max_blocks=math.ceil(max_model_len / config.kv_block_size), block_size=config.kv_block_size,
-                           pad_block=pad_block, kind_slices=kind_slices, device=device)
+                           pad_block=pad_block, kind_slices=_kind_slices(model), device=device)
     use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
     prefill = StaticPrefill(model, inputs, lora_backend, use_graphs=use_graphs)
     if use_graphs:
         _capture_base(prefill, device, "prefill")
     return prefill
+
+
+def _kind_slices(model: DecoderModel) -> dict[str, int]:
+    """Output slices of each projection kind (q/k/v: 3): the static inputs' LoRA slot tables are that wide."""
+    return {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}
 
 
 def _capture_base(graphs: StaticDecoder | StaticPrefill, device: torch.device, what: str) -> None:
