@@ -1,11 +1,12 @@
 """Short one-sequence prefills replayed as CUDA graphs, one per token bucket (and per adapter shape).
 
-An eager prefill pays the host cost of 32 layers of launches (about 0.3 ms a layer at the 7B shape, 0.55 with an
-adapter's LoRA launches), which for a short prompt is several times the GPU's own time: a lone request's time to
-first token was the host's. A step that prefills one sequence's chunk of at most `max(buckets)` tokens, with no
-per-token logits wanted, instead fills `PrefillInputs` (engine/prefill_inputs.py) and replays the graph of its
-token bucket (`prefill_buckets`: multiples of the 16-token LoRA tile), padded to it; the graph writes the chunk's
-last-token logits `[1, vocab]` float32 into a static output and sampling runs after it, as after a decode graph.
+An eager prefill pays the host cost of 32 layers of launches (at the 7B shape about 0.55 ms a layer with an
+adapter's LoRA launches, docs/benchmarks-engine.md run Y), which for a short prompt is several times the GPU's own
+time: a lone request's time to first token was the host's. A step that prefills one sequence's chunk of at most
+`max(buckets)` tokens, with no per-token logits wanted, instead fills `PrefillInputs` (engine/prefill_inputs.py)
+and replays the graph of its token bucket (`prefill_buckets`: multiples of the 16-token LoRA tile), padded to it;
+the graph writes the chunk's last-token logits `[1, vocab]` float32 into a static output and sampling runs after
+it, as after a decode graph.
 
 Base-model graphs are captured at start-up for every bucket. Graphs for adapters are keyed by `PrefillKey`
 (projection kinds, rank lanes) and captured while the engine is idle for the registered adapters' common shapes
