@@ -67,8 +67,8 @@ if [[ -z "$driver" ]]; then
   rm -rf "$probe"
 fi
 case "$driver" in
-  vfs) storage="$cache/storage" run="$cache/run" ;;
-  overlay) storage="$cache/storage-overlay" run="$cache/run-overlay"
+  vfs) storage="$cache/storage" ;;
+  overlay) storage="$cache/storage-overlay"
     # A vfs store left by an earlier build here (7 GB or more) would only take up disk.
     if [[ -d "$cache/storage" ]]; then
       say "removing the vfs store $cache/storage: builds use overlay storage now"
@@ -76,7 +76,10 @@ case "$driver" in
     fi ;;
   *) say "KUBELORA_STORAGE_DRIVER=$driver: expected overlay or vfs"; exit 2 ;;
 esac
-say "podman storage: $driver ($storage)"
+# The runroot (locks and sockets, rebuilt at will) lives under /tmp, one per store: podman refuses a runroot
+# longer than 50 characters, which a path under a long $HOME (or a mktemp one) exceeds.
+run="/tmp/kubelora-podman-$(printf '%s' "$storage" | sha256sum | cut -c1-12)"
+say "podman storage: $driver ($storage, runroot $run)"
 podman=(podman --storage-driver "$driver" --root "$storage" --runroot "$run" --runtime runc)
 # Untagged leftovers, also after a failed build: builder stages, a final image's layer, deps images of earlier
 # inputs (6 GB each for the engine). The tagged deps images stay: the next code change builds on them.
