@@ -115,7 +115,7 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
                 logger.warning("reconcile failed, retrying: %s", exc)
             except Exception:  # noqa: BLE001 - a bug in one run must not stop the pool's reconcile for good
                 logger.exception("reconcile failed")
-            watchers.update(reconciler.observed_urls, reconciler.admin_token)
+            watchers.update(reconciler.observed_tokens)
             try:  # sooner while a router lags the published placement (its Ready and Degraded follow)
                 await asyncio.wait_for(wake.wait(), timeout=min(runtime.settings.resync_s,
                                                                 reconciler.next_pass_s or runtime.settings.resync_s))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -42,20 +42,29 @@ class Observation:
     adapters: dict[str, dict[str, ObservedAdapter]] = field(default_factory=dict)
     all_urls: dict[str, str] = field(default_factory=dict)  # every pod with an IP, ready or not
     budgets: dict[str, int] = field(default_factory=dict)  # observed pod -> device adapter pool bytes
+    # Ready pods (per Kubernetes) whose engine refused the operator's token (401): they serve, but what they hold
+    # cannot be read (a token rotation this operator did not see start, say after a restart)
+    unauthorized: frozenset[str] = frozenset()
 
 
-async def observe_pool(kube: Kube, client: EngineClient, namespace: str, pool: str) -> Observation:
-    """Every engine pod of the pool; the ready ones asked for their adapters (unreachable ones are skipped)."""
+async def observe_pool(kube: Kube, client_for: Callable[[dict], EngineClient], namespace: str,
+                       pool: str) -> Observation:
+    """Every engine pod of the pool; the ready ones asked for their adapters, each with the client `client_for`
+    gives for it (its admin token: tokens.py). Unreachable ones are skipped."""
     selector = names.selector_string(names.engine_selector(pool))
     pods = [p for p in await kube.list_pods(namespace, selector) if not p["metadata"].get("deletionTimestamp")]
     observation = Observation(pods=pods, all_urls={p["metadata"]["name"]: pod_url(p) for p in pods
                                                    if (p.get("status") or {}).get("podIP")})
     ready = [p for p in pods if is_pod_ready(p)]
-    results = await asyncio.gather(*(client.list_models(pod_admin_url(p)) for p in ready), return_exceptions=True)
+    results = await asyncio.gather(*(client_for(p).list_models(pod_admin_url(p)) for p in ready),
+                                   return_exceptions=True)
+    unauthorized = set()
     for pod, result in zip(ready, results):
         name = pod["metadata"]["name"]
         if isinstance(result, EngineError):
             log.info("pool %s/%s: pod %s not observed: %s", namespace, pool, name, result)
+            if result.status == 401:
+                unauthorized.add(name)
             continue
         if isinstance(result, BaseException):
             raise result
@@ -63,6 +72,7 @@ async def observe_pool(kube: Kube, client: EngineClient, namespace: str, pool: s
         observation.adapters[name], budget = result
         if budget is not None:
             observation.budgets[name] = budget
+    observation.unauthorized = frozenset(unauthorized)
     return observation
 
 

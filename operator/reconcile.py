@@ -34,6 +34,7 @@ from kubelora.operator.routers import ACK_WAIT_S, BEHIND_ACK_WAIT_S, RouterView
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.specs import InvalidSpec, PoolSpec, S3Access
 from kubelora.operator.status import Failure
+from kubelora.operator.tokens import remember_tokens, token_for_pod
 
 log = logging.getLogger("kubelora.operator")
 STATUS_WRITES_IN_FLIGHT = 8  # adapter status patches per pool at once (hundreds of adapters change together)
@@ -51,9 +52,12 @@ class PoolReconciler:
         self._on_released = on_released
         self._take_heal_request = take_heal_request or (lambda: False)
         self._memory = ReconcileMemory()
-        # What the last pass observed, for the pod watchers (watch.py): ready pods that answered, the admin token.
+        # What the last pass observed, for the pod watchers (watch.py): ready pods that answered, and the admin
+        # token each answers to (admin URL -> token).
         self.observed_urls: dict[str, str] = {}
-        self.admin_token: str | None = None
+        self.observed_tokens: dict[str, str | None] = {}
+        self.admin_token: str | None = None  # the Secret's current value
+        self._tokens: dict[str, str] = {}  # digest -> token, for every token some engine pod still runs with
         self._healed_at = time.monotonic()  # on_pool_spec applied them just now (create, update or resume)
         self._is_token_new = False  # the admin token was recreated or rotated: re-apply now (the engines roll)
         self.next_pass_s: float | None = None  # the last pass asks for the next this soon (a router lags)
@@ -67,10 +71,11 @@ class PoolReconciler:
         except InvalidSpec as exc:
             await self._patch_pool(body, invalid_pool_status(self.name, body, Failure(exc.reason, str(exc))))
             return
-        view, client = await self._fetch(body, pool)
+        view, clients = await self._fetch(body, pool)
         self.observed_urls = dict(view.observation.urls)
+        self.observed_tokens = {url: clients.token(pod) for pod, url in view.observation.urls.items()}
         plan, self._memory = plan_pass(view, self._memory, time.time())
-        results = await self._execute(plan, client, view)
+        results = await self._execute(plan, clients, view)
         publication = build_publication(view, plan, results, self._memory)
         await self._publish(pool, body, publication.placement)
         report = report_publication(view, plan, publication, await self._ask_routers(pool, publication))
@@ -103,7 +108,7 @@ class PoolReconciler:
 
     # ---- fetch ----
 
-    async def _fetch(self, body: dict, pool: PoolSpec) -> tuple[PoolView, EngineClient]:
+    async def _fetch(self, body: dict, pool: PoolSpec) -> tuple[PoolView, _PodClients]:
         bodies = {a["metadata"]["name"]: a for a in await self._kube.list_custom(names.ADAPTER_PLURAL, self.namespace)
                   if (a.get("spec") or {}).get("pool") == self.name}
         tokens = await self._source_tokens(bodies.values())
@@ -111,13 +116,14 @@ class PoolReconciler:
         if token is not None and self.admin_token is not None and token != self.admin_token:
             self._is_token_new = True  # rotated: this pass re-applies the Deployment, whose pods roll onto it
         self.admin_token = token
-        client = EngineClient(self._session, self.admin_token, self._settings.engine_timeout_s)
-        observation = await observe_pool(self._kube, client, self.namespace, self.name)
+        clients = _PodClients(self._session, self._tokens, token, self._settings.engine_timeout_s)
+        observation = await observe_pool(self._kube, clients.for_pod, self.namespace, self.name)
+        self._tokens = remember_tokens(self._tokens, token, observation.pods)
         stored = None
         if self._memory.previous is None:  # the first pass: the published placement is the previous one
             stored = StoredPlacement.from_configmap(
                 await self._kube.get("ConfigMap", self.namespace, names.placement_configmap_name(self.name)))
-        return PoolView(body, pool, bodies, tokens, observation, stored), client
+        return PoolView(body, pool, bodies, tokens, observation, stored), clients
 
     async def _source_tokens(self, bodies: Iterable[dict]) -> dict[str, str | S3Access | None]:
         """adapter -> what its spec.source.authSecretRef names: a url's token, an s3 url's key pair (None: the
@@ -155,14 +161,15 @@ class PoolReconciler:
 
     # ---- execute ----
 
-    async def _execute(self, plan: PassPlan, client: EngineClient, view: PoolView) -> list[CallResult]:
+    async def _execute(self, plan: PassPlan, clients: _PodClients, view: PoolView) -> list[CallResult]:
         """Run the plan's calls, at most `max_concurrent_calls` at once; each result is recorded as it comes."""
         limit = asyncio.Semaphore(self._settings.max_concurrent_calls)
         results: list[CallResult] = []
+        pods = {p["metadata"]["name"]: p for p in view.observation.pods}
 
         async def run(action: Action) -> None:
             async with limit:
-                result = await _call(client, view.observation.urls[action.pod], action)
+                result = await _call(clients.for_pod(pods[action.pod]), view.observation.urls[action.pod], action)
                 self._memory, events = record_result(self._memory, result, plan, time.time(),
                                                      self._settings.backoff_s)
                 results.append(result)
@@ -217,6 +224,27 @@ class PoolReconciler:
         patch = build_status_patch(body.get("status"), new)
         if patch is not None:
             await self._kube.patch_status(names.POOL_PLURAL, self.namespace, self.name, patch)
+
+
+class _PodClients:
+    """One engine client per admin token; each pod is called with the token it was started with (tokens.py)."""
+
+    def __init__(self, session: aiohttp.ClientSession, known: Mapping[str, str], current: str | None,
+                 timeout_s: float) -> None:
+        self._session, self._known, self._current, self._timeout_s = session, known, current, timeout_s
+        self._clients: dict[str | None, EngineClient] = {}
+        self._by_pod: dict[str, str | None] = {}
+
+    def for_pod(self, pod: dict) -> EngineClient:
+        token = token_for_pod(pod, self._known, self._current)
+        self._by_pod[pod["metadata"]["name"]] = token
+        if token not in self._clients:
+            self._clients[token] = EngineClient(self._session, token, self._timeout_s)
+        return self._clients[token]
+
+    def token(self, pod: str) -> str | None:
+        """The token `pod` was called with (the current one for a pod not called yet)."""
+        return self._by_pod.get(pod, self._current)
 
 
 async def _call(client: EngineClient, url: str, action: Action) -> CallResult:

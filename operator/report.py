@@ -135,13 +135,38 @@ def held_after(held: HeldByPod, results: Iterable[CallResult]) -> dict[str, dict
 
 
 def placement_payload(view: PoolView, adapters: AdapterSet, placement: Placement, holdings: Holdings) -> dict:
-    """The router's contract without its revision: each adapter's placed pods that hold its current revision."""
+    """The router's contract without its revision: each adapter's placed pods that hold its current revision,
+    and the unreadable pods that still serve it (`unreadable_holders`)."""
     held = {name: holdings.holders(name, placement.pods_of(name), want) for name, want in adapters.desired.items()}
     held.update({name: holdings.holders(name, sorted(holdings.held), None) for name in adapters.left_alone()})
-    replicas = [{"pod": pod, "url": url, "ready": pod in view.observation.urls}
+    kept = unreadable_holders(view, holdings.memory)
+    for name, pods in held.items():
+        want = adapters.desired.get(name)
+        pods += [pod for pod in kept.get(name, ()) if pod not in pods and (
+            want is None or holdings.memory.served.get((pod, name), want.source_revision) == want.source_revision)]
+        pods.sort()
+    unreadable = view.observation.unauthorized
+    replicas = [{"pod": pod, "url": url, "ready": pod in view.observation.urls or pod in unreadable}
                 for pod, url in view.observation.all_urls.items()]
     return {"pool": view.pool.name, "baseModel": view.pool.served_name,
             "replicas": sorted(replicas, key=lambda r: r["pod"]), "adapters": held}
+
+
+def unreadable_holders(view: PoolView, memory: ReconcileMemory) -> dict[str, list[str]]:
+    """adapter -> the Ready pods that refuse the operator's token (`Observation.unauthorized`: started with a
+    token the operator does not know, say one rotated while it was restarting) and that the last published
+    placement listed for it. They still serve what they held, so the placement keeps them, ready, until they are
+    replaced or answer again; the calls of the pass go to readable pods only."""
+    unreadable = view.observation.unauthorized
+    if not unreadable:
+        return {}
+    published = memory.published
+    if published is not None and published.payload:
+        listed = json.loads(published.payload).get("adapters") or {}
+    else:  # the first pass after a restart: the ConfigMap as found
+        listed = view.stored.pods_by_adapter if view.stored is not None else {}
+    return {name: [pod for pod in pods if pod in unreadable] for name, pods in listed.items()
+            if unreadable.intersection(pods)}
 
 
 def adapter_status(name: str, body: dict, adapters: AdapterSet, plan: PassPlan, holdings: Holdings, *,

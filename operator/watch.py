@@ -47,14 +47,15 @@ async def watch_pod(client: EngineClient, url: str, on_change: Callable[[], None
 
 
 class PodWatchers:
-    """The watchers of one pool, kept to its ready pods (and the admin token) after each reconcile pass."""
+    """The watchers of one pool, kept to its ready pods (and the admin token each answers to) after each pass."""
 
     def __init__(self, make_client: Callable[[str | None], EngineClient], on_change: Callable[[], None]) -> None:
         self._make_client, self._on_change = make_client, on_change
         self._tasks: dict[tuple[str, str | None], asyncio.Task] = {}  # (url, admin token) -> its watcher
 
-    def update(self, urls: Mapping[str, str], admin_token: str | None) -> None:
-        wanted = {(url, admin_token) for url in urls.values()}
+    def update(self, tokens: Mapping[str, str | None]) -> None:
+        """tokens: admin URL of each pod to watch -> the admin token that pod answers to."""
+        wanted = set(tokens.items())
         for key in [k for k in self._tasks if k not in wanted]:
             self._tasks.pop(key).cancel()
         for key in wanted - set(self._tasks):

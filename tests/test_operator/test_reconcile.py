@@ -30,9 +30,16 @@ class FakeEngine:
         self.calls: list[tuple[str, str]] = []
         self.fail_next: dict[str, int] = {}  # adapter -> number of 503s still to answer
         self.payloads: list[dict] = []  # every load request's body
+        self.token: str | None = None  # the admin token it was started with: 401 without it
 
     def app(self) -> web.Application:
-        app = web.Application()
+        @web.middleware
+        async def admin_token(request, handler):
+            if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+                return web.json_response({"error": {"type": "unauthorized", "message": "admin token"}}, status=401)
+            return await handler(request)
+
+        app = web.Application(middlewares=[admin_token])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
@@ -402,3 +409,66 @@ async def test_owned_objects_are_reapplied_once_per_resync(world):
     assert {"p-engine", "p", "p-placement"} <= set(kube.applied)
     assert kube.applied["p-placement"]["data"] == placement["data"]  # the same payload and revision
     assert kube.applied["p-engine"]["kind"] in ("Deployment", "Service", "NetworkPolicy")
+
+
+def _start_with_token(kube, engines, token):
+    """What a pod made from the Deployment carrying `token`'s digest is: an engine that answers only to it."""
+    for p in kube.pods:
+        if p["metadata"]["name"] in engines:
+            engines[p["metadata"]["name"]].token = token
+            p["metadata"]["annotations"][names.ANNOTATION_ADMIN_TOKEN] = admin_token_digest(token)
+
+
+def _placement(kube) -> dict:
+    return json.loads(kube.applied["p-placement"]["data"]["placement.json"])
+
+
+async def test_a_rotated_token_keeps_the_old_pods_observed_and_placed_until_they_go(world, aiohttp_server):
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    await reconciler.reconcile()  # creates the Secret
+    first = kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)]
+    _start_with_token(kube, engines, first)
+    await reconciler.reconcile()
+    assert kube.status("a")["phase"] == "Ready"
+    kube.secrets.clear()  # rotate: delete the generated Secret
+    await reconciler.reconcile()
+    second = kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)]
+    assert second != first
+    placement = _placement(kube)  # the old pods still serve: ready and holding it
+    assert {r["pod"]: r["ready"] for r in placement["replicas"]} == {"e0": True, "e1": True}
+    assert placement["adapters"]["a"] == ["e0", "e1"] and kube.status("a")["phase"] == "Ready"
+    new = FakeEngine()  # the rollout's first new pod, started with the new token
+    server = await aiohttp_server(new.app())
+    kube.pods.append(pod("e2", str(server.make_url("")).rstrip("/")))
+    kube.roll_pods()
+    engines["e2"] = new
+    _start_with_token(kube, {"e2": new}, second)
+    await reconciler.reconcile()
+    assert "a" in new.adapters and _placement(kube)["adapters"]["a"] == ["e0", "e1", "e2"]
+    urls = reconciler.observed_urls  # what the pod watchers long-poll, each with its pod's token
+    assert reconciler.observed_tokens == {urls["e0"]: first, urls["e1"]: first, urls["e2"]: second}
+    kube.pods = [p for p in kube.pods if p["metadata"]["name"] == "e2"]  # the old pods are gone
+    await reconciler.reconcile()
+    assert reconciler._tokens == {admin_token_digest(second): second}  # the old token is forgotten
+    assert _placement(kube)["adapters"]["a"] == ["e2"] and kube.status("a")["phase"] == "Ready"
+
+
+async def test_pods_refusing_an_unknown_token_keep_their_published_holdings(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    await reconciler.reconcile()
+    old = kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)]
+    _start_with_token(kube, engines, old)
+    await reconciler.reconcile()
+    kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)] = "rotated-while-away"
+    restarted = PoolReconciler(kube, reconciler._session, reconciler._settings, NS, "p")  # never saw `old`
+    for _ in range(2):  # the first pass reads the ConfigMap, the next one its own publication
+        await restarted.reconcile()
+        placement = _placement(kube)
+        assert {r["pod"]: r["ready"] for r in placement["replicas"]} == {"e0": True, "e1": True}
+        assert placement["adapters"]["a"] == ["e0", "e1"]
+    assert not any(call[0] == "unload" for e in engines.values() for call in e.calls)
+    kube.add_adapter("b", "/adapters/b", replicas="all")
+    await restarted.reconcile()
+    assert _placement(kube)["adapters"]["b"] == []  # nothing readable holds it: not listed on unreadable pods
