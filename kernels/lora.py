@@ -205,36 +205,47 @@ def add_lora_torch(
     """Reference: y[t, off_s:off_s+d_s] += scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slot of t.
 
     y: [num_tokens, sum_s d_s], x: [num_tokens, in_dim], lora_a[s]: [num_rows_s, in_dim],
-    lora_b[s]: [num_rows_s, d_s]. One dense masked matmul pair per slice, no loop over adapters: each
-    token's shrink row is gathered from the product with every slot's A, then scattered into its slot's
-    column block before the expand, so other slots contribute exact zeros.
+    lora_b[s]: [num_rows_s, d_s]. Per slice, one dense shrink against every slot's A, from which each token
+    gathers its own slot's columns, then one expand per slot whose rows are kept only for that slot's tokens.
+    Every mask selects (gather, where) and never multiplies by zero: 0 x NaN is NaN, so a slot whose rows
+    hold NaN or infinities (or a lane past a rank reading another adapter's row) would otherwise reach every
+    token of the step.
     """
     if not step.has_lora:
         return
-    num_tokens = x.shape[0]
     has_slot = step.token_slots >= 0
     slots = step.token_slots.clamp(min=0)
     offset = 0
     for s, (a_pool, b_pool) in enumerate(zip(lora_a, lora_b)):
         width = b_pool.shape[1]
-        max_rank = proj.max_rank[s]
-        if max_rank > 0:
-            lanes = torch.arange(max_rank, device=x.device)
-            rows = proj.row_start[:, s, None] + lanes  # [num_slots, max_rank]
-            valid = lanes < proj.rank[:, s, None]  # [num_slots, max_rank]
-            rows = torch.where(valid, rows, torch.zeros_like(rows))
-            a_slots = a_pool[rows] * valid[..., None].to(a_pool.dtype)  # [num_slots, max_rank, in_dim]
-            b_slots = b_pool[rows] * valid[..., None].to(b_pool.dtype)  # [num_slots, max_rank, d_s]
-            shrink_all = x @ a_slots.reshape(-1, x.shape[1]).T  # [num_tokens, num_slots * max_rank]
-            shrink_all = shrink_all.view(num_tokens, step.num_slots, max_rank)
-            keep = torch.nn.functional.one_hot(slots, step.num_slots).to(x.dtype) * has_slot[:, None].to(x.dtype)
-            token_scale = proj.scale[slots, s].to(x.dtype)  # [num_tokens]
-            shrink = shrink_all * (keep * token_scale[:, None])[..., None]  # zero outside the token's slot
-            delta = shrink.reshape(num_tokens, -1) @ b_slots.reshape(-1, width)  # [num_tokens, d_s]
+        if proj.max_rank[s] > 0:
+            delta = _slice_delta(x, a_pool, b_pool, proj, step.num_slots, slots, s)
             is_adapted = has_slot & (proj.rank[slots, s] > 0)  # rows to add into; the rest keep their bits
             y_slice = y[:, offset : offset + width]
             y_slice.copy_(torch.where(is_adapted[:, None], y_slice + delta.to(y.dtype), y_slice))
         offset += width
+
+
+def _slot_rows(pool: torch.Tensor, proj: LoRAProj, s: int) -> torch.Tensor:
+    """[num_slots, max_rank, dim]: each slot's rows of slice s, lanes past its rank exactly zero (selected)."""
+    lanes = torch.arange(proj.max_rank[s], device=pool.device)
+    valid = lanes < proj.rank[:, s, None]  # [num_slots, max_rank]
+    rows = torch.where(valid, proj.row_start[:, s, None] + lanes, 0)
+    return torch.where(valid[..., None], pool[rows], torch.zeros((), dtype=pool.dtype, device=pool.device))
+
+
+def _slice_delta(x: torch.Tensor, a_pool: torch.Tensor, b_pool: torch.Tensor, proj: LoRAProj, num_slots: int,
+                 slots: torch.Tensor, s: int) -> torch.Tensor:
+    """[num_tokens, d_s]: scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slots[t], from a's rows only."""
+    max_rank = proj.max_rank[s]
+    a_slots, b_slots = _slot_rows(a_pool, proj, s), _slot_rows(b_pool, proj, s)
+    shrink_all = (x @ a_slots.reshape(-1, x.shape[1]).T).view(x.shape[0], num_slots, max_rank)
+    index = slots[:, None, None].expand(-1, 1, max_rank)
+    shrink = shrink_all.gather(1, index).squeeze(1) * proj.scale[slots, s].to(x.dtype)[:, None]  # [num_tokens, r]
+    delta = torch.zeros(x.shape[0], b_pool.shape[1], dtype=x.dtype, device=x.device)
+    for slot in range(num_slots):  # at most max_loras: one [num_tokens, r] x [r, d_s] product each
+        delta = torch.where((slots == slot)[:, None], shrink @ b_slots[slot], delta)
+    return delta
 
 
 def default_backend(device: torch.device | str) -> str:
