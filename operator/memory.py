@@ -66,3 +66,5 @@ class ReconcileMemory:
     included: Mapping[str, int] = field(default_factory=dict)
     # router pod -> time.time() the operator first saw it behind the published revision (unanswered included)
     routers_behind: Mapping[str, float] = field(default_factory=dict)
+    # router pod -> the last placement revision it acknowledged: a router that does not answer is judged by it
+    router_revisions: Mapping[str, int] = field(default_factory=dict)

@@ -105,9 +105,10 @@ def build_report(view: PoolView, plan: PassPlan, results: Iterable[CallResult], 
 def report_publication(view: PoolView, plan: PassPlan, publication: Publication, routers: RouterView) -> Report:
     """The statuses once the placement is published and the routers were asked which revision they route on."""
     adapters, holdings, memory = publication.adapters, publication.holdings, publication.memory
-    judgement = judge_routers(routers, publication.revision, memory.routers_behind)
+    judgement = judge_routers(routers, publication.revision, memory.routers_behind, memory.router_revisions)
     statuses = {name: adapter_status(name, body, adapters, plan, holdings, has_ready_pod=bool(view.observation.urls),
-                                     unrouted=unrouted(name, memory.included, routers.acks))
+                                     unrouted=unrouted(name, memory.included, routers.acks, judgement.revisions,
+                                                       judgement.stale))
                 for name, body in view.bodies.items() if not body["metadata"].get("deletionTimestamp")}
     pool = pool_status(view.pool.name, view.pool_body, view.observation, holdings.held, plan.placement,
                        capacity=view.pool.engine.max_cpu_loras, revision=publication.revision,
@@ -115,8 +116,8 @@ def report_publication(view: PoolView, plan: PassPlan, publication: Publication,
                        degraded=judgement.degraded)
     released = frozenset(name for name, body in view.bodies.items() if body["metadata"].get("deletionTimestamp")
                          and not any(name in adapters_here for adapters_here in holdings.held.values()))
-    return Report(statuses, pool, publication.placement, replace(memory, routers_behind=judgement.behind), released,
-                  judgement.next_pass_s)
+    memory = replace(memory, routers_behind=judgement.behind, router_revisions=judgement.revisions)
+    return Report(statuses, pool, publication.placement, memory, released, judgement.next_pass_s)
 
 
 def held_after(held: HeldByPod, results: Iterable[CallResult]) -> dict[str, dict[str, ObservedAdapter]]:

@@ -109,3 +109,30 @@ async def test_a_router_that_cannot_read_holds_new_adapters_back(routed):
     source.is_broken = False  # readable again: the next pass (asked for in 1 s) sees it taken
     await reconciler.reconcile()
     assert kube.status("b")["phase"] == "Ready" and reconciler.next_pass_s is None
+
+
+async def test_a_router_that_stops_answering_leaves_adapters_ready_and_new_ones_become_ready(
+        routed, aiohttp_server, monkeypatch):
+    kube, _, reconciler = routed
+    other = await aiohttp_server(build_app(RouterConfig(pool="p", placement_configmap="p-placement",
+                                                        poll_interval=30.0), PlacementStore(),
+                                           FakeKubeSource(kube, poll_interval=30.0)))
+    urls = {"127.0.0.1": observe_module.router_url("127.0.0.1"), "127.0.0.2": str(other.make_url("")).rstrip("/")}
+    monkeypatch.setattr(observe_module, "router_url", lambda ip: urls[ip])
+    kube.router_pods.append({"metadata": {"name": "r1"}, "status": {
+        "podIP": "127.0.0.2", "conditions": [{"type": "Ready", "status": "True"}]}})
+    kube.objects[("lorapools", "p")]["spec"]["engine"]["maxCpuLoras"] = 16
+    names = [f"t{i:02d}" for i in range(12)]
+    for name in names:
+        kube.add_adapter(name, f"/adapters/{name}")
+    await reconciler.reconcile()
+    assert {kube.status(name)["phase"] for name in names} == {"Ready"}
+    urls["127.0.0.2"] = "http://127.0.0.1:9"  # r1 stays Ready per Kubernetes but answers nothing
+    await reconciler.reconcile()
+    assert {kube.status(name)["phase"] for name in names} == {"Ready"}
+    kube.add_adapter("new", "/adapters/new")
+    await reconciler.reconcile()
+    assert kube.status("new")["phase"] == "Ready"  # r0 took the revision listing it
+    routers = {r["name"]: r for r in kube.objects[("lorapools", "p")]["status"]["routers"]}
+    assert "behindSince" in routers["r1"] and "behindSince" not in routers["r0"]
+    assert reconciler.next_pass_s == RECHECK_BEHIND_S  # Degraded follows once r1 has been silent for 10 s

@@ -7,7 +7,7 @@ from kubelora.operator.memory import ReconcileMemory
 from kubelora.operator.observe import RouterAck
 from kubelora.operator.report import build_publication, report_publication
 from kubelora.operator.routers import (RECHECK_BEHIND_S, RECHECK_STALE_S, ROUTER_PLACEMENT_STALE, RouterView,
-                                       judge_routers)
+                                       judge_routers, remember_revisions)
 
 from .conftest import adapter, backoff_s, view
 from .test_report import _ok
@@ -114,3 +114,69 @@ def test_pool_status_carries_routers_and_a_degraded_condition():
     assert conditions(pool)["Ready"] == ("True", "AllReplicasReady")  # the engines are fine
     healthy = report_publication(pool_view, plan, publication, RouterView(now=30.0)).pool_status
     assert conditions(healthy)["Degraded"] == ("False", "RoutersCurrent") and healthy["routers"] == []
+
+
+def _two_routers_took(pool_view, plan, publication, now=1.0):
+    return report_publication(pool_view, plan, publication,
+                              RouterView({"r0": ack("r0", publication.revision), "r1": ack("r1", publication.revision)},
+                                         now=now)).memory
+
+
+def test_a_router_that_stops_answering_keeps_what_it_acknowledged_routable():
+    """Its last acknowledged revision lists `a`: `a` stays Ready; the router alone degrades the pool (once it has
+    not answered for over 10 s), also when it is the pool's only router."""
+    pool_view = view(adapter("a"))
+    plan, publication = publish(pool_view)
+    memory = _two_routers_took(pool_view, plan, publication)
+    assert memory.router_revisions == {"r0": 1, "r1": 1}
+    plan, publication = publish(pool_view, memory, now=2.0)
+    silent = {"r0": ack("r0", 1), "r1": ack("r1", None, error="GET /placement: ServerDisconnectedError")}
+    report = report_publication(pool_view, plan, publication, RouterView(silent, now=2.0))
+    assert report.adapter_statuses["a"]["phase"] == "Ready" and report.memory.router_revisions == {"r0": 1, "r1": 1}
+    assert conditions(report.pool_status)["Degraded"] == ("False", "RoutersCurrent")
+    plan, publication = publish(pool_view, report.memory, now=13.0)
+    report = report_publication(pool_view, plan, publication, RouterView(silent, now=13.0))
+    assert report.adapter_statuses["a"]["phase"] == "Ready"
+    assert conditions(report.pool_status)["Degraded"] == ("True", ROUTER_PLACEMENT_STALE)
+    alone = report_publication(pool_view, plan, publication, RouterView({"r1": silent["r1"]}, now=13.0))
+    assert alone.adapter_statuses["a"]["phase"] == "Ready"
+
+
+def test_a_new_adapter_is_ready_once_an_answering_router_routes_it_despite_a_silent_one():
+    first_view = view(adapter("a"))
+    plan, first = publish(first_view)
+    memory = _two_routers_took(first_view, plan, first)
+    second_view = view(adapter("a"), adapter("b"))
+    plan, second = publish(second_view, memory, now=2.0)
+    assert second.memory.included["b"] == 2
+    silent = ack("r1", None, error="GET /placement: TimeoutError")
+    report = report_publication(second_view, plan, second, RouterView({"r0": ack("r0", 2), "r1": silent}, now=2.0))
+    assert report.adapter_statuses["b"]["phase"] == "Ready"
+    # No answering router vouches for it: it waits for the silent one, and says so.
+    report = report_publication(second_view, plan, second, RouterView({"r0": ack("r0", 1), "r1": silent}, now=2.0))
+    ready = next(c for c in report.adapter_statuses["b"]["conditions"] if c["type"] == "Ready")
+    assert report.adapter_statuses["b"]["phase"] == "Loading" and ready["reason"] == "WaitingForRouters"
+    assert "r1 (no answer)" in ready["message"] and "r0 (revision 1)" in ready["message"]
+    report = report_publication(second_view, plan, second, RouterView({"r1": silent}, now=2.0))
+    assert report.adapter_statuses["b"]["phase"] == "Loading"
+
+
+def test_a_behind_router_holds_a_new_adapter_until_it_is_stale_then_only_degrades_the_pool():
+    first_view = view(adapter("a"))
+    plan, first = publish(first_view)
+    memory = _two_routers_took(first_view, plan, first)
+    second_view = view(adapter("a"), adapter("b"))
+    plan, second = publish(second_view, memory, now=2.0)
+    routers = {"r0": ack("r0", 2), "r1": ack("r1", 1, error="configmap ns/p-placement: HTTP 401 Unauthorized")}
+    early = report_publication(second_view, plan, second, RouterView(routers, now=2.0))
+    assert early.adapter_statuses["b"]["phase"] == "Loading"  # it answers: it may take it within a pass
+    plan, third = publish(second_view, early.memory, now=13.0)
+    late = report_publication(second_view, plan, third, RouterView(routers, now=13.0))
+    assert late.adapter_statuses["b"]["phase"] == "Ready"
+    assert conditions(late.pool_status)["Degraded"] == ("True", ROUTER_PLACEMENT_STALE)
+
+
+def test_routers_that_are_gone_are_forgotten():
+    assert remember_revisions({"r0": ack("r0", None)}, {"r0": 3, "r9": 4}) == {"r0": 3}
+    assert remember_revisions({"r0": ack("r0", 5)}, {"r0": 3}) == {"r0": 5}
+    assert remember_revisions({"r0": ack("r0", None)}, {}) == {}
