@@ -9,10 +9,12 @@ multiplying out past the file) and trailing bytes are all `AdapterCorrupt`, caug
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
-from kubelora.engine.errors import AdapterCorrupt, AdapterNotFound
+from kubelora.engine.adapters.files import open_regular
+from kubelora.engine.errors import AdapterCorrupt
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 # Bytes per element of the safetensors dtypes with whole-byte elements; other dtypes are refused later.
@@ -27,20 +29,9 @@ def read_header(name: str, path: Path) -> tuple[dict, int]:
     def corrupt(why: str) -> AdapterCorrupt:
         return AdapterCorrupt(name, WEIGHTS_FILE, f"is corrupt: {why}", limit="a safetensors file")
 
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise corrupt(f"{size} bytes is shorter than the 8-byte header length")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(size - 8, MAX_HEADER_BYTES):
-                raise corrupt(f"header length {header_len} exceeds the file ({size} bytes) or {MAX_HEADER_BYTES}")
-            header = json.loads(f.read(header_len))
-    except FileNotFoundError:
-        raise AdapterNotFound(name, WEIGHTS_FILE, f"{str(path)!r} does not exist", limit="a readable file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise corrupt(f"header is not JSON ({type(exc).__name__})") from exc
+    with open_regular(name, path) as f:
+        size = os.fstat(f.fileno()).st_size
+        header_len, header = _read_json_header(f, size, corrupt)
     if not isinstance(header, dict):
         raise corrupt("header is not a JSON object")
     header.pop("__metadata__", None)
@@ -56,6 +47,20 @@ def read_header(name: str, path: Path) -> tuple[dict, int]:
         raise corrupt(f"the tensors end at data byte {end} but the file holds {data_len} data bytes "
                       f"({data_len - end} trailing bytes)")
     return header, size
+
+
+def _read_json_header(f, size: int, corrupt) -> tuple[int, object]:
+    """(header length, parsed header) of an open safetensors file of `size` bytes."""
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise corrupt(f"{size} bytes is shorter than the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > min(size - 8, MAX_HEADER_BYTES):
+        raise corrupt(f"header length {header_len} exceeds the file ({size} bytes) or {MAX_HEADER_BYTES}")
+    try:
+        return header_len, json.loads(f.read(header_len))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise corrupt(f"header is not JSON ({type(exc).__name__})") from exc
 
 
 def _is_count(value: object) -> bool:

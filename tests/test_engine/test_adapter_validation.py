@@ -4,8 +4,10 @@ engine keeps its loaded adapters and keeps generating the same outputs."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from kubelora.engine import LLM, SamplingParams
 from kubelora.engine import errors
+from kubelora.engine.common.http_errors import to_http
 
 GOOD = "r8-all"
 
@@ -292,3 +295,174 @@ def test_bytes_appended_after_registration_fail_the_on_demand_load(llama, tmp_pa
         assert llm.engine.adapters.stats().host_bytes == 0
     finally:
         llm.close()
+
+
+def _nan_lora_b(tmp: Path, llama) -> Path:
+    def poison(tensors):
+        key = next(k for k in sorted(tensors) if "v_proj.lora_B" in k)
+        tensors[key][3, 1] = float("nan")
+
+    return _edit_tensors(_copy(llama.adapters[GOOD], tmp / "nan-b"), poison)
+
+
+def _inf_lora_a(tmp: Path, llama) -> Path:
+    def poison(tensors):
+        key = next(k for k in sorted(tensors) if "down_proj.lora_A" in k)
+        tensors[key][0, 0] = float("-inf")
+
+    return _edit_tensors(_copy(llama.adapters[GOOD], tmp / "inf-a"), poison)
+
+
+def _config(name: str, **changes):
+    def make(tmp: Path, llama) -> Path:
+        return _edit_config(_copy(llama.adapters[GOOD], tmp / name), **changes)
+
+    make.__name__ = f"_{name}"
+    return make
+
+
+def _rank_mismatch(tmp: Path, llama) -> Path:
+    return _edit_config(_copy(llama.adapters[GOOD], tmp / "r4-of-r8"), r=4)  # rank-8 tensors
+
+
+def _rank_pattern_mismatch(tmp: Path, llama) -> Path:
+    return _edit_config(_copy(llama.adapters[GOOD], tmp / "pattern-r16"), rank_pattern={r"mlp\.up_proj": 16})
+
+
+def _replace_with(kind: str, file: str):
+    def make(tmp: Path, llama) -> Path:
+        path = _copy(llama.adapters[GOOD], tmp / f"{kind}-{file}")
+        (path / file).unlink()
+        if kind == "dir":
+            (path / file).mkdir()
+        else:
+            os.mkfifo(path / file)
+        return path
+
+    make.__name__ = f"_{kind}_{file.split('_')[-1].split('.')[0]}"
+    return make
+
+
+def _config_nested_deep(tmp: Path, llama) -> Path:
+    path = _copy(llama.adapters[GOOD], tmp / "deep")
+    (path / "adapter_config.json").write_text('{"r": 8, "x": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    return path
+
+
+NEW_CASES = [
+    (_nan_lora_b, errors.AdapterCorrupt, None, "NaN or infinite"),
+    (_inf_lora_a, errors.AdapterCorrupt, None, "NaN or infinite"),
+    (_config("alpha-nan", lora_alpha=float("nan")), errors.AdapterCorrupt, "lora_alpha", "nan"),
+    (_config("alpha-inf", lora_alpha=float("inf")), errors.AdapterCorrupt, "lora_alpha", "inf"),
+    (_config("alpha-pattern-inf", alpha_pattern={"q_proj": float("-inf")}), errors.AdapterCorrupt, "alpha_pattern",
+     "-inf"),
+    (_config("rank-pattern-nan", rank_pattern={"q_proj": float("nan")}), errors.AdapterCorrupt, "rank_pattern",
+     "nan"),
+    (_config("r-true", r=True), errors.InvalidAdapter, "r", "is true; it must be a positive integer"),
+    (_config("r-float", r=8.0), errors.InvalidAdapter, "r", "is 8.0"),
+    (_config("alpha-bool", lora_alpha=True), errors.InvalidAdapter, "lora_alpha", "is true; it must be a number"),
+    (_config("alpha-string", lora_alpha="16"), errors.InvalidAdapter, "lora_alpha", 'is "16"'),
+    (_config("rank-pattern-bool", rank_pattern={"q_proj": True}), errors.InvalidAdapter, "rank_pattern",
+     "a positive integer"),
+    (_config("rslora-string", use_rslora="yes"), errors.InvalidAdapter, "use_rslora", "true or false"),
+    (_rank_mismatch, errors.AdapterShapeMismatch, None, "has rank 8 tensors, but the config gives it rank 4"),
+    (_rank_pattern_mismatch, errors.AdapterShapeMismatch, None, "up_proj in layer 0 has rank 8 tensors, but the "
+     "config gives it rank 16"),
+    (_config("backreference", alpha_pattern={r"(q)\1_proj": 4}), errors.InvalidAdapter, "alpha_pattern",
+     r"(q)\\1_proj"),
+    (_config("lookahead", rank_pattern={r"q(?=_proj)": 8}), errors.InvalidAdapter, "rank_pattern",
+     "not a regular expression RE2 accepts"),
+    (_config("many-keys", alpha_pattern={f"layers\\.{i}\\.x": 1 for i in range(1025)}), errors.InvalidAdapter,
+     "alpha_pattern", "at most 1024"),
+    (_replace_with("dir", WEIGHTS), errors.InvalidAdapter, WEIGHTS, "is a directory"),
+    (_replace_with("dir", "adapter_config.json"), errors.InvalidAdapter, "adapter_config.json", "is a directory"),
+    (_replace_with("fifo", WEIGHTS), errors.InvalidAdapter, WEIGHTS, "is a FIFO"),
+    (_replace_with("fifo", "adapter_config.json"), errors.InvalidAdapter, "adapter_config.json", "is a FIFO"),
+    (_config_nested_deep, errors.AdapterCorrupt, "adapter_config.json", "nested too deep"),
+]
+
+
+@pytest.mark.parametrize("make_bad, error_type, field, text", NEW_CASES, ids=[c[0].__name__[1:] for c in NEW_CASES])
+def test_hostile_adapter_fails_alone_at_once(llama_llm, llama, before, tmp_path, prompt_ids, make_bad, error_type,
+                                            field, text):
+    """Refused at load with its own error, within seconds (a FIFO's open would block forever), others unaffected."""
+    path = make_bad(tmp_path, llama)
+    outcome: list[BaseException] = []
+    loader = threading.Thread(target=_load_into, args=(llama_llm, path, outcome), daemon=True)
+    loader.start()
+    loader.join(10)
+    assert not loader.is_alive(), "the load blocked"
+    [exc] = outcome
+    assert isinstance(exc, error_type) and exc.adapter == "bad-one", repr(exc)
+    if field is not None:
+        assert exc.field == field
+    assert text in str(exc)
+    assert to_http(exc).status == 400 and to_http(exc).code == exc.type
+    assert llama_llm.engine.adapters.get("bad-one") is None
+    assert _probe(llama_llm, prompt_ids) == before
+
+
+def _load_into(llm, path: Path, outcome: list) -> None:
+    try:
+        llm.load_adapter("bad-one", path)
+    except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+        outcome.append(exc)
+
+
+def test_non_finite_weights_fail_the_on_demand_load(llama, tmp_path, prompt_ids):
+    """Registered without reading the weights (preload off), the first request's load refuses them."""
+    llm = LLM(llama.model_dir, max_loras=1, max_lora_rank=32)
+    try:
+        assert llm.load_adapter("nan", _nan_lora_b(tmp_path, llama), preload=False).tier == "known"
+        [result] = llm.generate([prompt_ids(0, 5)], SamplingParams(max_tokens=2), adapters="nan")
+        assert result.finish_reason == "error" and "NaN or infinite" in result.error
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("key", ["(.|.){0,24}!", "(a|a)*(a|a)*(a|a)*(a|a)*$x", "(.*.*)*=q_proj"])
+def test_pathological_pattern_key_loads_in_linear_time(llama_llm, llama, tmp_path, key):
+    """Keys that take a backtracking engine seconds to minutes per module name match nothing, at once."""
+    path = _edit_config(_copy(llama.adapters[GOOD], tmp_path / "slow"), alpha_pattern={key: 64})
+    started = time.monotonic()
+    info = llama_llm.load_adapter("slow-pattern", path, preload=False)
+    try:
+        assert time.monotonic() - started < 1.0
+        assert info.name == "slow-pattern"
+    finally:
+        llama_llm.unload_adapter("slow-pattern")
+
+
+def test_pattern_keys_match_as_peft_matches_them(llama, tmp_path, prompt_ids):
+    """rank_pattern and alpha_pattern keys (a regex, a dotted suffix, a full name for one layer) give the ranks
+    and scales PEFT gives: the engine's logits equal transformers + PEFT's."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(llama.model_dir, dtype=torch.float32)
+    num_layers = base.config.num_hidden_layers
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        rank_pattern={"(q|v)_proj": 12}, task_type="CAUSAL_LM",
+                        alpha_pattern={r"self_attn\.v_proj": 6, **{f"model.layers.{i}.self_attn.o_proj": 2
+                                                                    for i in range(num_layers)}})
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen) / 3)
+    model.save_pretrained(tmp_path / "patterns")
+    llm = LLM(llama.model_dir, max_loras=1, max_lora_rank=32)
+    try:
+        info = llm.load_adapter("patterns", tmp_path / "patterns")
+        assert info.ranks == {"q_proj": 12, "k_proj": 4, "v_proj": 12, "o_proj": 4}
+        prompt = prompt_ids(2, 9)
+        [result] = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, return_logits=True),
+                                adapters="patterns")
+    finally:
+        llm.close()
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama.model_dir, dtype=torch.float32),
+                                          tmp_path / "patterns").eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    assert (result.prompt_logits - expected).abs().max() < 1e-4
