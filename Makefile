@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # -P / PYTHONSAFEPATH: the repo root never lands on sys.path, so `operator/` cannot shadow the stdlib.
 export PYTHONSAFEPATH := 1
 
-.PHONY: venv k8s test demo images clean
+.PHONY: venv k8s test test-gpu demo images clean
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ k8s:
 # The e2e cluster's pods run the images (the local kubelet unpacks build/images/*.tar and runs them with runc).
 test: venv k8s images
 	$(PY) -P -m pytest $(PYTEST_ARGS)
+
+# Every GPU test on a CUDA machine (bench/gpu-tests.sh; log under OUT, /tmp/kubelora-out by default).
+test-gpu: venv
+	PYTHON=$(abspath $(PY)) bash bench/gpu-tests.sh
 
 demo: venv k8s images
 	$(VENV)/bin/kubelora demo

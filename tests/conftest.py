@@ -9,12 +9,12 @@ torch.set_num_threads(1)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; the GPU runs are separate commands (bench/h200.sh)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; run with every GPU test by bench/gpu-tests.sh (make test-gpu)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """GPU-only tests are deselected, not skipped, where there is no GPU: the CPU suite covers the same code
-    paths on the PyTorch reference and the Triton interpreter, and the H200 runs are their own command."""
+    paths on the PyTorch reference and the Triton interpreter, and the GPU runs are their own command (bench/gpu-tests.sh)."""
     if torch.cuda.is_available():
         return
     gpu_only = [item for item in items if item.get_closest_marker("gpu")]

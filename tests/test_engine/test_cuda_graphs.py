@@ -1,5 +1,5 @@
 """CUDA-graph decode (marker gpu: deselected without a GPU): the same greedy tokens with graphs on and off, and
-the graphs' tokens equal transformers+PEFT's. Run on a GPU machine: `python -P -m pytest tests/test_engine -m gpu`."""
+the graphs' tokens equal transformers+PEFT's. Run with every GPU test: `make test-gpu` (bench/gpu-tests.sh)."""
 
 from __future__ import annotations
 
@@ -71,8 +71,9 @@ def test_overlapped_steps_give_the_tokens_of_sync_steps(llama, prompt_ids, enfor
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_graphs_give_the_eager_prefill_tokens(llama, prompt_ids, monkeypatch, dtype):
     """One request at a time (each prefill one sequence's, padded to its token bucket): the same greedy tokens
-    with the prefill graphs as with eager prefills (KUBELORA_PREFILL_GRAPHS=0); every prefill replayed a graph
-    (generate captures the adapters' graphs first)."""
+    with the prefill graphs as with eager prefills (KUBELORA_PREFILL_GRAPHS=0); each request's one prefill
+    replayed a graph (generate captures the adapters' graphs first). Counted per request: start-up's own warm-up
+    requests (engine/warmup.py) replay the base graph too, before any request of the test."""
     from kubelora.engine import graph_plan, prefill_graph
 
     monkeypatch.setattr(graph_plan, "MAX_GRAPH_SHAPES", 3)  # graphs for each of the adapters' three shapes
@@ -89,10 +90,13 @@ def test_prefill_graphs_give_the_eager_prefill_tokens(llama, prompt_ids, monkeyp
         try:
             assert (llm.engine._runner.prefill is None) == (enabled == "0")
             params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-            results[enabled] = [llm.generate([p], params, adapters=[n])[0].token_ids for p, n in zip(prompts, names)]
+            results[enabled] = []
+            for prompt, name in zip(prompts, names):
+                runs.clear()
+                results[enabled].append(llm.generate([prompt], params, adapters=[name])[0].token_ids)
+                assert len(runs) == (enabled == "1"), (name, len(prompt))
         finally:
             llm.close()
-    assert len(runs) == len(prompts)
     if dtype == "float32":
         assert results["1"] == results["0"]
     else:  # bf16: a padded matmul may pick another kernel (other roundings); a near tie may flip one prompt
