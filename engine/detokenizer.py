@@ -2,7 +2,9 @@
 
 `text` is the stable part of the output: stop strings (and what follows them) are cut, and while a sequence
 runs, a trailing incomplete UTF-8 character or a suffix that may still become a stop string is held back, so
-that successive `text` values only grow (the server streams their differences).
+that successive `text` values only grow (the server streams their differences). Stop strings cost each step
+only the characters decoded since the last one: the search starts the longest stop string's length before the
+end of the stable text, and the held-back suffix comes from KMP states kept on the sequence.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Detokenizer:
             index, stop = stop_at
             seq.text = full[: index + len(stop)] if params.include_stop_str_in_output else full[:index]
             return True
-        seq.text = full if is_finished else _stable_prefix(full, params.stop)
+        seq.text = full if is_finished else full[: _stable_end(seq, full)]
         return False
 
     def _decode_tail(self, seq: Sequence, skip_special_tokens: bool) -> str:
@@ -46,6 +48,7 @@ class Detokenizer:
         window = self._decode(ids[seq.prefix_offset :], skip_special_tokens=skip_special_tokens)
         if not window.startswith(context):  # the new tokens changed earlier characters: decode it all again
             seq.decoded_text, seq.prefix_offset, seq.read_offset = "", 0, 0
+            seq.stop_states = []  # the stop scan starts again too
             context, window = "", self._decode(ids, skip_special_tokens=skip_special_tokens)
         tail = window[len(context) :]
         if tail and not tail.endswith(REPLACEMENT_CHAR):
@@ -66,6 +69,50 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str]
 
 def _longest(stops: tuple[str, ...]) -> int:
     return max((len(s) for s in stops), default=0)
+
+
+def _stable_end(seq: Sequence, full: str) -> int:
+    """The end of the text a running sequence may show: trailing U+FFFD (a split character) and the longest
+    suffix that is a proper prefix of a stop string are held back."""
+    end = len(full)
+    while end > 0 and full[end - 1] == REPLACEMENT_CHAR:
+        end -= 1
+    stops, committed = seq.params.stop, len(seq.decoded_text)
+    if not stops:
+        return end
+    if end < committed:  # a committed character is a U+FFFD: no scan state covers it
+        return len(_stable_prefix(full[:end], stops))
+    _scan_committed(seq, stops)
+    new = full[committed:end]
+    hold = max(_advance(state, new, stop, table)
+               for state, stop, table in zip(seq.stop_states, stops, seq.params.stop_prefix_tables))
+    return end - min(hold, end)
+
+
+def _scan_committed(seq: Sequence, stops: tuple[str, ...]) -> None:
+    """Bring the KMP states up to all of decoded_text (it only grows, except when `_decode_tail` decodes
+    everything again and empties the states). A state depends only on the last len(stop) - 1 characters, so a
+    restart scans those."""
+    text, tables = seq.decoded_text, seq.params.stop_prefix_tables
+    if seq.stop_states:
+        new = text[seq.num_stop_scanned :]
+        seq.stop_states = [_advance(state, new, stop, table)
+                           for state, stop, table in zip(seq.stop_states, stops, tables)]
+    else:
+        seq.stop_states = [_advance(0, text[max(0, len(text) - len(stop) + 1) :], stop, table)
+                           for stop, table in zip(stops, tables)]
+    seq.num_stop_scanned = len(text)
+
+
+def _advance(state: int, text: str, stop: str, table: tuple[int, ...]) -> int:
+    """KMP: from the length of the longest suffix that is a proper prefix of stop, through text. A complete
+    match falls back to its longest border (the caller has found any match with str.find already)."""
+    for char in text:
+        while state and (state == len(stop) or stop[state] != char):
+            state = table[state - 1]
+        if stop[state] == char:
+            state += 1
+    return table[state - 1] if state == len(stop) else state
 
 
 def _stable_prefix(text: str, stops: tuple[str, ...]) -> str:

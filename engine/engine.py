@@ -7,6 +7,13 @@ from the device (engine/runner.py); N+1's sampling stage is queued after N is re
 masks, penalties' counts, bad-word prefixes) see N's tokens. A sequence that stops at step N (EOS, a stop
 string) has computed one more token at N+1, which is dropped.
 
+Faults: a request whose sampled row has no valid distribution (non-finite logits, filters that leave no token;
+engine/sampler.py reports it in the same copy as the ids) finishes alone with finish_reason "error". A step that
+raises any other exception is contained: its batch is rolled back (`Scheduler.rollback`) and each of its requests
+is retried alone for one sampled step; one that fails alone, or that is in MAX_FAILED_STEPS failed batches, finishes
+with "error" (its KV blocks and adapter reference freed by `Scheduler.finish`), the others go on. Only a fault that
+leaves the device unusable (a CUDA error) propagates out of `step()`.
+
 Threads: `step()` runs in one engine thread; `add_request`, `abort_request`, `snapshot` and the adapter manager
 are called from any thread. `_lock` guards the scheduler's queues; it is held while scheduling and
 postprocessing, never during the forward pass or any file I/O (adapter I/O runs in callers' threads or in
@@ -37,7 +44,9 @@ from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.model.weights import ModelWeights, extend_weights, load_weights
 from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
-from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig
+from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig, StepResult
+from kubelora.engine.sampler import FAULT_NO_TOKEN_LEFT, FAULT_NON_FINITE_LOGITS
+from kubelora.engine.sampling_batch import token_bitmask
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kubelora.engine.prefill_inputs import PrefillKey
@@ -50,6 +59,13 @@ from kubelora.engine.warmup import warm_up, warm_up_adapter_shape, warm_up_reque
 log = logging.getLogger(__name__)
 
 IDLE_STEP_SLEEP_S = 0.002  # an empty step (requests only wait for adapter loads) yields the CPU briefly
+MAX_FAILED_STEPS = 2  # a request in this many failed batches fails (it already passed a retry alone)
+ROW_FAULTS = {
+    FAULT_NON_FINITE_LOGITS: "the model's logits for this request are not finite (NaN or Inf): its adapter's "
+                             "weights or its input make the model diverge",
+    FAULT_NO_TOKEN_LEFT: "no token is left to sample: the request's sampling parameters (allowed_token_ids, "
+                         "bad words, min_tokens, logit_bias, penalties, temperature) leave no finite logit",
+}
 
 
 class LLMEngine:
@@ -103,6 +119,7 @@ class LLMEngine:
         self._num_steps = 0
         self._is_async = setup.uses_async_scheduling(config)
         self._inflight: LaunchedStep | None = None  # launched, its sampled ids not read yet (engine thread only)
+        self._suspects: list[Sequence] = []  # requests of a failed step, each retried alone (engine thread only)
         if self.device.type == "cuda":  # the step loop's own kernels load before the first request, not during it
             self.startup_seconds["warm_up_requests"] = warm_up_requests(self)
             log.info("warmed up the step loop in %.2f s", self.startup_seconds["warm_up_requests"])
@@ -166,6 +183,9 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         matcher = self._new_matcher(params)
+        allowed = None
+        if params.allowed_token_ids is not None:  # once here: steps copy the mask, never walk the list
+            allowed = token_bitmask(params.allowed_token_ids, self.model_config.vocab_size)
         with self._lock:
             if self._scheduler.get(request_id) is not None:
                 raise InvalidRequest(f"request_id {request_id!r} is already in flight")
@@ -174,7 +194,7 @@ class LLMEngine:
             revision = self.adapters.acquire(adapter) if adapter else None
             seq = Sequence(request_id=request_id, prompt_token_ids=prompt, params=params, adapter_name=adapter or None,
                            adapter=revision, max_tokens=max_tokens, arrival_time=arrival_time or time.time(),
-                           generator=generator, grammar=matcher)
+                           generator=generator, grammar=matcher, allowed_bitmask=allowed)
             self._scheduler.add(seq)
             self._work.notify_all()
 
@@ -210,49 +230,141 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step whose sampled ids were read back."""
+        if self._suspects:
+            return self._step_alone(self._suspects[0])
         previous, outputs = self._inflight, []
         self._inflight = None
         with self._lock:
             batch = self._scheduler.schedule()
             outputs += [self._output(seq, []) for seq in self._scheduler.take_finished_between_steps()]
-            if batch.chunks:
-                self._last_batch = (len(batch.chunks), batch.num_tokens, len(batch.slots))
-                self._num_steps += 1
-        forward = self._runner.forward(batch, previous) if batch.chunks else None
-        if previous is not None:  # read back while the device runs this step's forward pass
-            previous.result()  # waits outside the lock
-            with self._lock:
-                outputs += self._postprocess(previous)
+            self._count_step(batch)
+        try:
+            forward = self._runner.forward(batch, previous) if batch.chunks else None
+        except Exception as exc:  # noqa: BLE001 - contained below unless the device is gone
+            read, is_read = self._read_back(previous, [batch])
+            return outputs + read + (self._contain([batch], exc) if is_read else [])
+        read, is_read = self._read_back(previous, [batch])  # while the device runs this step's forward pass
+        outputs += read
+        if not is_read:  # this batch was fed from the failed step: rolled back with it
+            return outputs
         if forward is None:
             if previous is None and not outputs:
                 time.sleep(IDLE_STEP_SLEEP_S)
             return outputs
         # Sampling inputs come from the sequences' host state, the previous step's tokens included: grammar
         # matchers advanced, penalties' token counts, bad-word prefixes (only this thread changes those).
-        launched = self._runner.sample(forward)
+        try:
+            launched = self._runner.sample(forward)
+            if not self._is_async:
+                launched.result()
+        except Exception as exc:  # noqa: BLE001
+            return outputs + self._contain([batch], exc)
         if self._is_async:
             self._inflight = launched
-        else:
+            return outputs
+        with self._lock:
+            return outputs + self._postprocess(launched)
+
+    def _count_step(self, batch: Batch) -> None:
+        if batch.chunks:
+            self._last_batch = (len(batch.chunks), batch.num_tokens, len(batch.slots))
+            self._num_steps += 1
+
+    def _read_back(self, step: LaunchedStep | None, later: list[Batch]) -> tuple[list[RequestOutput], bool]:
+        """Wait for a launched step's ids (outside the lock) and postprocess them; (outputs, whether it was read).
+        If the wait fails, the step and the `later` batches fed from it are rolled back and contained together."""
+        if step is None:
+            return [], True
+        try:
+            step.result()
+        except Exception as exc:  # noqa: BLE001
+            return self._contain([step.batch, *later], exc), False
+        with self._lock:
+            return self._postprocess(step), True
+
+    def _step_alone(self, seq: Sequence) -> list[RequestOutput]:
+        """One step of a request of a failed batch, alone and read back at once: it fails if this step fails;
+        once it has sampled a token it goes back to the shared batches."""
+        with self._lock:
+            outputs = [self._output(s, []) for s in self._scheduler.take_finished_between_steps()]
+            batch = self._scheduler.schedule_alone(seq)
+            self._count_step(batch)
+        if not batch.chunks:  # finished, or preempted meanwhile: the scheduler takes it from here
+            self._suspects.pop(0)
+            return outputs
+        try:
+            launched = self._runner.execute(batch)
             launched.result()
-            with self._lock:
-                outputs += self._postprocess(launched)
+        except Exception as exc:  # noqa: BLE001
+            return outputs + self._contain([batch], exc)
+        if batch.chunks[0].is_sampled:
+            self._suspects.pop(0)
+        with self._lock:
+            return outputs + self._postprocess(launched)
+
+    def _contain(self, batches: list[Batch], exc: Exception) -> list[RequestOutput]:
+        """A step over `batches` raised: undo their scheduling; fail the requests that ran alone or have failed
+        too often, retry the others alone. A device fault is re-raised: the engine cannot go on."""
+        if _is_device_fault(exc):
+            raise exc
+        with self._lock:
+            for batch in batches:
+                self._scheduler.rollback(batch)
+            seqs = list({c.seq.request_id: c.seq for b in batches for c in b.chunks
+                         if not c.seq.status.is_finished}.values())
+            log.error("a step of %d request(s) failed: %s", len(seqs), [s.request_id for s in seqs], exc_info=exc)
+            self._suspects = [s for s in self._suspects if s not in seqs]
+            outputs = []
+            for seq in seqs:
+                seq.num_failed_steps += 1
+                if len(seqs) == 1 or seq.num_failed_steps >= MAX_FAILED_STEPS:
+                    self._scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, error=_step_error(exc))
+                    outputs.append(self._output(seq, []))
+                else:
+                    self._suspects.append(seq)
         return outputs
 
     def _postprocess(self, step: LaunchedStep) -> list[RequestOutput]:
         batch, result = step.batch, step.result()
-        for chunk, logits in zip(batch.chunks, result.logits):
-            if logits is not None and not chunk.seq.status.is_finished:
-                _record_logits(chunk.seq, chunk.start_pos, logits, chunk.is_sampled)
-        self._record_logprobs(batch, result)
-        outputs = []
-        for seq in self._scheduler.postprocess(batch, result.sampled):
-            if seq.grammar is not None:
-                self._advance_grammar(seq)
-            if self._detokenizer.update(seq, seq.status.is_finished):
-                self._scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-                self._detokenizer.update(seq, True)
-            outputs.append(self._output(seq, seq.output_token_ids[-1:]))
+        outputs = self._fail_row_faults(batch, result)
+        for i, chunk in enumerate(batch.chunks):
+            if not chunk.seq.status.is_finished:
+                outputs += self._guarded(chunk.seq, lambda: self._record_chunk(chunk, i, result))
+        updated = self._scheduler.postprocess(batch, result.sampled)
+        for seq in updated:
+            failed = self._guarded(seq, lambda: self._follow_token(seq))
+            outputs += failed or [self._output(seq, seq.output_token_ids[-1:])]
         return outputs
+
+    def _fail_row_faults(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
+        """Requests whose sampled row had no valid distribution finish with "error" (their token is dropped)."""
+        outputs = []
+        for chunk, token in zip(batch.chunks, result.sampled):
+            if token is not None and token < 0 and not chunk.seq.status.is_finished:
+                self._scheduler.finish(chunk.seq, SequenceStatus.FINISHED_ERROR, error=ROW_FAULTS[token])
+                outputs.append(self._output(chunk.seq, []))
+        return outputs
+
+    def _guarded(self, seq: Sequence, work) -> list[RequestOutput]:
+        """Run one request's host work; if it raises, that request alone fails (a device fault propagates).
+        Returns the failed request's output, or nothing."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001
+            if _is_device_fault(exc):
+                raise
+            log.error("request %s failed after its step", seq.request_id, exc_info=exc)
+            self._scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, error=_step_error(exc))
+            return [self._output(seq, [])]
+        return []
+
+    def _follow_token(self, seq: Sequence) -> None:
+        """The host work after a sequence's new token: its grammar, its text and stop strings."""
+        if seq.grammar is not None:
+            self._advance_grammar(seq)
+        if self._detokenizer.update(seq, seq.status.is_finished):
+            self._scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            self._detokenizer.update(seq, True)
 
     def _advance_grammar(self, seq: Sequence) -> None:
         """Follow the sampled token; the request stops once its grammar has ended (it took the stop token)."""
@@ -263,18 +375,18 @@ class LLMEngine:
             self._scheduler.finish(seq, SequenceStatus.FINISHED_ERROR,
                                    error=f"token {seq.output_token_ids[-1]} is outside the request's grammar")
 
-    def _record_logprobs(self, batch: Batch, result: StepResult) -> None:
-        """The sampled tokens' logprobs (appended with their tokens) and prompt logprobs once per position."""
-        for i, chunk in enumerate(batch.chunks):
-            seq = chunk.seq
-            if seq.status.is_finished:
-                continue
-            if result.prompt_logprobs and result.prompt_logprobs[i]:
-                for j, raw in enumerate(result.prompt_logprobs[i]):  # entry j is prompt token start_pos + 1 + j
-                    if chunk.start_pos + j == len(seq.prompt_logprobs):  # a preemption recomputes them
-                        seq.prompt_logprobs.append(self._logprobs.position(raw))
-            if result.logprobs and result.logprobs[i] is not None:
-                seq.output_logprobs.append(self._logprobs.position(result.logprobs[i]))
+    def _record_chunk(self, chunk, index: int, result: StepResult) -> None:
+        """A chunk's kept logits, its sampled token's logprobs (appended with its token) and its prompt logprobs
+        once per position."""
+        seq = chunk.seq
+        if result.logits[index] is not None:
+            _record_logits(seq, chunk.start_pos, result.logits[index], chunk.is_sampled)
+        if result.prompt_logprobs and result.prompt_logprobs[index]:
+            for j, raw in enumerate(result.prompt_logprobs[index]):  # entry j is prompt token start_pos + 1 + j
+                if chunk.start_pos + j == len(seq.prompt_logprobs):  # a preemption recomputes them
+                    seq.prompt_logprobs.append(self._logprobs.position(raw))
+        if result.logprobs and result.logprobs[index] is not None:
+            seq.output_logprobs.append(self._logprobs.position(result.logprobs[index]))
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         finished = seq.status.is_finished
@@ -385,6 +497,16 @@ class LLMEngine:
     def close(self) -> None:
         self.adapters.close()
         self.grammars.close()
+
+
+def _is_device_fault(exc: BaseException) -> bool:
+    """A CUDA error leaves the context unusable (every later call fails): no request can be served after it."""
+    return isinstance(exc, torch.AcceleratorError) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
+
+
+def _step_error(exc: BaseException) -> str:
+    """What a request failed by a step's exception is told (the traceback goes to the engine log only)."""
+    return f"the engine failed while running this request ({type(exc).__name__}); see the engine log"
 
 
 def _record_logits(seq: Sequence, start_pos: int, logits: torch.Tensor, is_sampled: bool) -> None:

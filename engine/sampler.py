@@ -3,7 +3,10 @@
 Inputs: logits [num_rows, vocab] float32 (on CUDA a view of the decode graph's static output: never written
 here) and one `SamplingBatch` (engine/sampling_batch.py). Every filter is a batched tensor op; the draw is
 per row only for seeded requests, so a seeded request gives the same tokens whatever else shares its batch.
-Output: the sampled ids and, for rows that ask, their log-probabilities, in one device -> host copy.
+Output: the sampled ids and, for rows that ask, their log-probabilities, in one device -> host copy. A row
+with no valid distribution is reported in that same copy as a negative id (FAULT_*): its logits hold a NaN or
++inf (the model or its adapter), or its filters or penalties left no finite logit. Its device id stays a valid
+token (the next step may read it; the engine fails the request when it reads the fault back).
 `sample_on_device` starts that copy without waiting for it (`SampledStep.result` waits), and keeps the ids on
 the device too, where the next step can read them before the host has (engine/engine.py overlaps steps).
 """
@@ -18,6 +21,8 @@ from kubelora.engine.sampling_batch import Penalties, SamplingBatch
 from kubelora.engine.structured.matcher import unpack_bitmask
 
 LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity), as vLLM does
+FAULT_NON_FINITE_LOGITS = -1  # host id of a row whose raw logits hold a NaN or +inf, or are all -inf
+FAULT_NO_TOKEN_LEFT = -2  # host id of a row whose processed logits have no finite maximum
 
 
 @dataclass(frozen=True)
@@ -39,11 +44,14 @@ class SamplerOutput:
 class SampledStep:
     """The sampling stage of one step, launched: ids on the device, their copy to the host in flight."""
 
-    def __init__(self, tokens: torch.Tensor, packed_logprobs: torch.Tensor | None, batch: SamplingBatch) -> None:
+    def __init__(self, tokens: torch.Tensor, reported: torch.Tensor, packed_logprobs: torch.Tensor | None,
+                 batch: SamplingBatch) -> None:
+        """tokens: [num_rows] int64 valid ids; reported: the same with FAULT_* where a row failed (copied back
+        unless packed_logprobs, whose first column holds it)."""
         self.tokens = tokens  # [num_rows] int64 on the logits' device
         self._num_logprobs = batch.num_logprobs
         self._k = batch.max_logprobs if packed_logprobs is not None else None
-        packed = tokens if packed_logprobs is None else packed_logprobs
+        packed = reported if packed_logprobs is None else packed_logprobs
         self._event = None
         if packed.device.type == "cuda":
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -70,21 +78,32 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 
 def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> SampledStep:
-    """The sampling stage without a host sync: the ids stay on the device, their host copy is started."""
+    """The sampling stage without a host sync: the ids stay on the device, their host copy is started. Each row's
+    fault check is a max taken with its argmax (or over the scaled logits a draw computes anyway)."""
     if batch.is_plain_greedy:
-        return SampledStep(logits.argmax(dim=-1), None, batch)
+        best, tokens = logits.max(dim=-1)
+        return SampledStep(tokens, _reported(tokens, best), None, batch)
     if batch.is_greedy_grammar_only:  # the argmax of every row, then of the grammar rows' masked logits
-        tokens = logits.argmax(dim=-1)
+        best, tokens = logits.max(dim=-1)
         tokens[batch.grammar_rows] = _grammar_masked(logits, batch)[0].argmax(dim=-1)
-        return SampledStep(tokens, None, batch)
+        return SampledStep(tokens, _reported(tokens, best), None, batch)
+    raw_best = logits.amax(dim=-1)
     processed = process_logits(logits, batch)
-    tokens = processed.argmax(dim=-1)
+    best, tokens = processed.max(dim=-1)
     if not all(batch.greedy_rows):
-        tokens = _draw(processed, batch, tokens)
+        tokens, best = _draw(processed, batch, tokens)
+    reported = _reported(tokens, raw_best, best)
     if batch.max_logprobs is None:
-        return SampledStep(tokens, None, batch)
-    return SampledStep(tokens, _pack_logprobs(torch.log_softmax(logits.float(), dim=-1), tokens, batch.max_logprobs),
-                       batch)
+        return SampledStep(tokens, reported, None, batch)
+    packed = _pack_logprobs(torch.log_softmax(logits.float(), dim=-1), tokens, batch.max_logprobs, reported)
+    return SampledStep(tokens, reported, packed, batch)
+
+
+def _reported(tokens: torch.Tensor, raw_best: torch.Tensor, best: torch.Tensor | None = None) -> torch.Tensor:
+    """tokens with FAULT_* where a row's maximum (raw, then processed) is not finite: a NaN anywhere in a row
+    makes its max NaN, so one [num_rows] check covers the whole row."""
+    reported = tokens if best is None else tokens.masked_fill(~torch.isfinite(best), FAULT_NO_TOKEN_LEFT)
+    return reported.masked_fill(~torch.isfinite(raw_best), FAULT_NON_FINITE_LOGITS)
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -93,11 +112,9 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if not batch.has_processing:
         return logits
     out = logits.clone()
-    if batch.allowed is not None:
-        keep = torch.zeros_like(out, dtype=torch.bool)
-        keep[~batch.allowed_rows] = True
-        keep[batch.allowed.rows, batch.allowed.tokens] = True
-        out.masked_fill_(~keep, float("-inf"))
+    if batch.allowed_rows is not None:
+        is_allowed = unpack_bitmask(batch.allowed_bitmask, out.shape[1])
+        out[batch.allowed_rows] = out[batch.allowed_rows].masked_fill_(~is_allowed, float("-inf"))
     if batch.banned is not None:
         out[batch.banned.rows, batch.banned.tokens] = float("-inf")
     if batch.grammar_bitmask is not None:
@@ -146,7 +163,19 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
 
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Probabilities after temperature, min_p, top_k and top_p (vLLM's order)."""
+    return _filtered_probs(_scaled(logits, batch)[0], batch)
+
+
+def _scaled(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits / temperature with every row whose maximum is not finite set to 0, each row's maximum): a NaN or
+    inf must not reach the draw (multinomial rejects it on the host and is undefined on CUDA); that row's
+    token is reported as a fault and never used."""
     scaled = logits / batch.temperature[:, None]
+    best = scaled.amax(dim=-1)
+    return scaled.masked_fill_(~torch.isfinite(best)[:, None], 0.0), best
+
+
+def _filtered_probs(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.min_p is not None:
         scaled = apply_min_p(scaled, batch.min_p)
     if batch.top_k is not None:
@@ -156,8 +185,10 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.softmax(scaled, dim=-1)
 
 
-def _draw(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor) -> torch.Tensor:
-    probs = filtered_probs(logits, batch)
+def _draw(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one id per row: drawn for sampled rows, `greedy` for the others; each row's scaled maximum)."""
+    scaled, best = _scaled(logits, batch)
+    probs = _filtered_probs(scaled, batch)
     tokens = greedy.clone()
     sampled_rows = [i for i, g in enumerate(batch.greedy_rows) if not g]
     unseeded = [i for i in sampled_rows if batch.generators[i] is None]
@@ -166,7 +197,7 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor) -> t
     for i in sampled_rows:  # a seeded request draws from its own generator
         if batch.generators[i] is not None:
             tokens[i] = torch.multinomial(probs[i], 1, generator=batch.generators[i])[0]
-    return tokens
+    return tokens, best
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -196,17 +227,18 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprobs]:
     """logprobs: [num_rows, vocab]; tokens: [num_rows] -> per row, with ids and values in one host copy."""
-    return _unpack_logprobs(_pack_logprobs(logprobs, tokens, k).tolist(), k)
+    return _unpack_logprobs(_pack_logprobs(logprobs, tokens, k, tokens).tolist(), k)
 
 
-def _pack_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-    """[num_rows, 2 + 2k] float64 on the device: token id, its logprob, the top k ids, their logprobs."""
+def _pack_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int, reported: torch.Tensor) -> torch.Tensor:
+    """[num_rows, 2 + 2k] float64 on the device: the reported id, the token's logprob, the top k ids, their
+    logprobs."""
     chosen = logprobs.gather(1, tokens[:, None])
-    parts = [tokens[:, None].double(), chosen.double()]
+    parts = [reported[:, None].double(), chosen.double()]
     if k:
         top = logprobs.topk(k, dim=-1)
         parts += [top.indices.double(), top.values.double()]
-    return torch.cat(parts, dim=1).clamp(min=LOGPROB_FLOOR)  # ids are >= 0: the clamp keeps them
+    return torch.cat(parts, dim=1).clamp(min=LOGPROB_FLOOR)  # ids are > LOGPROB_FLOOR: the clamp keeps them
 
 
 def _unpack_logprobs(host: list[list[float]], k: int) -> list[TokenLogprobs]:

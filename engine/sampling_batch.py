@@ -56,8 +56,9 @@ class SamplingBatch:
     penalties: Penalties | None = None
     logit_bias: SparseTokens | None = None
     banned: SparseTokens | None = None  # bad words and, before min_tokens, EOS and stop ids
-    allowed: SparseTokens | None = None  # rows with allowed_token_ids keep only these pairs
-    allowed_rows: torch.Tensor | None = None  # [num_rows] bool: the row has an allowed list
+    allowed_rows: torch.Tensor | None = None  # [num_allowed_rows] int64: the rows with allowed_token_ids
+    # [num_allowed_rows, ceil(vocab / 32)] int32: bit t % 32 of word t // 32 set where token t is allowed
+    allowed_bitmask: torch.Tensor | None = None
     grammar_rows: torch.Tensor | None = None  # [num_grammar_rows] int64: the rows with a grammar
     # [num_grammar_rows, ceil(vocab / 32)] int32: bit t % 32 of word t // 32 set where token t is allowed
     grammar_bitmask: torch.Tensor | None = None
@@ -66,7 +67,7 @@ class SamplingBatch:
 
     @property
     def has_processing(self) -> bool:
-        return any(x is not None for x in (self.penalties, self.logit_bias, self.banned, self.allowed,
+        return any(x is not None for x in (self.penalties, self.logit_bias, self.banned, self.allowed_rows,
                                            self.grammar_bitmask))
 
     @property
@@ -74,7 +75,7 @@ class SamplingBatch:
         """Every row greedy, no log-probabilities, and grammar masks the only processing: the sampler then masks
         only the grammar rows' logits instead of a copy of them all."""
         return (self.grammar_bitmask is not None and all(self.greedy_rows) and self.max_logprobs is None
-                and all(x is None for x in (self.penalties, self.logit_bias, self.banned, self.allowed)))
+                and all(x is None for x in (self.penalties, self.logit_bias, self.banned, self.allowed_rows)))
 
     @property
     def max_logprobs(self) -> int | None:
@@ -95,7 +96,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, device: torch.device
         _add_filters(pack, params, vocab_size)
     if any(p.has_penalties for p in params):
         _add_penalties(pack, seqs, vocab_size)
-    _add_sparse(pack, seqs, eos_token_ids)
+    _add_sparse(pack, seqs, vocab_size, eos_token_ids)
     has_conflict = _add_grammar(pack, seqs, vocab_size, eos_token_ids)
     views = pack.to(device)
     return SamplingBatch(is_plain_greedy=False, **base, **_assemble(views), has_grammar_conflict=has_conflict)
@@ -122,24 +123,40 @@ def _add_penalties(pack: _HostPack, seqs: list[Sequence], vocab_size: int) -> No
     pack.add("repetition", [s.params.repetition_penalty for s in seqs], torch.float32)
 
 
-def _add_sparse(pack: _HostPack, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> None:
-    bias, banned, allowed = ([], [], []), ([], []), ([], [])
+def _add_sparse(pack: _HostPack, seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    bias, banned = ([], [], []), ([], [])
     for row, seq in enumerate(seqs):
-        p = seq.params
-        for token, value in p.logit_bias:
+        for token, value in seq.params.logit_bias:
             bias[0].append(row), bias[1].append(token), bias[2].append(value)
-        for token in _banned_tokens(seq, eos_token_ids):
-            banned[0].append(row), banned[1].append(token)
-        for token in p.allowed_token_ids or ():
-            allowed[0].append(row), allowed[1].append(token)
-    for name, lists in (("bias", bias), ("banned", banned), ("allowed", allowed)):
+        tokens = _banned_tokens(seq, eos_token_ids)
+        banned[0].extend([row] * len(tokens)), banned[1].extend(tokens)
+    for name, lists in (("bias", bias), ("banned", banned)):
         if lists[0]:
             pack.add(f"{name}_rows", lists[0], torch.int64)
             pack.add(f"{name}_tokens", lists[1], torch.int64)
     if bias[0]:
         pack.add("bias_values", bias[2], torch.float32)
-    if allowed[0]:
-        pack.add("allowed_rows", [s.params.allowed_token_ids is not None for s in seqs], torch.bool)
+    allowed = [row for row, seq in enumerate(seqs) if seq.params.allowed_token_ids is not None]
+    if allowed:
+        pack.add("allowed_rows", allowed, torch.int64)
+        pack.add_tensor("allowed_bitmask", torch.stack([allowed_bitmask(seqs[row], vocab_size) for row in allowed]))
+
+
+def allowed_bitmask(seq: Sequence, vocab_size: int) -> torch.Tensor:
+    """The request's allowed_token_ids as a [ceil(vocab / 32)] int32 host bitmask: the one `LLMEngine.add_request`
+    built at admission (a step copies 4 bytes per 32 tokens instead of walking the list), else built here."""
+    if seq.allowed_bitmask is not None:
+        return seq.allowed_bitmask
+    return token_bitmask(seq.params.allowed_token_ids, vocab_size)
+
+
+def token_bitmask(token_ids: tuple[int, ...], vocab_size: int) -> torch.Tensor:
+    """[ceil(vocab / 32)] int32: bit t % 32 of word t // 32 set for each t in token_ids (xgrammar's layout)."""
+    num_words = -(-vocab_size // 32)
+    is_set = torch.zeros(num_words * 32, dtype=torch.bool)
+    is_set[torch.tensor(token_ids, dtype=torch.int64)] = True
+    words = (is_set.view(num_words, 32).long() << torch.arange(32)).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 is int32's sign bit
 
 
 def _add_grammar(pack: _HostPack, seqs: list[Sequence], vocab_size: int, eos_token_ids: tuple[int, ...]) -> bool:
@@ -170,16 +187,15 @@ def _padded(rows: list[list[int]], pad: int) -> list[list[int]]:
 
 
 def _assemble(views: dict[str, torch.Tensor]) -> dict:
-    fields = {k: views.get(k) for k in ("temperature", "top_k", "top_p", "min_p", "allowed_rows", "grammar_rows",
-                                        "grammar_bitmask")}
+    fields = {k: views.get(k) for k in ("temperature", "top_k", "top_p", "min_p", "allowed_rows", "allowed_bitmask",
+                                        "grammar_rows", "grammar_bitmask")}
     if "output_tokens" in views:
         fields["penalties"] = Penalties(views["output_tokens"], views["seen_tokens"], views["presence"],
                                         views["frequency"], views["repetition"])
     if "bias_rows" in views:
         fields["logit_bias"] = SparseTokens(views["bias_rows"], views["bias_tokens"], views["bias_values"])
-    for name in ("banned", "allowed"):
-        if f"{name}_rows" in views:
-            fields[name] = SparseTokens(views[f"{name}_rows"], views[f"{name}_tokens"])
+    if "banned_rows" in views:
+        fields["banned"] = SparseTokens(views["banned_rows"], views["banned_tokens"])
     return fields
 
 

@@ -111,6 +111,28 @@ class Scheduler:
             chunk.seq.num_pending += chunk.is_sampled
         return batch
 
+    def schedule_alone(self, seq: Sequence) -> Batch:
+        """A batch of one running sequence's next chunk (a request retried alone after a failed step); empty
+        when it is not running or its KV blocks cannot grow."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return Batch(chunks=(), slots=())
+        num_new = min(seq.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+        if not self._grow_or_preempt(seq, num_new, {seq.request_id}):
+            return Batch(chunks=(), slots=())
+        batch = self._build_batch([self._chunk(seq, num_new, slot=-1)])
+        seq.num_computed_tokens += num_new
+        seq.num_pending += batch.chunks[0].is_sampled
+        return batch
+
+    def rollback(self, batch: Batch) -> None:
+        """Undo what `schedule()` counted for a batch whose step failed before its tokens were read: its chunks
+        are computed again by a later step (their KV blocks stay allocated and are overwritten then)."""
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            if not seq.status.is_finished:
+                seq.num_computed_tokens -= len(chunk.token_ids)
+                seq.num_pending -= chunk.is_sampled
+
     def postprocess(self, batch: Batch, sampled: list[int | None]) -> list[Sequence]:
         """Append each sampled chunk's token (its oldest pending one); finish on eos/stop ids/length.
 
@@ -327,7 +349,7 @@ class Scheduler:
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         if not seq.params.ignore_eos and token in self.config.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-        if token in seq.params.stop_token_ids:
+        if token in seq.params.stop_token_id_set:
             return SequenceStatus.FINISHED_STOPPED
         if len(seq.output_token_ids) >= seq.max_tokens:
             return SequenceStatus.FINISHED_LENGTH

@@ -46,6 +46,8 @@ class Sequence:
     arrival_time: float
     generator: torch.Generator | None = None
     grammar: object | None = None  # with params.structured: its matcher (engine/structured/matcher.py)
+    # with params.allowed_token_ids: [ceil(vocab / 32)] int32 host bitmask of them (engine/sampling_batch.py)
+    allowed_bitmask: torch.Tensor | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)  # sampled tokens the host has read back
     # Sampled tokens not read back yet (steps in flight, engine/engine.py): they follow output_token_ids.
@@ -59,6 +61,11 @@ class Sequence:
     decoded_text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    # Stop strings (engine/detokenizer.py): per stop, the longest suffix of decoded_text[:num_stop_scanned] that
+    # is a proper prefix of it; each step scans only the characters decoded since.
+    stop_states: list[int] = field(default_factory=list)
+    num_stop_scanned: int = 0
+    num_failed_steps: int = 0  # failed batches this request was in (engine/engine.py contains them)
     error: str | None = None
     num_preemptions: int = 0
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # with params.return_logits: [vocab] each
