@@ -117,3 +117,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             log.exception("unhandled error on %s %s", request.method, request.path)
             error = INTERNAL_ERROR
         return error_response(error)
+
+
+@web.middleware
+async def refuse_encoded_bodies(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """415 for a body with a Content-Encoding other than identity, before any byte of it is read: no OpenAI
+    client compresses requests, and inflating one on the event loop (1 MiB of gzip can hold 1 GiB) stalls it.
+    The server's connection handler runs with auto_decompress off, so such a body is never inflated."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity") and request.body_exists:
+        return error_response(HttpError(415, "invalid_request_error", "request bodies must not be compressed: "
+                                        "'Content-Encoding' must be identity or absent", param=None,
+                                        code="unsupported_content_encoding"))
+    return await handler(request)

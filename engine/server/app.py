@@ -19,13 +19,14 @@ from pathlib import Path
 from aiohttp import web
 
 from kubelora.engine.common.errors import Unavailable
-from kubelora.engine.common.http_errors import error_middleware
+from kubelora.engine.common.http_errors import error_middleware, refuse_encoded_bodies
 from kubelora.engine.common.logs import log_event
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.server.adapter_ops import AdapterOps
 from kubelora.engine.server.admin_api import AdminRoutes, admin_auth_middleware
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.config import ServerConfig
+from kubelora.engine.server.http_logs import redact_aiohttp_logs
 from kubelora.engine.server.extra_api import ExtraRoutes
 from kubelora.engine.server.metrics import EngineView, ServerMetrics
 from kubelora.engine.server.openai_api import OpenAIRoutes
@@ -36,6 +37,10 @@ from kubelora.engine.server.tokenization import PromptTokenizer
 
 log = logging.getLogger("kubelora.engine.server")
 MAX_BODY_BYTES = 16 << 20
+# aiohttp's connection handler settings: bodies are never inflated (a Content-Encoding other than identity is
+# refused with 415 before any byte is read, so a 1 MiB gzip bomb cannot cost the loop seconds inflating to 1 GiB).
+HANDLER_ARGS = {"auto_decompress": False}
+MIDDLEWARES = [error_middleware, refuse_encoded_bodies]  # error_middleware outermost: every error gets its JSON body
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 GRAPH_CAPTURE_TIMEOUT_S = 120.0  # start-up waits this long at most for the adapters' decode graphs
 
@@ -164,7 +169,8 @@ async def metrics(request: web.Request) -> web.Response:
 def build_app(config: ServerConfig, engine_factory: Callable[[EngineConfig], object] = build_engine
               ) -> web.Application:
     """The serving application; it starts and stops the engine. Its admin application is `app[ADMIN_APP]`."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    redact_aiohttp_logs()
+    app = web.Application(middlewares=MIDDLEWARES, client_max_size=MAX_BODY_BYTES, handler_args=HANDLER_ARGS)
     lifecycle = Lifecycle(config, engine_factory)
     app[LIFECYCLE] = lifecycle
     app.router.add_get("/health", health)
@@ -175,9 +181,8 @@ def build_app(config: ServerConfig, engine_factory: Callable[[EngineConfig], obj
     admin_routes.add_public_to(app)
     ExtraRoutes(lifecycle.get_serving).add_to(app)
     app.cleanup_ctx.append(_engine_context)
-    # error_middleware outermost: the token check's 401 gets the same JSON body as every other error.
-    admin = web.Application(middlewares=[error_middleware, admin_auth_middleware(config.admin_token)],
-                            client_max_size=MAX_BODY_BYTES)
+    admin = web.Application(middlewares=[*MIDDLEWARES, admin_auth_middleware(config.admin_token)],
+                            client_max_size=MAX_BODY_BYTES, handler_args=HANDLER_ARGS)
     admin[LIFECYCLE] = lifecycle
     admin_routes.add_to(admin)
     app[ADMIN_APP] = admin

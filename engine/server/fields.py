@@ -16,32 +16,18 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from kubelora.engine.common.errors import InvalidRequest
+from kubelora.engine.server.json_body import check_text, decode_json_object
+
+__all__ = ["Fields", "check_text", "parse_body"]
 
 _MISSING = object()
 T = TypeVar("T")
-MAX_INLINE_BODY_BYTES = 256 << 10  # larger bodies are decoded off the event loop
-# One thread for every large body. json.loads holds the GIL until it returns (~30 ms for a 15 MiB string), so
-# two at once would keep the event loop waiting behind both; after each body the thread rests as long as it
-# worked, up to MAX_REST_S, so that back-to-back bodies leave the loop whole stretches of GIL time.
+MAX_INLINE_BODY_BYTES = 64 << 10  # larger bodies are decoded off the event loop (json_body.py)
+# One thread for every large body: two decodes at once would share the GIL with each other as well as with the
+# loop. After each body the thread rests as long as it worked, up to MAX_REST_S, so that back-to-back bodies leave
+# the loop whole stretches of GIL time.
 _LARGE_BODIES = ThreadPoolExecutor(1, "kubelora-json")
 MAX_REST_S = 0.05
-
-
-def decode_json_object(raw: bytes, *, is_large: bool = False) -> dict[str, Any]:
-    """is_large: decode through the Python hooks of `_YIELDING_HOOKS` (on a worker thread)."""
-    try:
-        body = json.loads(raw, parse_constant=_refuse_constant, **(_YIELDING_HOOKS if is_large else {}))
-    except InvalidRequest:
-        raise
-    except RecursionError:
-        # The C decoder's recursion guard: ~1000 levels of arrays or objects.
-        raise InvalidRequest("request body is not valid JSON here: arrays and objects are nested too deeply",
-                             param=None, code="invalid_json") from None
-    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more than 4300 digits
-        raise InvalidRequest(f"request body is not valid JSON: {exc}", param=None, code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {_kind(body)}", param=None, code="invalid_json")
-    return body
 
 
 async def parse_body(request: web.Request, parse: Callable[[dict[str, Any]], T]) -> T:
@@ -59,44 +45,6 @@ def _parse_large(raw: bytes, parse: Callable[[dict[str, Any]], T]) -> T:
         return parse(decode_json_object(raw, is_large=True))
     finally:
         time.sleep(min(time.monotonic() - started, MAX_REST_S))
-
-
-def _int(text: str) -> int:
-    return int(text)
-
-
-def _float(text: str) -> float:
-    return float(text)
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    return dict(pairs)
-
-
-# json's C decoder holds the GIL from start to end: 15 MiB of token ids take ~0.35 s, all of it stalling the
-# event loop. Hooks written in Python take it through the interpreter at every number and object, where the GIL
-# goes to a waiting thread every 5 ms (the decode takes ~2.5x longer, off the loop). A long string is one C call
-# (~30 ms for 15 MiB); arrays of millions of short strings, nulls or empty arrays have no hook and still hold it.
-_YIELDING_HOOKS = {"parse_int": _int, "parse_float": _float, "object_pairs_hook": _object}
-
-
-def _refuse_constant(name: str) -> Any:
-    # Python's json accepts NaN, Infinity and -Infinity; JSON (and OpenAI) does not.
-    raise InvalidRequest(f"request body is not valid JSON: {name} is not a JSON number", param=None,
-                         code="invalid_json")
-
-
-def check_text(value: str, field: str) -> str:
-    """`value`, or 400 when it holds a lone surrogate (JSON's "\\ud800" escapes decode to one): such a string
-    has no UTF-8 form, so neither the tokenizer nor a response could carry it."""
-    if value.isascii():
-        return value
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequest(f"'{field}' holds a lone UTF-16 surrogate at character {exc.start}; text must be "
-                             "valid Unicode", param=field, code="invalid_value") from None
-    return value
 
 
 def _kind(value: Any) -> str:

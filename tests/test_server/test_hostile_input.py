@@ -46,7 +46,7 @@ async def test_nan_and_infinity_are_400(api, api_error, path, body, field, value
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {**COMPLETION, "prompt": "a\ud800b"}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "prompt": ["fine", "a\udfffb"]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["fine", "a\udfffb"]}, "prompt[1]"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
      "messages[0].content[0].text"),
