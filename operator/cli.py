@@ -172,17 +172,19 @@ def run(settings: OperatorSettings, namespaces: list[str], liveness_port: int | 
     if not is_verbose:  # the library logs every retry of a standby at INFO
         logging.getLogger("leaderelection").setLevel(logging.WARNING)
     liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None
+    memo = kopf.Memo(operator_settings=settings)
     operator = functools.partial(kopf.operator, standalone=True, clusterwide=not namespaces,
-                                 namespaces=namespaces or (), liveness_endpoint=liveness,
-                                 memo=kopf.Memo(operator_settings=settings))
+                                 namespaces=namespaces or (), liveness_endpoint=liveness, memo=memo)
     try:
-        return asyncio.run(operate(operator, election, liveness_port))
+        return asyncio.run(operate(operator, election, liveness_port, memo))
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 0
 
 
-async def operate(operator, election, liveness_port: int | None) -> int:
-    """`operator(stop_flag=...)` runs kopf until SIGTERM/SIGINT (kopf's own handlers) or the flag is set."""
+async def operate(operator, election, liveness_port: int | None, memo: dict | None = None) -> int:
+    """`operator(stop_flag=...)` runs kopf until SIGTERM/SIGINT (kopf's own handlers) or the flag is set. memo:
+    kopf's memo, given `release_leadership`, which the cleanup handler calls as soon as kopf's handlers have
+    stopped (handlers.on_cleanup); the release after kopf returns is then a no-op."""
     if election is None:
         await operator()
         return 0
@@ -193,8 +195,10 @@ async def operate(operator, election, liveness_port: int | None) -> int:
     try:
         if not await stand_by(elector, liveness_port):
             return 0
+        if memo is not None:
+            memo["release_leadership"] = elector.release
         await operator(stop_flag=elector.lost)
-        if elector.lost.is_set():
+        if elector.lost.is_set() and not elector.is_released:  # released on purpose: renewals stop, no loss
             log.error("lost the Lease %s/%s: exiting so that this pod restarts as a standby", election.namespace,
                       election.lease_name)
             return 1

@@ -50,6 +50,12 @@ async def on_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any)
 
 @kopf.on.cleanup()
 async def on_cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """kopf runs this once its watchers and daemons have stopped: nothing of ours acts any more. So the Lease
+    goes now (cli.operate puts its release in the memo): kopf's own exit afterwards waits up to 5 s for tasks
+    still running (kopf.reactor.running.run_tasks), and a standby must not wait for that."""
+    release_leadership = memo.get("release_leadership")
+    if release_leadership is not None:
+        await release_leadership()
     runtime: Runtime | None = memo.get("runtime")
     if runtime is not None:
         await runtime.close()

@@ -173,6 +173,10 @@ class LeaderElector:
         lease = self.lock.lease_reference
         return None if lease is None or lease.spec is None else lease.spec.holder_identity
 
+    @property
+    def is_released(self) -> bool:
+        return self.lock.is_released
+
     async def release(self) -> bool:
         if self._watchdog is not None:
             self._watchdog.cancel()

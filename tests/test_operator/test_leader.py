@@ -12,10 +12,11 @@ import threading
 import time
 import urllib.request
 
+import kopf
 import pytest
 from kubernetes import client
 
-from kubelora.operator import cli
+from kubelora.operator import cli, handlers
 from kubelora.operator.leader import ElectionSettings, LeaderElector
 
 NS, LEASE = "ops", "kubelora-operator"
@@ -192,6 +193,25 @@ async def test_operate_runs_kopf_only_while_leading_and_releases_on_exit(api, mo
     assert await asyncio.wait_for(task, 12) == 1
     assert runs == ["b"]
     store.is_failing = False
+
+
+async def test_the_lease_is_released_by_kopfs_cleanup_not_after_kopf_returns(api, monkeypatch):
+    """kopf calls the cleanup handler once its daemons and watchers stopped, then may wait up to 5 s more for
+    leftover tasks: the standby must get the Lease at the cleanup."""
+    store, api_client = api
+    monkeypatch.setattr("kubelora.operator.leader.load_api_client", api_client)
+    memo = kopf.Memo()
+    holders = []
+
+    async def operator(stop_flag):
+        holders.append(store.holder())
+        await handlers.on_cleanup(memo=memo)  # what kopf runs on SIGTERM once its handlers stopped
+        holders.append(store.holder())
+        await asyncio.sleep(7)  # kopf's remaining exit; longer than the renew deadline (2 s here)
+
+    started = time.monotonic()
+    assert await asyncio.wait_for(cli.operate(operator, election("a"), None, memo), 15) == 0  # not "lost"
+    assert holders == ["a", None] and time.monotonic() - started > 7
 
 
 async def test_operate_without_election_runs_kopf_directly():
