@@ -37,7 +37,9 @@ class EngineRequest:
 
 
 class EngineStopped(Exception):
-    """Put on every open queue when the engine thread ends (shutdown, or a bug inside `step()`)."""
+    """Put on every open queue when the engine thread ends: shutdown, or an exception out of `step()`, which
+    contains one request's faults itself (that request alone finishes with "error") and raises only when the
+    device is unusable."""
 
 
 class RequestGroup:
@@ -152,7 +154,7 @@ class AsyncEngine:
                 outputs = self._engine.step()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
-        except BaseException as exc:  # noqa: BLE001 - a bug in step(): report it, fail open requests, stop
+        except BaseException as exc:  # noqa: BLE001 - the device is gone (or a bug): report, fail open requests, stop
             self.failure = exc
             log.exception("engine step failed; the engine is stopped")
             self._loop.call_soon_threadsafe(self._fail_all)
