@@ -24,12 +24,13 @@ from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube, KubeError, load_connection
 from kubelora.operator.observe import is_pod_ready, pod_admin_url
 from kubelora.operator.reconcile import PoolReconciler
+from kubelora.operator.report import phase_event
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.cli import settings_from_env
 from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
 from kubelora.operator.watch import PodWatchers
-from kubelora.operator.status import Failure, build_adapter_status, pool_conditions
+from kubelora.operator.status import POOL_NOT_FOUND, Failure, build_adapter_status, pool_conditions
 
 FINALIZER = "kubelora.io/finalizer"
 UNLOAD_ON_DELETE_TIMEOUT_S = 5.0
@@ -188,10 +189,16 @@ async def _write_pool_not_found(runtime: Runtime, body: kopf.Body, pool: str) ->
         revision = ""
     message = f"LoRAPool {pool!r} not found in namespace {meta['namespace']!r}"
     status = build_adapter_status(generation=int(meta.get("generation") or 0), revision=revision, wanted=0,
-                                  replicas=[], pending=Failure("PoolNotFound", message))
-    patch = build_status_patch(body.get("status"), status)
-    if patch is not None:
-        await runtime.kube.patch_status(names.ADAPTER_PLURAL, meta["namespace"], meta["name"], patch)
+                                  replicas=[], pending=Failure(POOL_NOT_FOUND, message))
+    old = body.get("status") or {}
+    patch = build_status_patch(old, status)
+    if patch is None:
+        return
+    await runtime.kube.patch_status(names.ADAPTER_PLURAL, meta["namespace"], meta["name"], patch)
+    event = phase_event(meta["name"], old, patch)  # a Warning, once per change into PoolNotFound
+    if event is not None:
+        await runtime.kube.create_event(body, "Warning" if event.is_warning else "Normal", event.reason,
+                                        event.message)
 
 
 @kopf.on.delete(names.GROUP, names.VERSION, names.ADAPTER_PLURAL)

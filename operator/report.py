@@ -22,7 +22,7 @@ from kubelora.operator.placement import Placement
 from kubelora.operator.plan import DesiredAdapter, ObservedAdapter, Unload, is_current
 from kubelora.operator.routers import RouterView, judge_routers, unrouted
 from kubelora.operator.specs import AdapterSpec, InvalidSpec
-from kubelora.operator.status import (INSUFFICIENT_CAPACITY, Failure, Phase, ReplicaState, ReplicaStatus,
+from kubelora.operator.status import (INSUFFICIENT_CAPACITY, POOL_NOT_FOUND, Failure, Phase, ReplicaState, ReplicaStatus,
                                       build_adapter_status, build_pool_status)
 
 HeldByPod = Mapping[str, Mapping[str, ObservedAdapter]]  # pod -> adapter -> what the pod reports
@@ -241,12 +241,17 @@ def invalid_pool_status(pool_name: str, body: dict, invalid: Failure) -> dict:
                        invalid=invalid)
 
 
+# Pending for these reasons needs someone to act (add capacity, create the pool or fix spec.pool): a warning.
+PENDING_WARNINGS = (INSUFFICIENT_CAPACITY, POOL_NOT_FOUND)
+
+
 def phase_event(name: str, old: dict, patch: dict) -> Event | None:
-    """One event per phase change of an adapter (Failed and Degraded as warnings)."""
-    if old.get("phase") == patch["phase"]:
-        return None
+    """One event per phase change of an adapter (Failed, Degraded and Pending for PENDING_WARNINGS as warnings),
+    and one when a Pending adapter turns Pending for one of PENDING_WARNINGS."""
     ready = next(c for c in patch["conditions"] if c["type"] == "Ready")
-    # Failed, Degraded and a Pending that waits for capacity someone must add are warnings.
-    is_warning = (patch["phase"] in (Phase.FAILED.value, Phase.DEGRADED.value)
-                  or (patch["phase"] == Phase.PENDING.value and ready["reason"] == INSUFFICIENT_CAPACITY))
+    old_ready = next((c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {})
+    is_pending_warning = patch["phase"] == Phase.PENDING.value and ready["reason"] in PENDING_WARNINGS
+    if old.get("phase") == patch["phase"] and not (is_pending_warning and old_ready.get("reason") != ready["reason"]):
+        return None
+    is_warning = patch["phase"] in (Phase.FAILED.value, Phase.DEGRADED.value) or is_pending_warning
     return Event(name, is_warning, patch["phase"], f"{ready['reason']}: {ready['message']}")

@@ -26,6 +26,7 @@ from kubelora.operator.conditions import make_condition
 
 
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+POOL_NOT_FOUND = "PoolNotFound"
 
 
 class Phase(str, Enum):

@@ -20,7 +20,7 @@ LOG = logging.getLogger("test")
 class FakeKube:
     def __init__(self, pods=(), fail_apply=False):
         self.pods, self.fail_apply = list(pods), fail_apply
-        self.applied, self.deleted, self.statuses, self.created = [], [], [], []
+        self.applied, self.deleted, self.statuses, self.created, self.events = [], [], [], [], []
         self.existing: set[tuple[str, str]] = set()
 
     async def create(self, manifest):
@@ -51,6 +51,9 @@ class FakeKube:
 
     async def patch_status(self, plural, namespace, name, status):
         self.statuses.append((plural, name, status))
+
+    async def create_event(self, involved, event_type, reason, message):
+        self.events.append((involved["metadata"]["name"], event_type, reason, message))
 
 
 @pytest.fixture
@@ -168,6 +171,22 @@ async def test_adapter_of_a_missing_pool_is_pending(runtime_for):
     (plural, name, status), = kube.statuses
     assert (plural, name, status["phase"]) == ("loraadapters", "a", "Pending")
     assert status["conditions"][-1]["reason"] == "PoolNotFound"
+    (event,) = kube.events
+    assert event[:3] == ("a", "Warning", "Pending") and "PoolNotFound" in event[3] and "'nope'" in event[3]
+    written = {**body, "status": status}  # listed again (an operator restart): no second warning
+    await handlers.on_adapter_event(body=written, event={"type": "ADDED"}, memo=kopf.Memo(runtime=runtime_for(kube)))
+    assert len(kube.events) == 1
+
+
+def test_pending_for_a_missing_pool_is_a_warning_also_after_another_pending():
+    from kubelora.operator.report import phase_event
+
+    def status(reason):
+        return {"phase": "Pending", "conditions": [{"type": "Ready", "reason": reason, "message": "m"}]}
+
+    assert phase_event("a", status("NoReadyReplicas"), status("PoolNotFound")).is_warning
+    assert phase_event("a", status("PoolNotFound"), status("PoolNotFound")) is None
+    assert phase_event("a", status("InsufficientCapacity"), status("NoReadyReplicas")) is None
 
 
 async def test_a_deleted_owned_object_asks_its_pool_for_a_heal(runtime_for):
