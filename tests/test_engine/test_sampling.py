@@ -96,6 +96,50 @@ def test_stream_text_holds_back_partial_stop_strings_and_characters():
     assert _stable_prefix("a##", ("###", "#!")) == "a"
 
 
+def test_stop_scan_holds_back_what_a_full_rescan_holds_back():
+    """The held-back suffix from KMP states advanced by each step's new characters equals a rescan of the whole
+    text, across growing text, uncommitted tails with split characters and re-decodes that empty the states."""
+    import random
+
+    from kubelora.engine.detokenizer import _stable_end
+    from kubelora.engine.sequence import Sequence
+
+    rng = random.Random(0)
+    for _ in range(400):
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+        seq = Sequence("s", [1], SamplingParams(stop=stops), None, None, 64, 0.0)
+        for _ in range(12):
+            seq.decoded_text += "".join(rng.choice("abc") for _ in range(rng.randint(0, 3)))
+            if rng.random() < 0.1:  # the detokenizer decoded everything again
+                seq.decoded_text, seq.stop_states = "".join(rng.choice("abc") for _ in seq.decoded_text), []
+            full = seq.decoded_text + rng.choice(["", "a\ufffd", "\ufffd", "ab\ufffd\ufffd"])
+            assert full[: _stable_end(seq, full)] == _stable_prefix(full, stops), (stops, full)
+        assert seq.num_stop_scanned == len(seq.decoded_text)
+
+
+def test_long_stop_strings_cost_only_the_new_characters(monkeypatch):
+    """16 stop strings of 2,000 characters: a step scans the few characters it decoded, not every prefix of
+    every stop string (the prefix tables are built once per parameters)."""
+    import kubelora.engine.detokenizer as detokenizer
+    from kubelora.engine.sequence import Sequence
+
+    params = SamplingParams(stop=tuple("x" * 1999 + str(i % 10) + chr(65 + i) for i in range(16)))
+    assert len(params.stop_prefix_tables) == 16 and params.stop_prefix_tables is params.stop_prefix_tables
+    seq = Sequence("s", [1], params, None, None, 64, 0.0)
+    scanned: list[int] = []
+    advance = detokenizer._advance
+
+    def counting(state, text, stop, table):
+        scanned.append(len(text))
+        return advance(state, text, stop, table)
+
+    monkeypatch.setattr(detokenizer, "_advance", counting)
+    for _ in range(50):
+        seq.decoded_text += "xxxx"
+        assert detokenizer._stable_end(seq, seq.decoded_text) == 0  # all x: a prefix of every stop string
+    assert max(scanned) <= 4 and sum(scanned) <= 50 * 16 * 4
+
+
 def test_incremental_detokenization_equals_decoding_everything(llama):
     """The engine decodes a short window per step; the text must equal one decode of all output tokens,
     at every step, for random ids (split multi-byte characters and special tokens included)."""
