@@ -108,6 +108,8 @@ def confine_local(roots: tuple[Path, ...], source: str) -> Path:
         root = next((r for r in real_roots if real.is_relative_to(r)), None)
         if root is None:
             continue
+        if real.exists() and not real.is_dir():  # a file, say the weights file named instead of its folder
+            raise _refuse(f"lora_path {source!r} is a file, not an adapter directory", "path_not_directory")
         if not real.is_dir():
             raise _refuse(f"lora_path {source!r} is not a directory", "path_not_found")
         _check_tree_confined(real, root, source)

@@ -85,6 +85,9 @@ def test_local_refusals(tmp_path: Path, status_host: str):
     config = SourceConfig(roots=(root,), allowed_hosts=(status_host,), cache_dir=tmp_path / "cache")
     missing = _error(config, str(root / "not-yet"))
     assert (missing["code"], missing["retryable"]) == ("path_not_found", True)
+    (root / "adapter_model.safetensors").write_bytes(b"weights")  # a file instead of the adapter's directory
+    a_file = _error(config, str(root / "adapter_model.safetensors"))
+    assert (a_file["code"], a_file["retryable"]) == ("path_not_directory", False)
     outside = _error(config, str(tmp_path))
     assert (outside["code"], outside["retryable"]) == ("path_not_allowed", False)
     refused_host = _error(config, "http://elsewhere.example.com/a.tar.gz")
