@@ -40,6 +40,8 @@ class ApiClient:
 
     def request(self, method: str, path: str, body: object = None,
                 content_type: str = "application/json") -> dict:
+        """The answer's JSON; ApiError for an HTTP error status, OSError when the API server cannot be reached
+        or cuts the answer off (callers that must survive an outage catch both)."""
         connection = http.client.HTTPSConnection(self._host, self._port, context=self._context,
                                                  timeout=self._timeout_s)
         try:
@@ -48,6 +50,8 @@ class ApiClient:
             connection.request(method, path, body=payload, headers=headers)
             response = connection.getresponse()
             text = response.read().decode()
+        except http.client.HTTPException as error:  # a cut or garbled answer (the API server going down)
+            raise ConnectionError(f"{method} {path}: {type(error).__name__}: {error}") from error
         finally:
             connection.close()
         if response.status >= 300:

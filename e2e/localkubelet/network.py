@@ -38,8 +38,14 @@ class IpAllocator:
     def prefixlen(self) -> int:
         return self._prefixlen
 
-    def allocate(self) -> str:
+    def allocate(self, wanted: str = "") -> str:
+        """`wanted`, when it is a free address of the pool (the IP the API already records for the pod: a pod
+        whose sandbox is set up again keeps it, since the API refuses to change a pod's IPs); else the next
+        free one."""
         with self._lock:
+            if wanted in self._pool and wanted not in self._used:
+                self._used.add(wanted)
+                return wanted
             for offset in range(len(self._pool)):
                 candidate = self._pool[(self._next + offset) % len(self._pool)]
                 if candidate not in self._used:

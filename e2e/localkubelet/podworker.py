@@ -113,7 +113,7 @@ class PodWorker(threading.Thread):
         if self.pod["spec"].get("hostNetwork"):
             self._pod_ip = self._deps.cfg.node_ip
             return
-        address = self._deps.ips.allocate()
+        address = self._deps.ips.allocate(wanted=(self.pod.get("status") or {}).get("podIP", ""))
         try:
             self._netns = network.create_pod_netns(self.uid, address, self._deps.ips.prefixlen,
                                                    self._deps.cfg.netns_record_dir)
@@ -248,6 +248,8 @@ class PodWorker(threading.Thread):
                 self._stop_requested.set()
             else:
                 log.warning("pod %s: status update failed: %s", self.key, error)
+        except OSError as error:  # the API server is down or restarting: the next tick writes it again
+            log.warning("pod %s: status update failed, API server unreachable: %s", self.key, error)
 
     def _has_drifted(self) -> bool:
         """Whether the pod as last listed (every sync period) lost the status this kubelet wrote; a listing older
@@ -286,6 +288,8 @@ class PodWorker(threading.Thread):
         except ApiError as error:
             if error.status not in (404, 409):
                 log.warning("pod %s: delete failed: %s", self.key, error)
+        except OSError as error:  # the pod stays listed; the next sync asks this worker's successor again
+            log.warning("pod %s: delete failed, API server unreachable: %s", self.key, error)
 
 
 def resource_version(obj: dict) -> int:
