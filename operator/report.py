@@ -22,8 +22,8 @@ from kubelora.operator.placement import Placement
 from kubelora.operator.plan import DesiredAdapter, ObservedAdapter, Unload, is_current
 from kubelora.operator.routers import RouterView, judge_routers, unrouted
 from kubelora.operator.specs import AdapterSpec, InvalidSpec
-from kubelora.operator.status import (INSUFFICIENT_CAPACITY, POOL_NOT_FOUND, Failure, Phase, ReplicaState, ReplicaStatus,
-                                      build_adapter_status, build_pool_status)
+from kubelora.operator.status import (INSUFFICIENT_CAPACITY, POOL_NOT_FOUND, Failure, Phase, ReplicaState,
+                                      ReplicaStatus, build_adapter_status, build_pool_status)
 
 HeldByPod = Mapping[str, Mapping[str, ObservedAdapter]]  # pod -> adapter -> what the pod reports
 
