@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kubelora.engine.server.protocol import ChatMessage
 
 MAX_TEMPLATE_KWARGS = 64
+MAX_TEMPLATE_KWARGS_CHARS = 64 << 10  # as compact JSON
 # apply_chat_template's own parameters and the variables it sets: a kwarg under one of these names would
 # change how the server renders, not what the template shows.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -53,6 +54,11 @@ def _take_template_kwargs(f: Fields) -> tuple[tuple[str, Any], ...]:
         if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
             raise InvalidRequest(f"'chat_template_kwargs.{key}' is not allowed: keys must be identifiers, and not "
                                  "one the server sets itself", param="chat_template_kwargs", code="invalid_value")
+    num_chars = len(json.dumps(raw, separators=(",", ":")))
+    if num_chars > MAX_TEMPLATE_KWARGS_CHARS:
+        raise InvalidRequest(f"'chat_template_kwargs' is {num_chars} characters as JSON; at most "
+                             f"{MAX_TEMPLATE_KWARGS_CHARS} are allowed", param="chat_template_kwargs",
+                             code="out_of_range")
     return tuple(raw.items())
 
 

@@ -1,7 +1,8 @@
 """A request body's bytes -> one JSON object, within bounds on its shape, without stalling the event loop.
 
 Every body: at most `MAX_JSON_DEPTH` levels of arrays and objects, at most `MAX_JSON_CONTAINERS` of them and
-`MAX_JSON_STRINGS` string values (keys aside), no NaN/Infinity, no lone UTF-16 surrogate in any string or key (400 naming the field).
+`MAX_JSON_STRINGS` string values (keys aside), no NaN/Infinity, no lone UTF-16 surrogate in any string or key
+(400 naming the field). `check_tree` holds JSON decoded from a field's text (tool-call arguments) to the same.
 
 json's C decoder holds the GIL from start to end. Small bodies take it anyway (milliseconds at most). A large body
 is decoded on a worker thread (`fields.parse_body`), and how depends on what its bytes could hold: through the
@@ -64,12 +65,12 @@ def decode_json_object(raw: bytes, *, is_large: bool = False) -> dict[str, Any]:
     return body
 
 
-def check_tree(body: dict) -> None:
+def check_tree(body: dict | list, field: str = "") -> None:
     """400 for a body nested deeper than MAX_JSON_DEPTH, with more than MAX_JSON_CONTAINERS arrays and objects or
     MAX_JSON_STRINGS strings, or with a lone surrogate in any string or key (`param` its path, e.g.
-    `tools[0].function.parameters.x`)."""
+    `tools[0].function.parameters.x`). field: the path of `body` inside the request ("" for the body itself)."""
     num_containers = num_strings = 0
-    stack: list[tuple[Any, tuple, int]] = [(body, (), 1)]
+    stack: list[tuple[Any, tuple, int]] = [(body, (field,) if field else (), 1)]
     while stack:
         value, path, depth = stack.pop()
         num_containers += 1
@@ -92,7 +93,7 @@ def check_tree(body: dict) -> None:
 
 
 def field_name(path: tuple) -> str:
-    """('messages', 0, 'content') -> 'messages[0].content'."""
+    """('messages', 0, 'content') -> 'messages[0].content' (a leading field name is taken as written)."""
     name = ""
     for key in path:
         name += f"[{key}]" if isinstance(key, int) else (f".{key}" if name else key)

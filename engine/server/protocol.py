@@ -19,11 +19,18 @@ from kubelora.engine.server.structured import take_structured
 from kubelora.engine.structured import StructuredOutput
 from kubelora.engine.server.tools import take_message_tool_fields, take_tools
 
+# What one request may carry (docs/server.md, "Request limits"): every list the engine walks per step or the
+# tokenizer thread encodes is bounded, so that one request cannot hold the others up.
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: each is searched for in the tail of the text at every step
 MAX_PROMPTS = 64
 MAX_SEED = 2**63 - 1
 MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256  # per word: each is tokenized twice on the one tokenizer thread
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_ALLOWED_TOKEN_IDS = 65536
+MAX_MESSAGES = 4096  # the chat template renders each one on the tokenizer thread
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Prompt = str | tuple[int, ...]
@@ -143,11 +150,22 @@ def _take_stop(f: Fields) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed",
                              param="stop", code="out_of_range")
-    return tuple(stops)
+    _check_lengths(stops, "stop", MAX_STOP_CHARS)
+    return tuple(check_text(s, "stop") for s in stops)
 
 
-def _take_token_ids(f: Fields, key: str, ids: list | None = None) -> tuple[int, ...]:
+def _check_lengths(texts: list[str], key: str, max_chars: int) -> None:
+    longest = max((len(t) for t in texts), default=0)
+    if longest > max_chars:
+        raise InvalidRequest(f"'{key}' holds a string of {longest} characters; at most {max_chars} are allowed",
+                             param=key, code="out_of_range")
+
+
+def _take_token_ids(f: Fields, key: str, max_ids: int, ids: list | None = None) -> tuple[int, ...]:
     ids = (f.take_list(key) or []) if ids is None else ids
+    if len(ids) > max_ids:
+        raise InvalidRequest(f"'{key}' has {len(ids)} token ids; at most {max_ids} are allowed", param=key,
+                             code="out_of_range")
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise InvalidRequest(f"'{key}' must be an array of non-negative integers", param=key, code="invalid_type")
     return tuple(ids)
@@ -181,6 +199,7 @@ def _take_words(f: Fields, key: str) -> tuple[str, ...]:
     if len(words) > MAX_BAD_WORDS:
         raise InvalidRequest(f"'{key}' has {len(words)} strings; at most {MAX_BAD_WORDS} are allowed", param=key,
                              code="out_of_range")
+    _check_lengths(words, key, MAX_BAD_WORD_CHARS)
     return tuple(check_text(w, key) for w in words)
 
 
@@ -190,6 +209,7 @@ def _take_processing(f: Fields, sampling: Sampling) -> Sampling:
     if allowed is not None and not allowed:
         raise InvalidRequest("'allowed_token_ids' must not be empty", param="allowed_token_ids",
                              code="invalid_value")
+    allowed = None if allowed is None else _take_token_ids(f, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, allowed)
     min_tokens = f.take_int("min_tokens", 0, low=0)
     if sampling.max_tokens is not None and min_tokens > sampling.max_tokens:
         raise InvalidRequest(f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({sampling.max_tokens})",
@@ -202,7 +222,7 @@ def _take_processing(f: Fields, sampling: Sampling) -> Sampling:
         repetition_penalty=f.take_float("repetition_penalty", 1.0, low=0.0, high=2.0, low_open=True),
         logit_bias=_take_logit_bias(f),
         min_tokens=min_tokens,
-        allowed_token_ids=None if allowed is None else _take_token_ids(f, "allowed_token_ids", allowed),
+        allowed_token_ids=allowed,
         bad_words=_take_words(f, "bad_words"),
         prompt_logprobs=f.take_int("prompt_logprobs", None, low=0, high=MAX_LOGPROBS),
     )
@@ -230,7 +250,7 @@ def _take_sampling(f: Fields, max_tokens: int | None) -> Sampling:
         top_k=max(top_k, 0),
         seed=f.take_int("seed", None, low=-MAX_SEED - 1, high=MAX_SEED),
         stop=_take_stop(f),
-        stop_token_ids=_take_token_ids(f, "stop_token_ids"),
+        stop_token_ids=_take_token_ids(f, "stop_token_ids", MAX_STOP_TOKEN_IDS),
         ignore_eos=f.take_bool("ignore_eos", False),
         skip_special_tokens=f.take_bool("skip_special_tokens", True),
         include_stop_str_in_output=f.take_bool("include_stop_str_in_output", False),
@@ -328,6 +348,9 @@ def _parse_content(value: Any, field: str) -> str:
 def _parse_messages(value: list) -> tuple[ChatMessage, ...]:
     if not value:
         raise InvalidRequest("'messages' must not be empty", param="messages", code="invalid_value")
+    if len(value) > MAX_MESSAGES:
+        raise InvalidRequest(f"'messages' has {len(value)} messages; at most {MAX_MESSAGES} are allowed",
+                             param="messages", code="out_of_range")
     messages = []
     for i, raw in enumerate(value):
         if not isinstance(raw, dict):

@@ -15,6 +15,7 @@ from typing import Any
 from kubelora.engine.common.errors import InvalidRequest
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.server.fields import Fields
+from kubelora.engine.server.json_body import check_tree
 from kubelora.engine.structured import StructuredKind, StructuredOutput
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema (as compact JSON), regex or grammar: compile time grows with it
@@ -97,11 +98,16 @@ def _spec(kind: str, value: Any, param: str) -> StructuredOutput | None:
 
 def _json_schema(value: Any, param: str) -> StructuredOutput:
     if isinstance(value, str):  # vLLM's guided_json takes the schema as JSON text too
+        _check_size(value, param)
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"'{param}' is not valid JSON: {exc.msg} at character {exc.pos}", param=param,
                                  code="invalid_value") from None
+        except RecursionError:
+            raise InvalidRequest(f"'{param}' is nested too deeply", param=param, code="invalid_value") from None
+        if isinstance(value, dict):
+            check_tree(value, param)  # its escapes may spell lone surrogates; its depth is bounded like a body's
     if not isinstance(value, dict):
         raise InvalidRequest(f"'{param}' must be a JSON schema object", param=param, code="invalid_type")
     spec = StructuredOutput.json_schema(value, param)

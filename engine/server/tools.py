@@ -16,9 +16,11 @@ from typing import Any
 
 from kubelora.engine.common.errors import InvalidRequest
 from kubelora.engine.server.fields import Fields
+from kubelora.engine.server.json_body import check_tree
 from kubelora.engine.server.tool_parser import ToolOutput
 
 MAX_TOOLS = 128  # OpenAI's limit
+MAX_TOOLS_CHARS = 256 << 10  # the tools as compact JSON: the template writes all of them into every prompt
 MAX_TOOL_CALLS = 128  # per assistant message
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOL_CHOICE_MODES = ("none", "auto", "required")
@@ -114,6 +116,10 @@ def take_tools(f: Fields) -> ToolRequest | None:
     if len(raw) > MAX_TOOLS:
         raise _error("tools", f"has {len(raw)} tools; at most {MAX_TOOLS} are allowed", "out_of_range")
     tools = tuple(_parse_tool(t, i) for i, t in enumerate(raw))
+    num_chars = len(json.dumps(tools, separators=(",", ":")))
+    if num_chars > MAX_TOOLS_CHARS:
+        raise _error("tools", f"is {num_chars} characters as JSON; at most {MAX_TOOLS_CHARS} are allowed",
+                     "out_of_range")
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise _error("tools", f"names a function twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
@@ -124,7 +130,7 @@ def take_tools(f: Fields) -> ToolRequest | None:
 
 def _template_arguments(function: Fields) -> Any:
     """The API's JSON string (or an object), decoded for the template when it holds an object (kept as text
-    otherwise)."""
+    otherwise). The decoded object is held to the body's bounds: its escapes may spell lone surrogates."""
     value = function.take_any("arguments", required=True)
     if isinstance(value, dict):
         return value
@@ -133,7 +139,10 @@ def _template_arguments(function: Fields) -> Any:
         decoded = json.loads(value)
     except (ValueError, RecursionError):
         return value
-    return decoded if isinstance(decoded, dict) else value
+    if not isinstance(decoded, dict):
+        return value
+    check_tree(decoded, function.name("arguments"))
+    return decoded
 
 
 def _parse_call(raw: Any, prefix: str) -> dict:

@@ -1,8 +1,9 @@
 """Grammar compilation (xgrammar), off the engine thread and cached by spec.
 
-The server compiles at admission on this compiler's own small pool (`submit`), so neither the event loop nor
-the engine thread ever compiles; `compile` is the same work on the caller's thread (the offline `LLM`). The
-tokenizer's vocabulary is indexed once, at the first structured request, not at engine start.
+The server compiles at admission on this compiler's own threads (`submit`, each compile under a deadline:
+compile_pool.py), so neither the event loop nor the engine thread ever compiles; `compile` is the same work on
+the caller's thread, without a deadline (the offline `LLM`). The tokenizer's vocabulary is indexed once, at the
+first structured request, not at engine start, and outside any compile's deadline.
 """
 
 from __future__ import annotations
@@ -11,31 +12,44 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from kubelora.engine.common.errors import InvalidRequest
+from kubelora.engine.structured.compile_pool import CompileLimits, CompilePool
 from kubelora.engine.structured.spec import StructuredKind, StructuredOutput
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (LRU); a JSON schema's is tens of KB to a few MB
-NUM_COMPILE_THREADS = 2
+NUM_XGRAMMAR_THREADS = 2  # xgrammar's own threads for one compile
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 limits: CompileLimits = CompileLimits()) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler = None  # xgrammar.GrammarCompiler, built on first use
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self.pool = CompilePool(self._compile_on_pool, limits)
 
     def submit(self, spec: StructuredOutput) -> Future:
-        """`compile(spec)` on the compile pool; the future's result is the spec with its grammar attached."""
+        """A future of the spec with its grammar attached: at once when cached, else compiled on a grammar
+        thread under the pool's deadline. Raises Unavailable when the pool has no room (compile_pool.py)."""
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="kubelora-grammar")
-        return self._pool.submit(lambda: spec.with_grammar(self.compile(spec)))
+            grammar = self._cache.get(spec.key)
+            if grammar is not None:
+                self._cache.move_to_end(spec.key)
+        if grammar is None:
+            return self.pool.submit(spec)
+        future: Future = Future()
+        future.set_result(spec.with_grammar(grammar))
+        return future
+
+    def _compile_on_pool(self, spec: StructuredOutput):
+        self._xgrammar_compiler()  # indexing the vocabulary is no part of a compile's deadline
+        self.pool.arm(spec)
+        return self.compile(spec)
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar (xgrammar.CompiledGrammar); InvalidRequest naming `spec.param` if it is invalid."""
@@ -51,8 +65,7 @@ class GrammarCompiler:
         return compiled
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
     def _xgrammar_compiler(self):
         with self._lock:
@@ -62,7 +75,7 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
                                                                stop_token_ids=self._stop_token_ids)
                 # xgrammar's own cache stays off: ours is keyed by spec and bounded by count.
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=NUM_COMPILE_THREADS,
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=NUM_XGRAMMAR_THREADS,
                                                           cache_enabled=False)
             return self._compiler
 

@@ -122,4 +122,5 @@ def test_compilation_runs_on_the_grammar_pool(server):
         response = client.completions.create(model=server.serving.model_name, prompt="x", max_tokens=8,
                                              extra_body={"guided_regex": pattern})
         assert re.fullmatch(pattern, response.choices[0].text)
-    assert len(threads) == 3 and all(name.startswith("kubelora-grammar") for name in threads), threads
+    # The repeated pattern comes from the cache without a compile.
+    assert len(threads) == 2 and all(name.startswith("kubelora-grammar") for name in threads), threads
