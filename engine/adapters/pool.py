@@ -142,6 +142,17 @@ class DeviceLoRAPool:
                         rank={m: r for m, (_, r) in placement.items()}, scale=dict(scales),
                         placement=self._placement_ids[owner])
 
+    def fill(self, owner: int, value: float, *, is_a: bool = True, is_b: bool = True) -> None:
+        """Set a placed adapter's A and/or B rows to `value` in every layer and module it adapts.
+
+        For tests only: loads refuse non-finite weights, so this is how a test puts NaN or infinities into the
+        pool to check that no other adapter's tokens see them (copies staged before the call keep their values).
+        """
+        for module, (start, rank) in self._placements[owner].items():
+            for buf, is_filled in ((self.a[module], is_a), (self.b[module], is_b)):
+                if is_filled:
+                    buf[:, start : start + rank] = value
+
     def compact(self) -> None:
         """Pack every module's placements to the front (rows move down, in address order: no overlap hazard)."""
         for module, allocator in self._allocators.items():
