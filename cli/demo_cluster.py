@@ -161,9 +161,13 @@ def _build_helm() -> str:
 
 
 def _install_chart(kubectl: Kubectl, helm: str) -> None:
-    _step("installing the Helm chart: CRDs, operator, RBAC")
+    """The operator manages only the demo's namespace (watchNamespaces: its Role is made there, so the namespace
+    comes first); the chart's default would be the release namespace alone."""
+    _step(f"installing the Helm chart: CRDs, operator, RBAC in namespace {NAMESPACE}")
+    kubectl("create", "namespace", NAMESPACE, check=False)
     _run(helm, "upgrade", "--install", "kubelora", str(REPO / "charts" / "kubelora"), "-n", "kubelora-system",
-         "--create-namespace", "--wait", "--timeout", "4m", env=kubectl.env)
+         "--create-namespace", "--set", f"watchNamespaces={{{NAMESPACE}}}", "--wait", "--timeout", "4m",
+         env=kubectl.env)
 
 
 def _apply_pool_and_adapters(kubectl: Kubectl, root: Path) -> None:

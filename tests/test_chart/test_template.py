@@ -49,26 +49,61 @@ def rules(rendered: dict, name: str, kind: str = "ClusterRole", namespace: str |
     return table
 
 
-def test_defaults_render_a_cluster_wide_operator(render):
+def test_defaults_render_an_operator_of_the_release_namespace(render):
     rendered = render(CI["default-values"])
-    assert {(kind, name) for kind, name, _ in rendered} == {
-        ("ServiceAccount", "rel-kubelora"), ("Deployment", "rel-kubelora"),
-        ("ClusterRole", "rel-kubelora-discovery"), ("ClusterRoleBinding", "rel-kubelora-discovery"),
-        ("ClusterRole", "rel-kubelora-pools"), ("ClusterRoleBinding", "rel-kubelora-pools"),
-        ("Role", "rel-kubelora-leader-election"), ("RoleBinding", "rel-kubelora-leader-election")}
+    assert {(kind, name, namespace) for kind, name, namespace in rendered} == {
+        ("ServiceAccount", "rel-kubelora", NS), ("Deployment", "rel-kubelora", NS),
+        ("ClusterRole", "rel-kubelora-discovery", None), ("ClusterRoleBinding", "rel-kubelora-discovery", None),
+        ("Role", "rel-kubelora-pools", NS), ("RoleBinding", "rel-kubelora-pools", NS),
+        ("Role", "rel-kubelora-leader-election", NS), ("RoleBinding", "rel-kubelora-leader-election", NS)}
     operator = container(rendered)
     assert operator["image"] == "kubelora-operator:0.1.0"  # appVersion
     assert operator["args"] == ["operator"]
     assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION,
-                             **network()}  # unset: defaults
+                             "KUBELORA_OPERATOR_NAMESPACES": NS, **network()}  # unset: defaults
     for probe in ("livenessProbe", "readinessProbe"):
         assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert operator["ports"] == [{"name": "healthz", "containerPort": 8081, "protocol": "TCP"}]
     deployment = rendered[("Deployment", "rel-kubelora", NS)]
     assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "rel-kubelora"
-    binding = rendered[("ClusterRoleBinding", "rel-kubelora-pools", None)]
+    binding = rendered[("RoleBinding", "rel-kubelora-pools", NS)]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kubelora", "namespace": NS}]
+
+
+def cluster_wide_grants(rendered: dict) -> set[tuple[str, str]]:
+    """(apiGroup, resource) some ClusterRoleBinding grants in every namespace."""
+    bound = {m["roleRef"]["name"] for (kind, _, _), m in rendered.items() if kind == "ClusterRoleBinding"}
+    return {key for name in bound for key in rules(rendered, name)}
+
+
+@pytest.mark.parametrize("name", ["default-values", "registry-values", "servicemonitor-values"])
+def test_the_default_grants_no_workloads_or_secrets_cluster_wide(render, name):
+    """Creating Deployments anywhere lets the ServiceAccount run a pod as any ServiceAccount of any namespace
+    (kube-system included); reading Secrets anywhere reads every token. Neither is granted unless opted in."""
+    grants = cluster_wide_grants(render(CI[name]))
+    assert grants == {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
+    cluster_roles = [m for (kind, _, _), m in render(CI[name]).items() if kind == "ClusterRole"]
+    assert not [rule for role in cluster_roles for rule in role["rules"]
+                if {"deployments", "secrets", "pods", "roles", "rolebindings"} & set(rule["resources"])]
+
+
+def test_cluster_wide_is_an_opt_in_that_never_binds_secrets_cluster_wide(render, helm):
+    rendered = render(CI["cluster-wide-values"])
+    assert "KUBELORA_OPERATOR_NAMESPACES" not in env(rendered)  # the operator watches every namespace
+    assert rules(rendered, "rel-kubelora-pools") == {k: v for k, v in POOL_RULES.items() if k != ("", "secrets")}
+    assert ("", "secrets") not in cluster_wide_grants(rendered) and ("apps", "deployments") in cluster_wide_grants(
+        rendered)
+    assert rules(rendered, "rel-kubelora-secrets") == {("", "secrets"): {"get", "create"}}
+    for namespace in ("team-a", "team-b"):
+        binding = rendered[("RoleBinding", "rel-kubelora-secrets", namespace)]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                      "name": "rel-kubelora-secrets"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kubelora", "namespace": NS}]
+    assert not [key for key in rendered if key[0] == "Role" and key[1] == "rel-kubelora-pools"]
+    both = subprocess.run([helm, "template", "rel", str(CHART), "--kube-version", KUBE_VERSION, "--set",
+                           "clusterWide.enabled=true", "--set", "watchNamespaces={a}"], capture_output=True, text=True)
+    assert both.returncode != 0 and "exclude each other" in both.stderr
 
 
 POOL_RULES = {
@@ -89,7 +124,7 @@ POOL_RULES = {
 
 
 def test_rbac_is_least_privilege(render):
-    pools = rules(render(CI["default-values"]), "rel-kubelora-pools")
+    pools = rules(render(CI["default-values"]), "rel-kubelora-pools", "Role", NS)
     assert pools == POOL_RULES
     assert pools[("kubelora.io", "lorapools")] == pools[("kubelora.io", "loraadapters")] == {
         "get", "list", "watch", "patch"}
@@ -140,7 +175,7 @@ def test_network_policies_are_on_by_default_and_switch_off(render):
     assert env(render(CI["default-values"]))["KUBELORA_OPERATOR_NETWORK_POLICY"] == "true"
     off = render(CI["default-values"], "networkPolicy.enabled=false")
     assert env(off) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION,
-                        **network(enabled="false")}
+                        "KUBELORA_OPERATOR_NAMESPACES": NS, **network(enabled="false")}
     # The labels the operator puts in the policies select its own pods.
     [deployment] = [m for (kind, _, _), m in off.items() if kind == "Deployment"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -178,7 +213,9 @@ def test_service_monitor_is_off_by_default_and_on_when_asked(render):
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "kubelora-operator",
                                                           "app.kubernetes.io/component": "engine"}
-    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NS]}
+    everywhere = render(CI["servicemonitor-values"], "clusterWide.enabled=true")
+    assert everywhere[("ServiceMonitor", "rel-kubelora-engines", NS)]["spec"]["namespaceSelector"] == {"any": True}
     assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
     scoped = render(CI["servicemonitor-values"], "watchNamespaces={team-a}")
     assert scoped[("ServiceMonitor", "rel-kubelora-engines", NS)]["spec"]["namespaceSelector"] == {
@@ -208,6 +245,8 @@ def test_every_object_is_labelled_by_the_release(render, name):
 
 @pytest.mark.parametrize("bad, field", [("operator.livenessPort=http", "livenessPort"),
                                         ("watchNamespaces={Team_A}", "watchNamespaces"),
+                                        ("clusterWide.secretNamespaces={Team_A}", "secretNamespaces"),
+                                        ("clusterWide.enabled=yes", "enabled"),
                                         ("operator.maxConcurrentCalls=0", "maxConcurrentCalls"),
                                         ("metrics.serviceMonitor.interval=often", "interval"),
                                         ("operater.verbose=true", "operater"),
