@@ -57,28 +57,51 @@ def helm() -> str:
 
 @pytest.fixture(scope="module")
 def two_operators(cluster, helm):
-    """The chart's defaults (2 replicas, leader election) watching a fresh namespace. Yields (pools namespace,
-    operator namespace)."""
-    suffix = uuid.uuid4().hex[:6]
-    namespace, operator_namespace = f"kl-lead-{suffix}", f"kl-lead-op-{suffix}"
+    """The chart's defaults (2 replicas, leader election, the release namespace watched and nothing else
+    granted) in a fresh namespace, which holds the pools too. Yields (pools namespace, operator namespace): the
+    same one."""
+    namespace = f"kl-lead-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
-    kube = ["--kubeconfig", str(cluster.kubeconfig), "--namespace", operator_namespace]
+    kube = ["--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace]
     install = subprocess.run([helm, "install", RELEASE, str(REPO / "charts" / "kubelora"), *kube,
-                              "--create-namespace", "--set", f"watchNamespaces={{{namespace}}}",
                               "--set", "operator.resyncSeconds=2", "--set", "operator.backoffMaxSeconds=4"],
                              capture_output=True, text=True, timeout=120)
     assert install.returncode == 0, install.stderr
     try:
         wait_for("2 operator replicas available", lambda: cluster.get_json(
-            "deployment", RELEASE, "-n", operator_namespace)["status"].get("availableReplicas") == 2,
+            "deployment", RELEASE, "-n", namespace)["status"].get("availableReplicas") == 2,
             timeout_s=120)
-        yield namespace, operator_namespace
+        yield namespace, namespace
     finally:
         _delete_kubelora_objects(cluster, namespace)
         subprocess.run([helm, "uninstall", RELEASE, *kube, "--wait", "--timeout", "60s"], capture_output=True,
                        timeout=90)
-        cluster.kubectl("delete", "namespace", namespace, operator_namespace, "--wait=true", "--timeout=90s",
-                        check=False, timeout_s=120)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=90s", check=False,
+                        timeout_s=120)
+
+
+def can_i(cluster, service_account: str, verb: str, resource: str, namespace: str | None) -> str:
+    """`kubectl auth can-i` as the operator's ServiceAccount: "yes" or "no"."""
+    scope = ["-n", namespace] if namespace else ["--all-namespaces"]
+    result = cluster.kubectl("auth", "can-i", f"--as={service_account}", verb, resource, *scope, check=False)
+    return result.stdout.strip()
+
+
+def test_the_default_install_grants_nothing_outside_its_namespace(cluster, two_operators) -> None:
+    """No path to kube-system: the default chart cannot create workloads (which could run as any ServiceAccount
+    there) nor read Secrets outside the release namespace; in it, it can do its work."""
+    namespace, _ = two_operators
+    operator = f"system:serviceaccount:{namespace}:{RELEASE}"
+    for verb, resource, where in (("create", "deployments", "kube-system"), ("patch", "deployments", "kube-system"),
+                                  ("get", "secrets", "kube-system"), ("create", "pods", "kube-system"),
+                                  ("create", "rolebindings", "kube-system"), ("get", "secrets", "default"),
+                                  ("create", "deployments", None), ("get", "secrets", None)):
+        assert can_i(cluster, operator, verb, resource, where) == "no", (verb, resource, where)
+    for verb, resource in (("create", "deployments"), ("get", "secrets"), ("create", "secrets"),
+                           ("patch", "lorapools.kubelora.io/status")):
+        assert can_i(cluster, operator, verb, resource, namespace) == "yes", (verb, resource)
+    assert can_i(cluster, operator, "list", "secrets", namespace) == "no"
+    assert can_i(cluster, operator, "list", "namespaces", None) == "yes"  # kopf's discovery, read-only
 
 
 def holder(cluster, operator_namespace: str) -> str | None:
@@ -160,7 +183,12 @@ def test_the_standby_takes_over_when_the_leader_is_killed(cluster, two_operators
     cluster.kubectl("delete", "pod", standby_pod, "-n", operator_namespace, "--wait=false")
     deleted_at = time.monotonic()
     spec = wait_for("the Lease handed over", handed_over, timeout_s=30, interval_s=0.2)
+    handover_s = time.monotonic() - deleted_at
     gap_s = (dt.datetime.fromisoformat(spec["acquireTime"]) - dt.datetime.fromisoformat(last_renewed)).total_seconds()
     print(f"[leader-e2e] deleted the leader's pod; {spec['holderIdentity']} holds the Lease "
-          f"{time.monotonic() - deleted_at:.1f}s later, acquired {gap_s:.1f}s after the last renewal seen")
+          f"{handover_s:.1f}s later, acquired {gap_s:.1f}s after the last renewal seen")
     assert gap_s < 5
+    # The SIGTERM reaches the pod within the kubelet's 1 s sync; kopf's watchers and daemons stop within 2 s,
+    # its cleanup handler releases the Lease, and the standby takes it at its next 1 s retry: kopf's own exit,
+    # which may wait 5 s more, is not waited for.
+    assert handover_s < 5

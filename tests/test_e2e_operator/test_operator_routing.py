@@ -7,12 +7,15 @@
   authenticates, as with a lost token mount) the pool turns Degraded/RouterPlacementStale within ~10 s, the
   pool status shows the router's revision and error, and once the adapter's holders are deleted, requests
   through the stale router still succeed on another replica of its view, which loads the adapter on demand;
-- a fresh router pod takes the current placement and the condition clears.
+- a fresh router pod takes the current placement and the condition clears;
+- a new value in the admin token Secret rolls the engines while requests through the router keep succeeding.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -159,3 +162,49 @@ def test_ready_means_routable_and_a_stale_router_degrades_the_pool(operator_env,
 
     status = wait_for("Degraded cleared, every router on the current placement", recovered, timeout_s=120)
     assert condition(status, "Degraded")["status"] == "False"
+
+
+def test_a_rotated_admin_token_keeps_the_pool_in_service(operator_env, api) -> None:
+    """The pool and adapters of the test above (same module, same operator). The admin token Secret gets a new
+    value while requests run through the router: the engine pods roll onto it one by one, the operator keeps
+    calling the old ones with the token they started with, the placement keeps them ready until they go, and
+    every request succeeds (no `no_ready_replica`)."""
+    env = operator_env
+    (_, router_ip), = wait_for("a ready router", lambda: ready_engine_pods(env, ROUTERS), timeout_s=60).items()
+    assert complete(router_ip, "t1")[0] == 200
+    old_pods = set(ready_engine_pods(env, ENGINES))
+    results: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def request_loop() -> None:
+        while not stop.is_set():
+            results.append(complete(router_ip, "t1", timeout_s=30))
+            stop.wait(0.2)
+
+    loop = threading.Thread(target=request_loop, daemon=True)
+    loop.start()
+    token = "rotated-" + ADMIN_TOKEN
+    env.cluster.kubectl("patch", "secret", "engine-admin", "-n", env.namespace, "-p",
+                        json.dumps({"stringData": {"token": token}}))
+    digest = hashlib.sha256(token.encode()).hexdigest()[:16]
+
+    def rolled() -> bool:
+        pods = env.cluster.get_json("pods", "-n", env.namespace, "-l", ENGINES)["items"]
+        current = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        ready = ready_engine_pods(env, ENGINES)
+        return len(ready) == 3 and not old_pods & set(ready) and all(
+            p["metadata"]["annotations"].get("kubelora.io/admin-token-digest") == digest for p in current)
+
+    try:
+        started = time.monotonic()
+        wait_for("the engines rolled onto the new token", rolled, timeout_s=360, interval_s=1)
+        wait_ready(api, env.namespace, "t1", timeout_s=60)
+        time.sleep(2)  # requests against the new pods only
+    finally:
+        stop.set()
+        loop.join(timeout=40)
+    failed = [r for r in results if r[0] != 200]
+    print(f"[routing-e2e] token rotated: rolled in {time.monotonic() - started:.0f} s, {len(results)} requests, "
+          f"{len(failed)} failed", flush=True)
+    assert len(results) > 10 and not failed, failed[:5]
+
