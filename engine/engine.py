@@ -43,7 +43,7 @@ from kubelora.engine.model.config import load_hf_config, model_config_from_hf, r
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.model.weights import ModelWeights, extend_weights, load_weights
-from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
+from kubelora.engine.outputs import EngineSnapshot, FailureKind, LogprobsDecoder, RequestOutput
 from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig, StepResult
 from kubelora.engine.sampler import FAULT_NO_TOKEN_LEFT, FAULT_NON_FINITE_LOGITS
 from kubelora.engine.sampling_batch import token_bitmask
@@ -60,11 +60,12 @@ log = logging.getLogger(__name__)
 
 IDLE_STEP_SLEEP_S = 0.002  # an empty step (requests only wait for adapter loads) yields the CPU briefly
 MAX_FAILED_STEPS = 2  # a request in this many failed batches fails (it already passed a retry alone)
-ROW_FAULTS = {
-    FAULT_NON_FINITE_LOGITS: "the model's logits for this request are not finite (NaN or Inf): its adapter's "
-                             "weights or its input make the model diverge",
-    FAULT_NO_TOKEN_LEFT: "no token is left to sample: the request's sampling parameters (allowed_token_ids, "
-                         "bad words, min_tokens, logit_bias, penalties, temperature) leave no finite logit",
+ROW_FAULTS = {  # the sampler's fault id -> (what the request is told, its FailureKind)
+    FAULT_NON_FINITE_LOGITS: ("the model's logits for this request are not finite (NaN or Inf): its adapter's "
+                              "weights or its input make the model diverge", FailureKind.NON_FINITE_LOGITS),
+    FAULT_NO_TOKEN_LEFT: ("no token is left to sample: the request's sampling parameters (allowed_token_ids, "
+                          "bad words, min_tokens, logit_bias, penalties, temperature) leave no finite logit",
+                          FailureKind.NO_TOKEN_LEFT),
 }
 
 
@@ -318,7 +319,8 @@ class LLMEngine:
             for seq in seqs:
                 seq.num_failed_steps += 1
                 if len(seqs) == 1 or seq.num_failed_steps >= MAX_FAILED_STEPS:
-                    self._scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, error=_step_error(exc))
+                    self._scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, _step_error(exc),
+                                           FailureKind.ENGINE_FAULT)
                     outputs.append(self._output(seq, []))
                 else:
                     self._suspects.append(seq)
@@ -341,7 +343,7 @@ class LLMEngine:
         outputs = []
         for chunk, token in zip(batch.chunks, result.sampled):
             if token is not None and token < 0 and not chunk.seq.status.is_finished:
-                self._scheduler.finish(chunk.seq, SequenceStatus.FINISHED_ERROR, error=ROW_FAULTS[token])
+                self._scheduler.finish(chunk.seq, SequenceStatus.FINISHED_ERROR, *ROW_FAULTS[token])
                 outputs.append(self._output(chunk.seq, []))
         return outputs
 
@@ -354,7 +356,7 @@ class LLMEngine:
             if _is_device_fault(exc):
                 raise
             log.error("request %s failed after its step", seq.request_id, exc_info=exc)
-            self._scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, error=_step_error(exc))
+            self._scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, _step_error(exc), FailureKind.ENGINE_FAULT)
             return [self._output(seq, [])]
         return []
 
@@ -373,7 +375,8 @@ class LLMEngine:
             self._scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         elif step is Advance.REJECTED:  # the sampler's mask makes this a bug
             self._scheduler.finish(seq, SequenceStatus.FINISHED_ERROR,
-                                   error=f"token {seq.output_token_ids[-1]} is outside the request's grammar")
+                                   f"token {seq.output_token_ids[-1]} is outside the request's grammar",
+                                   FailureKind.ENGINE_FAULT)
 
     def _record_chunk(self, chunk, index: int, result: StepResult) -> None:
         """A chunk's kept logits, its sampled token's logprobs (appended with its token) and its prompt logprobs
@@ -412,6 +415,7 @@ class LLMEngine:
             new_logprobs=tuple(seq.output_logprobs[-len(new_token_ids):]) if has_logprobs else (),
             logprobs=tuple(seq.output_logprobs) if finished and params.logprobs is not None else None,
             prompt_logprobs=tuple(seq.prompt_logprobs) if has_prompt_logprobs else None,
+            error_kind=seq.error_kind,
         )
 
     def _check_sampling_tokens(self, params: SamplingParams) -> None:

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
 from kubelora.engine.adapters.types import AdapterStats
+
+
+class FailureKind(enum.Enum):
+    """Why the engine finished a request with finish_reason "error"; the server maps each to its answer."""
+
+    ADAPTER_LOAD = "adapter_load"  # its adapter's on-demand load failed; a later request retries the load
+    NON_FINITE_LOGITS = "non_finite_logits"  # its logits hold NaN or Inf: its adapter's weights or its input
+    NO_TOKEN_LEFT = "no_token_left"  # its sampling parameters leave no token with a finite logit
+    ENGINE_FAULT = "engine_fault"  # the engine's own work for it raised (a bug confined to this request)
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class RequestOutput:
     # With params.prompt_logprobs: one per prompt token after the first; on the first token's output and
     # once finished.
     prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
+    error_kind: FailureKind | None = None  # set with finish_reason "error", as `error` is
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from kubelora.engine.batch import AdapterPlacer, Batch, ScheduledChunk, Schedule
 from kubelora.engine.block_manager import BlockManager
 from kubelora.engine.errors import QueueFull
 from kubelora.engine.fairness import FairShare
+from kubelora.engine.outputs import FailureKind
 from kubelora.engine.sequence import Sequence, SequenceStatus
 
 
@@ -152,8 +153,10 @@ class Scheduler:
             updated.append(seq)
         return updated
 
-    def finish(self, seq: Sequence, status: SequenceStatus, error: str | None = None) -> None:
-        """Idempotent; frees KV blocks and releases the adapter reference exactly once."""
+    def finish(self, seq: Sequence, status: SequenceStatus, error: str | None = None,
+               error_kind: FailureKind | None = None) -> None:
+        """Idempotent; frees KV blocks and releases the adapter reference exactly once. FINISHED_ERROR comes
+        with both `error` (what the client is told) and `error_kind`."""
         if seq.status.is_finished:
             if status is SequenceStatus.FINISHED_STOPPED and seq.status is SequenceStatus.FINISHED_LENGTH:
                 seq.status = status  # a stop string completed by the last allowed token
@@ -166,7 +169,7 @@ class Scheduler:
             self._running.remove(seq)
             if not self._is_active(seq.fairness_key):  # its counter must not outlive it (a later burst of it
                 self._fair.forget(self._active_keys())  # would wait behind everyone for its earlier tokens)
-        seq.status, seq.error = status, error
+        seq.status, seq.error, seq.error_kind = status, error, error_kind
         self._blocks.free(seq.request_id)
         self._seqs.pop(seq.request_id, None)
         if seq.adapter is not None:
@@ -343,7 +346,7 @@ class Scheduler:
             if seq.adapter not in errors:
                 errors[seq.adapter] = self._adapters.take_load_error(seq.adapter)
             if errors[seq.adapter] is not None:
-                self.finish(seq, SequenceStatus.FINISHED_ERROR, errors[seq.adapter])
+                self.finish(seq, SequenceStatus.FINISHED_ERROR, errors[seq.adapter], FailureKind.ADAPTER_LOAD)
                 self._finished_between_steps.append(seq)
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kubelora.engine.outputs import FailureKind
 from kubelora.engine.sampling_params import SamplingParams
 
 PENDING_TOKEN = -1  # a sampled token still on the device (its step runs while the next one is scheduled)
@@ -67,6 +68,7 @@ class Sequence:
     num_stop_scanned: int = 0
     num_failed_steps: int = 0  # failed batches this request was in (engine/engine.py contains them)
     error: str | None = None
+    error_kind: FailureKind | None = None  # set with FINISHED_ERROR, as `error` is
     num_preemptions: int = 0
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # with params.return_logits: [vocab] each
     logits: list[torch.Tensor] = field(default_factory=list)

@@ -50,6 +50,14 @@ class InvalidRequest(ServiceError, ValueError):
         super().__init__(message, param=param, code=code)
 
 
+class RequestFailed(ServiceError):
+    """A valid request the engine could not finish, through no fault of the server: the model's logits for it
+    are not finite (its adapter's weights or its input make the model diverge; `code` non_finite_logits) or its
+    sampling parameters leave no token to sample (no_token_left). The same request fails the same way."""
+
+    type = "request_failed"
+
+
 class ContextLengthExceeded(InvalidRequest):
     """The prompt plus the requested completion does not fit max_model_len (the engine would clip it)."""
 
@@ -112,6 +120,13 @@ class AdapterUnavailable(Unavailable):
     """The adapter's on-demand load failed; the next request for it retries the load."""
 
     type = "adapter_unavailable"
+
+
+class EngineFault(ServiceError):
+    """The engine's work for one request raised: a bug, confined to that request (the engine serves the others
+    and goes on). The message names the exception's class; its text and traceback are in the engine log."""
+
+    type = "engine_fault"
 
 
 class BadGateway(ServiceError):

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from kubelora.engine.common.errors import (
     AdapterChanged, AdapterError, AdapterExists, AdapterSourceError, AdapterUnavailable, AdapterUnloading, BadGateway,
-    InvalidRequest, ModelNotFound, PromptTooLong, QueueFull, ServiceError, TooManyWatches, Unauthorized, Unavailable,
-    UnknownAdapter)
+    EngineFault, InvalidRequest, ModelNotFound, PromptTooLong, QueueFull, RequestFailed, ServiceError, TooManyWatches,
+    Unauthorized, Unavailable, UnknownAdapter)
 
 log = logging.getLogger("kubelora.engine.http")
 
@@ -79,6 +79,8 @@ RULES: dict[type[ServiceError], HttpRule] = {
     Unavailable: HttpRule(503, "service_unavailable"),
     AdapterUnavailable: HttpRule(503, "adapter_unavailable", code="adapter_load_failed"),
     BadGateway: HttpRule(502, "upstream_error", code="replica_unreachable"),
+    RequestFailed: HttpRule(422, "invalid_request_error"),
+    EngineFault: HttpRule(500, "server_error"),
 }
 INTERNAL_ERROR = HttpError(500, "server_error", "internal server error; see the engine log")
 # aiohttp's own errors (no route, wrong method, body too large) by status.

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kubelora.engine.common.errors import AdapterUnavailable, ServiceError
+from kubelora.engine.common.errors import AdapterUnavailable, EngineFault, RequestFailed, ServiceError
 from kubelora.engine.common.http_errors import to_http
+from kubelora.engine.outputs import FailureKind
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.server.async_engine import EngineRequest, RequestGroup
 from kubelora.engine.server.protocol import MAX_SEED, Choices
@@ -72,7 +73,23 @@ def _read_calls(plan: ChoicePlan, text: str, finish_reason: str | None) -> tuple
 
 def _check_not_failed(output: RequestOutput) -> None:
     if output.finish_reason == "error":
-        raise AdapterUnavailable(output.error or f"adapter {output.adapter!r} failed to load", param="model")
+        raise _failure_error(output)
+
+
+def _failure_error(output: RequestOutput) -> ServiceError:
+    """The error a request the engine failed is answered with (engine/outputs.py FailureKind): an adapter load
+    failure is 503 and a retry loads it again; logits that are not finite, or parameters that leave no token,
+    are the request's (its adapter's) own fault, 422 whatever the retry; an exception in the engine's work for
+    it is our bug, 500."""
+    message = output.error or "the engine failed this request"
+    kind = output.error_kind
+    if kind is FailureKind.ADAPTER_LOAD:
+        return AdapterUnavailable(output.error or f"adapter {output.adapter!r} failed to load", param="model")
+    if kind is FailureKind.NON_FINITE_LOGITS:
+        return RequestFailed(message, param="model" if output.adapter else None, code="non_finite_logits")
+    if kind is FailureKind.NO_TOKEN_LEFT:
+        return RequestFailed(message, code="no_token_left")
+    return EngineFault(message)
 
 
 def _usage(plan: ChoicePlan, finals: dict[str, RequestOutput]) -> Usage:

@@ -10,6 +10,7 @@ import torch
 
 from kubelora.engine import EngineConfig, LLMEngine, SamplingParams
 from kubelora.engine.errors import InvalidRequest
+from kubelora.engine.outputs import FailureKind
 from kubelora.engine.sampling_batch import token_bitmask
 from kubelora.engine.structured.matcher import unpack_bitmask
 
@@ -168,6 +169,7 @@ def test_non_finite_logits_fail_only_their_request(engines, monkeypatch, is_asyn
     poison_rows(engine, monkeypatch, value)
     finals = run(engine, requests)
     assert finals[BAD].finish_reason == "error" and "not finite" in finals[BAD].error
+    assert finals[BAD].error_kind is FailureKind.NON_FINITE_LOGITS
     assert finals[BAD].token_ids == []
     others = {rid: o.token_ids for rid, o in finals.items() if rid != BAD}
     assert others == {rid: t for rid, t in expected.items() if rid != BAD}
@@ -183,6 +185,7 @@ def test_filters_that_leave_no_token_fail_only_their_request(engines):
     requests = [("empty", make_prompt(5, 5), empty, None), ("ok", make_prompt(6, 5), GREEDY, "r4-qv")]
     finals = run(engine, requests)
     assert finals["empty"].finish_reason == "error" and "no token is left" in finals["empty"].error
+    assert finals["empty"].error_kind is FailureKind.NO_TOKEN_LEFT and finals["ok"].error_kind is None
     assert finals["ok"].token_ids == alone(engine, requests[1:])["ok"]
     assert_engine_clean(engine)
 
@@ -215,6 +218,7 @@ def test_a_step_exception_fails_only_the_request_that_fails_alone(engines, monke
     break_stage(engine, monkeypatch, stage, calls)
     finals = run(engine, requests)
     assert finals[BAD].finish_reason == "error" and "IndexError" in finals[BAD].error
+    assert finals[BAD].error_kind is FailureKind.ENGINE_FAULT
     assert "one request's state" not in finals[BAD].error  # the exception's text stays in the log
     others = {rid: o.token_ids for rid, o in finals.items() if rid != BAD}
     assert others == {rid: t for rid, t in expected.items() if rid != BAD}
@@ -240,6 +244,7 @@ def test_a_request_in_repeated_failed_batches_fails(engines, monkeypatch):
     monkeypatch.setattr(engine._runner, "forward", broken)
     finals = run(engine, [("p0", make_prompt(0, 5), GREEDY, None), ("p1", make_prompt(1, 5), GREEDY, "r4-qv")])
     assert {finals[r].finish_reason for r in pair} == {"error"}
+    assert {finals[r].error_kind for r in pair} == {FailureKind.ENGINE_FAULT}
     assert all(len(finals[r].token_ids) == 1 for r in pair)  # the one token each drew alone
     assert_engine_clean(engine)
 

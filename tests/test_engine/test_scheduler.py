@@ -10,6 +10,7 @@ import pytest
 from kubelora.engine.adapters.types import Residency
 from kubelora.engine.block_manager import BlockManager, BlockManagerConfig
 from kubelora.engine.errors import QueueFull
+from kubelora.engine.outputs import FailureKind
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Scheduler, SchedulerConfig
 from kubelora.engine.sequence import Sequence, SequenceStatus
@@ -233,6 +234,7 @@ def test_failed_adapter_load_fails_only_its_waiting_requests():
     failed = scheduler.take_finished_between_steps()
     assert {s.request_id for s in failed} == {"bad-1", "bad-2"}
     assert all(s.status is SequenceStatus.FINISHED_ERROR and "missing" in s.error for s in failed)
+    assert all(s.error_kind is FailureKind.ADAPTER_LOAD for s in failed)
     assert "good-1" in {c.seq.request_id for c in batch.chunks}
     assert placer.releases["bad"] == 2
 
