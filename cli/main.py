@@ -62,6 +62,12 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def _run_bench_hostile(args: argparse.Namespace) -> int:
+    from kubelora.bench.hostile import main as bench_main
+
+    return bench_main(args.rest)
+
+
 _SIZE_FLAGS = {
     "hidden_size": "--hidden",
     "num_layers": "--layers",
@@ -137,6 +143,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                      _run_bench_kernels)
     _add_passthrough(kinds, "engine", "the engine end to end: base, many adapters, prefill, transformers, HTTP "
                      "(CUDA)", _run_bench_engine)
+    _add_passthrough(kinds, "hostile", "one tenant's worst allowed requests against a live server: /health and "
+                     "a victim request's latency", _run_bench_hostile)
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -160,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Command words whose module owns its parser; argparse's REMAINDER would refuse options right after them.
 _PASSTHROUGH = {("operator",): _run_operator, ("router",): _run_router, ("bench", "kernels"): _run_bench_kernels,
-                ("bench", "engine"): _run_bench_engine}
+                ("bench", "engine"): _run_bench_engine, ("bench", "hostile"): _run_bench_hostile}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
