@@ -134,7 +134,8 @@ def run(config: HostileConfig, workdir: Path, note: str = "") -> HostileReport:
         results = asyncio.run(_measure(config, endpoints, workload))
     finally:
         server.stop()
-    env = {**environment(config.device), "cpu cores": str(os.cpu_count())}
+    env = {**environment(config.device), "cpu cores": str(os.cpu_count()),
+           "load average (1, 5, 15 min) after the run": ", ".join(f"{x:.1f}" for x in os.getloadavg())}
     return HostileReport(env, config, shape_of(model_dir).as_dict(), results, note)
 
 

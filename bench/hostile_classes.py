@@ -121,9 +121,9 @@ def empty_arrays(w: Workload) -> HostileClass:
     from kubelora.engine.server.app import MAX_BODY_BYTES
 
     plain = _post(w.completion())
-    head = plain.body[:-1] + b', "pad": ['
-    count = (MAX_BODY_BYTES - len(head) - 3) // 3
-    body = head + b"[]," * count + b"[]]}"
+    head, tail = plain.body[:-1] + b', "pad": [', b"[]]}"
+    count = (MAX_BODY_BYTES - len(head) - len(tail)) // len(b"[],")
+    body = head + b"[]," * count + tail
     return HostileClass(f"{len(body) / 2**20:.1f} MiB of empty arrays", replace(plain, body=body), plain)
 
 

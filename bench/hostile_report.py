@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import TYPE_CHECKING
 
 from kubelora.bench.hostile_measure import ClassResult
@@ -12,8 +13,8 @@ if TYPE_CHECKING:
 
 MAX_HEALTH_P99_MS = 100.0
 MAX_VICTIM_RATIO = 2.0
-COLUMNS = ("class", "hostile status", "/health p99 ms", "/health max ms", "victim ratio", "victim = alone",
-           "targets")
+COLUMNS = ("class", "hostile status", "/health p99 ms", "/health max ms", "/health samples",
+           "victim ms beside twin / hostile", "victim ratio", "victim = alone", "targets")
 
 
 def status_text(result: ClassResult) -> str:
@@ -32,8 +33,10 @@ def targets(result: ClassResult) -> list[str]:
 def row(result: ClassResult) -> dict[str, str]:
     errors = f" ({result.num_health_errors} failed)" if result.num_health_errors else ""
     ratio = result.victim_ratio
+    victim_ms = (1e3 * statistics.median(t) for t in (result.plain_victim_s, result.hostile_victim_s))
     return dict(zip(COLUMNS, (
         result.name, status_text(result), f"{result.health_p99_ms:.1f}{errors}", f"{result.health_max_ms:.1f}",
+        str(len(result.health_s)), " / ".join(f"{ms:.0f}" for ms in victim_ms),
         f"{ratio:.2f}x" if math.isfinite(ratio) else "-", "yes" if result.is_victim_equal else "NO",
         ", ".join(targets(result)))))
 
@@ -56,7 +59,8 @@ def render_markdown(report: HostileReport) -> str:
         "on another connection, while a thread GETs `/health` every 20 ms. Each repeat first runs the victim beside",
         "the class's plain twin (the same request without what makes it hostile; for the adapter-load class, the",
         "load of a plain config), then beside the hostile request. Victim ratio: the median victim time beside the",
-        "hostile request over the median beside the twin. `/health` p99 and max: over the hostile runs. Victim =",
+        "hostile request over the median beside the twin (both medians in ms too). `/health` p99 and max: over the",
+        "GETs of the hostile runs (`samples` of them: a run lasts as long as its slower answer). Victim =",
         "alone: every hostile run's victim answered the text it answers alone. A class whose hostile request is",
         "answered 4xx in every repeat is `refused`.", "",
         *[f"- {k}: {v}" for k, v in report.env.items()],
