@@ -37,9 +37,6 @@ class BlockManager:
         have = len(self._tables.get(seq_id, ()))
         return max(0, -(-num_tokens // self.block_size) - have)
 
-    def can_grow(self, seq_id: str, num_tokens: int) -> bool:
-        return self.num_needed(seq_id, num_tokens) <= len(self._free)
-
     def grow(self, seq_id: str, num_tokens: int) -> bool:
         """Allocate blocks up to `num_tokens` positions; False (and nothing allocated) if out of blocks."""
         needed = self.num_needed(seq_id, num_tokens)

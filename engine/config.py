@@ -23,8 +23,7 @@ class EngineConfig:
     - max_model_len: prompt + output tokens per request; default the model's max_position_embeddings.
     - KV cache: num_kv_blocks blocks of kv_block_size tokens; default from kv_cache_bytes, else (CPU) room for
       max_num_seqs full-length sequences, else (CUDA) gpu_memory_utilization of what weights and pool leave.
-    - lora_backend: "torch" or "triton"; default kubelora.kernels.lora.default_backend(device) when the kernels
-      provide it, else "torch".
+    - lora_backend: "torch" or "triton"; default kubelora.kernels.lora.default_backend(device).
     - lora_time_slice_steps: while requests wait for room in the device adapter pool, the steps an adapter keeps
       its room before its requests pause (KV cache kept) so waiting adapters take turns (engine/scheduler.py).
     - enforce_eager: run every step eagerly (no CUDA graphs; vLLM's name). CUDA graphs are only used on CUDA.

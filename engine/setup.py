@@ -43,10 +43,9 @@ def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
 def resolve_lora_backend(config: EngineConfig) -> str:
     if config.lora_backend is not None:
         return config.lora_backend
-    from kubelora.kernels import lora
+    from kubelora.kernels.lora import default_backend
 
-    default_backend = getattr(lora, "default_backend", None)
-    return default_backend(config.device) if default_backend is not None else "torch"
+    return default_backend(config.device)
 
 
 def pool_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
@@ -180,7 +179,7 @@ def _capture_base(graphs: StaticDecoder | StaticPrefill, device: torch.device, w
 def blas_library() -> str:
     """The library PyTorch's CUDA matmuls use: KUBELORA_BLAS, else cuBLASLt. On an H200 at the 7B shape cuBLASLt
     runs the down projection of a 64-token decode step in 25.9 us a layer where cuBLAS picks a split-K kernel
-    taking 30.1, and equals it on the other projections (docs/benchmarks-engine.md, runs X and Z)."""
+    taking 30.1, and equals it on the other projections (docs/benchmarks-engine.md, "Batch 1 and the matmul library")."""
     name = os.environ.get(BLAS_ENV, BLAS_LIBRARIES[0]).strip().lower()
     if name not in BLAS_LIBRARIES:
         raise ValueError(f"{BLAS_ENV} must be one of {', '.join(BLAS_LIBRARIES)}, got {name!r}")

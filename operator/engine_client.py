@@ -31,7 +31,7 @@ class EngineError(Exception):
     @property
     def is_permanent(self) -> bool:
         # 401 (token), 404/409 (races with unload or another revision), 429 and 5xx heal on retry; so does a 400
-        # the engine calls retryable. An engine too old to say counts its 400s as permanent.
+        # the engine calls retryable. A 400 without `retryable` is not a load error (a malformed request): permanent.
         return self.status == 400 and self.is_retryable is not True
 
     @property

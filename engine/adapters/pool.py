@@ -108,9 +108,6 @@ class DeviceLoRAPool:
     def free_rows(self, module: str) -> int:
         return self._allocators[module].num_free
 
-    def is_placed(self, owner: int) -> bool:
-        return owner in self._placements
-
     def place(self, owner: int, ranks: dict[str, int], host: HostAdapter) -> bool:
         """Copy an adapter in; False (nothing changed) when some module lacks room even after compaction."""
         if owner in self._placements:

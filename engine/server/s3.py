@@ -25,7 +25,6 @@ from kubelora.engine.common.errors import AdapterSourceError
 SIGNED_URL_TTL = timedelta(minutes=15)  # longer than no single download: the deadline ends those first
 # S3 bucket naming rules (3..63 lowercase letters, digits, dots, hyphens; a letter or digit at each end).
 BUCKET_RULE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-MAX_FIELD_CHARS = 4096
 
 
 @dataclass(frozen=True)
