@@ -7,8 +7,8 @@ registered but unused, a device budget smaller than the adapters in flight, the 
 against the device's matmul rate; transformers with a static cache and torch.compile in a subprocess; the bytes
 floor from the measured copy bandwidth; `kubelora engine serve` under streaming HTTP clients; and the base batch
 with `--structured-requests` of its requests constrained by a grammar (a JSON schema, a regex), against the same
-batch unconstrained. It prints the report (bench/engine_report.py) and the targets of issues 15 and 16, met or
-missed by how much. With `--checkpoint FILE` one run can span several processes on one machine
+batch unconstrained. It prints the report (bench/engine_report.py) and its targets (bench/engine_targets.py), met
+or missed by how much. With `--checkpoint FILE` one run can span several processes on one machine
 (bench/engine_checkpoint.py), for device calls shorter than a whole run.
 """
 

@@ -264,7 +264,7 @@ def render_markdown(result: BenchResult) -> str:
     profile = profile_lines(result)
     if profile:
         text += ["", "## Profile", *profile]
-    text += ["", "## Targets (issue 15)", "", *targets_table(result)]
+    text += ["", "## Targets", "", *targets_table(result)]
     if result.errors:
         text += ["", "## Errors", "", *[f"- {name}: {message}" for name, message in result.errors.items()]]
     return "\n".join(text) + "\n"

@@ -25,7 +25,7 @@ from kubelora.bench.engine_report import BenchResult
 
 NUM_LOADERS = 8  # adapters registered at once (reading and hashing files releases the GIL)
 # Single requests after the first one, for the server's steady-state TTFT: a short prefill is host-bound, and the
-# prefill step of one and the same request took 21..42 ms on an H200 machine (docs/benchmarks-engine.md, run Y).
+# prefill step of one and the same request took 21..42 ms on an H200 machine (docs/benchmarks-engine.md, "First request after /ready").
 NUM_TTFT_PROBES = 9
 
 

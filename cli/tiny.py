@@ -144,8 +144,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **s
 
 
 def _make_world_readable(out: Path) -> None:
-    """safetensors writes its files 0600; the images run as uid 65532 (issue 17), and a model or adapter mounted
-    into a pod must be readable by it."""
+    """safetensors writes its files 0600; the images run as the non-root uid 65532 (images/*/Dockerfile), and a
+    model or adapter mounted into a pod must be readable by it."""
     for path in (out, *out.rglob("*")):
         path.chmod(0o755 if path.is_dir() else 0o644)
 

@@ -1,7 +1,7 @@
 """Short one-sequence prefills replayed as CUDA graphs, one per token bucket (and per adapter shape).
 
 An eager prefill pays the host cost of 32 layers of launches (at the 7B shape about 0.55 ms a layer with an
-adapter's LoRA launches, docs/benchmarks-engine.md run Y), which for a short prompt is several times the GPU's own
+adapter's LoRA launches; docs/benchmarks-engine.md, "First request after /ready"), which for a short prompt is several times the GPU's own
 time: a lone request's time to first token was the host's. A step that prefills one sequence's chunk of at most
 `max(buckets)` tokens, with no per-token logits wanted, instead fills `PrefillInputs` (engine/prefill_inputs.py)
 and replays the graph of its token bucket (`prefill_buckets`: multiples of the 16-token LoRA tile), padded to it;

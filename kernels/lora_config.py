@@ -167,7 +167,7 @@ def staged_expand_config(step: LoRAStep, proj: LoRAProj, slices: list[int]) -> K
     """The expand's config after a staged shrink (kernels/lora_triton.py: add_lora_staged_triton): the step's
     own, launched plainly (no programmatic dependent launch: behind cuBLAS it has no shrink to overlap, and the
     plain launch measured faster), and 1024-column blocks where column sub-blocks are stacked. On the H200 at
-    batch 64 over 32 / 64 adapters (docs/benchmarks-engine.md) this took the q/k/v matmul + expand from 44.9 to
+    batch 64 over 32 / 64 adapters (docs/benchmarks-engine.md, "The staged expand's launch") this took the q/k/v matmul + expand from 44.9 to
     41.5 us a layer and o's from 18.6 to 17.2 (64 adapters: 50.8 -> 46.4, 21.2 -> 20.0)."""
     config = replace(choose_config(step, proj, slices), is_pdl=False)
     if step.block_m == 16 and stack_factor(step, config) > 1:

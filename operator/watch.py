@@ -1,4 +1,4 @@
-"""Out-of-band changes reach the reconcile within a second (issue 18): one long poll per ready engine pod.
+"""Out-of-band changes reach the reconcile within a second: one long poll per ready engine pod.
 
 Each watcher asks its pod `GET /v1/models?changed_since=<tag>` (the engine answers when its adapter set changes,
 or after `wait_s` with the same tag) and triggers the pool's reconcile when the tag moves. So an adapter
