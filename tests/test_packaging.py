@@ -51,18 +51,33 @@ def test_package_dir_maps_each_folder():
     assert mapping == {name: folder for folder, name in PACKAGE_DIRS.items()}
 
 
-def _packages_on_disk() -> set[str]:
+def _packages_on_disk(root: Path = ROOT) -> set[str]:
+    """Every folder under a mapped package folder: a subpackage, or a data folder (no Python code), which
+    setuptools treats as a namespace package and ships only when it is listed (else it warns, and a later
+    setuptools drops it)."""
     found = set()
     for folder, dotted in PACKAGE_DIRS.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder)
-            if "__pycache__" in rel.parts:
+        for path in (root / folder).rglob("*"):
+            rel = path.relative_to(root / folder)
+            if not path.is_dir() or "__pycache__" in rel.parts or path.name.startswith("."):
                 continue
+            has_code = any(path.glob("*.py"))
+            if has_code and not (path / "__init__.py").exists():
+                raise AssertionError(f"{path} holds Python code but no __init__.py")
             found.add(".".join((dotted, *rel.parts)))
-        for module in (ROOT / folder).rglob("*.py"):
-            if module.parent != ROOT / folder and not (module.parent / "__init__.py").exists():
-                raise AssertionError(f"{module.parent} holds Python code but no __init__.py")
+        found.add(dotted)
     return found
+
+
+def test_data_folders_count_as_packages(tmp_path):
+    # The guard itself: a folder of data files next to the code is a package that must be listed.
+    for folder in PACKAGE_DIRS:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "cli" / "data").mkdir()
+    (tmp_path / "cli" / "data" / "corpus.txt").write_text("hello\n")
+    (tmp_path / "cli" / "__pycache__").mkdir()
+    assert "kubelora.cli.data" in _packages_on_disk(tmp_path)
+    assert "kubelora.cli.__pycache__" not in _packages_on_disk(tmp_path)
 
 
 def test_every_package_on_disk_is_listed():
@@ -77,3 +92,13 @@ def test_data_files_the_code_reads_ship_as_package_data():
     package_data = _pyproject()["tool"]["setuptools"]["package-data"]
     assert "lora_configs.json" in package_data["kubelora.kernels"]
     assert (ROOT / "kernels" / "lora_configs.json").is_file()
+    assert "*.txt" in package_data["kubelora.cli.data"]
+    assert (ROOT / "cli" / "data" / "corpus.txt").is_file()
+
+
+def test_license_is_an_spdx_expression_read_by_the_required_setuptools():
+    # The `{ text = ... }` table is deprecated (setuptools stops reading it after 2027-02-18); the SPDX string
+    # needs setuptools >= 77.
+    config = _pyproject()
+    assert config["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in config["build-system"]["requires"]

@@ -1,4 +1,4 @@
-"""The dependency split of issue 17: the operator and the router install and import without the engine's stack.
+"""The dependency split: the operator and the router install and import without the engine's stack.
 
 The base distribution is what images/kubelora-operator and images/kubelora-router install; `kubelora[engine]`
 adds torch, triton, transformers and the rest.
