@@ -40,9 +40,25 @@ def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **f
         logger.log(level, event, extra={_FIELDS: {"event": event, **fields}})
 
 
+class StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever `sys.stderr` is when a record is written, not the object it was at install.
+
+    An entry point called in-process (the CLI's tests) installs the root handler while sys.stderr is a captured
+    stream that pytest swaps back and closes after the test; a handler bound to it would fail on every later
+    record ("ValueError: I/O operation on closed file"). The stdlib's own last-resort handler works the same way.
+    """
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)  # StreamHandler.__init__ would assign the stream
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
 def install_json_handler(level: str) -> None:
     """JSON lines on stderr for every logger: one root handler at `level`."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
