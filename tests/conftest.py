@@ -1,5 +1,7 @@
 """Shared test settings."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -10,6 +12,14 @@ torch.set_num_threads(1)
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; run with every GPU test by bench/gpu-tests.sh (make test-gpu)")
+
+
+@pytest.fixture(scope="session")
+def shown(pytestconfig):
+    """`with shown(): build()`: output that passes pytest's capture, for a fixture that builds a tool for minutes
+    (MinIO, the kstatus reader; e2e/gobuild.py) and must say so rather than sit silent under `make test`."""
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    return capture.global_and_fixture_disabled if capture else contextlib.nullcontext
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

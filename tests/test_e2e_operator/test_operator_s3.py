@@ -22,7 +22,7 @@ from .test_operator_lifecycle import (adapter, complete, offline, ready_engine_p
                                       wait_phase)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "s3"))
-from s3server import MinioServer  # noqa: E402
+from s3server import MinioServer, build_minio  # noqa: E402
 
 BUCKET = "tenant-adapters"
 POOL = """
@@ -54,8 +54,10 @@ def archive_of(directory: Path) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def minio(cluster, tmp_path_factory):
+def minio(cluster, tmp_path_factory, shown):
     """MinIO on every host address; `endpoint` names the bridge address pods reach the host at."""
+    with shown():  # minutes on a fresh machine: say so
+        build_minio()
     bridge = next(urlsplit(line.split()[-1]).hostname for line in cluster.kubeconfig.read_text().splitlines()
                   if line.strip().startswith("server:"))
     with MinioServer(tmp_path_factory.mktemp("minio-e2e") / "data", listen_host="0.0.0.0",

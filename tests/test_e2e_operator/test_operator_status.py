@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from gobuild import build_cached
 from pytest_cluster import wait_for
 
 from .test_operator_lifecycle import ADMIN_PORT, POOL, admin_call, ready_engine_pods, refused_status, served_adapters
@@ -54,17 +54,13 @@ KSTATUS_SOURCE = Path(__file__).resolve().parents[2] / "e2e" / "kstatus"
 
 
 @pytest.fixture(scope="module")
-def kstatus_reader():
+def kstatus_reader(shown):
     """`kstatus_reader(body) -> "Current" | "InProgress" | "Failed" | ...`: e2e/kstatus, a few lines over
     sigs.k8s.io/cli-utils' kstatus, built with the Go toolchain through the module proxy (pinned by its go.sum)
-    and cached by the digest of its sources."""
-    digest = hashlib.sha256(b"".join((KSTATUS_SOURCE / name).read_bytes()
-                                     for name in ("go.mod", "go.sum", "main.go"))).hexdigest()[:16]
-    binary = Path.home() / ".cache" / "kubelora" / "kstatus" / digest / "kstatus"
-    if not binary.exists():
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["go", "build", "-o", str(binary), "."], cwd=KSTATUS_SOURCE, check=True, timeout=900,
-                       env={**os.environ, "CGO_ENABLED": "0"})
+    and cached by the digest of its sources (e2e/gobuild.py, which says what it builds)."""
+    with shown():
+        binary = build_cached("kstatus", KSTATUS_SOURCE, ("go.mod", "go.sum", "main.go"), timeout_s=900,
+                              hint="about a minute the first time, cached after")
 
     def read(body: dict) -> str:
         result = subprocess.run([str(binary)], input=json.dumps(body), capture_output=True, text=True, check=True,

@@ -25,15 +25,17 @@ from kubelora.engine.server.source_text import redact_source
 from kubelora.engine.server.sources import SourceConfig, resolve_source
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "s3"))
-from s3server import MinioServer  # noqa: E402
+from s3server import MinioServer, build_minio  # noqa: E402
 
 BUCKET = "adapters"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @pytest.fixture(scope="module")
-def minio(tmp_path_factory, material):
+def minio(tmp_path_factory, material, shown):
     """MinIO with bucket `adapters`: team/a0/ (the adapter files of a0) and team/a0.tar.gz (the same)."""
+    with shown():  # minutes on a fresh machine: say so
+        build_minio()
     with MinioServer(tmp_path_factory.mktemp("minio") / "data") as server:
         server.make_bucket(BUCKET)
         archive = io.BytesIO()
