@@ -26,8 +26,8 @@ from kubelora.engine.server.adapter_ops import AdapterOps
 from kubelora.engine.server.admin_api import AdminRoutes, admin_auth_middleware
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.config import ServerConfig
-from kubelora.engine.server.http_logs import redact_aiohttp_logs
 from kubelora.engine.server.extra_api import ExtraRoutes
+from kubelora.engine.server.http_logs import redact_aiohttp_logs
 from kubelora.engine.server.metrics import EngineView, ServerMetrics
 from kubelora.engine.server.openai_api import OpenAIRoutes
 from kubelora.engine.server.serving import Serving
