@@ -115,3 +115,13 @@ def test_a_failed_cluster_step_is_reported_not_raised(tmp_path, monkeypatch, cap
     assert "the demo failed while 'building helm from the Go module proxy (first use only)'" in err
     assert "e2e/helm/build.sh failed (1)" in err and "Traceback" not in err
     assert calls == [("status",)], "nothing started, so nothing to stop"
+
+
+def test_a_garbled_base_answer_is_said_to_be_the_tiny_models():
+    from kubelora.cli.demo import base_note
+
+    prompt = story.PROMPTS[1]
+    trained = story.BASE_ANSWERS[1]
+    note = base_note(prompt, "  to to to to to to to image, push to a registry, then apply")
+    assert note and "learned little" in note and trained in note
+    assert base_note(prompt, f" {trained}") is None  # the answer it was trained on needs no word
