@@ -12,7 +12,10 @@ SiLU x mul applied inside the down projection's loads was slower (28.8 us agains
 program recomputes the activation for its columns.
 
 `linear_torch` is the reference with the same signature (F.linear). The Triton op sums in another order than
-cuBLAS: results agree to float32 rounding before the one cast to the dtype. Launches are CUDA-graph safe (grid and
+cuBLAS: results agree to float32 rounding before the one cast to the dtype. With a bias in bfloat16, cuBLAS (on
+CUDA) rounds the product to bfloat16 before adding the bias, so the reference rounds twice where this op rounds
+once. The engine runs that cuBLAS path for steps of more than one row (engine/model/llama.py `_linear`, Qwen2's
+q/k/v biases), as transformers' nn.Linear does: equality with transformers+PEFT goes through the same call. Launches are CUDA-graph safe (grid and
 blocks from shapes only); the first call per shape compiles.
 """
 

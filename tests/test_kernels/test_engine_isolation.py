@@ -62,6 +62,17 @@ def test_poisoned_adapter_leaves_other_requests_alone(triton_backend, tiny, devi
         if name == "bad":  # the poison reaches its own requests, which the engine ends on non-finite logits
             assert got.finish_reason == "error" and "not finite" in got.error
         else:
-            assert got.token_ids == want.token_ids and torch.equal(got.logits, want.logits), name
+            assert_same(got, want, device, backend, name)
     for name, want, got in zip(VICTIMS, alone, after):
-        assert got.token_ids == want.token_ids and torch.equal(got.logits, want.logits), name
+        assert_same(got, want, device, backend, name)
+
+
+def assert_same(got, want, device: str, backend: str, name: str) -> None:
+    """Tokens equal, logits bit for bit; on CUDA the torch path's per-slot matmuls run through cuBLAS, whose kernel
+    (and so its rounding) follows the number of rows: once the poisoned requests end, the batch has fewer, so there
+    the logits match to float32 rounding (a leaked NaN or infinity would not)."""
+    assert got.token_ids == want.token_ids, name
+    if device == "cuda" and backend == "torch":
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4, msg=name)
+    else:
+        assert torch.equal(got.logits, want.logits), name
