@@ -13,7 +13,7 @@ if [ -n "${WHEELS:-}" ]; then
     "$PYTHON" -m pip show -q "$name" >/dev/null 2>&1 || missing+=("$wheel")
   done
   if [ "${#missing[@]}" -gt 0 ]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${missing[@]}"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${missing[@]}"
     export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
 fi
