@@ -35,6 +35,7 @@ from kubelora.engine.adapters.pool import DeviceLoRAPool
 from kubelora.engine.adapters.staging import ShrinkStaging
 from kubelora.engine.adapters.spec import AdapterLimits
 from kubelora.engine.block_manager import BlockManager, BlockManagerConfig
+from kubelora.engine.common.errors import FailureKind
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.detokenizer import Detokenizer
 from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
@@ -43,7 +44,7 @@ from kubelora.engine.model.config import load_hf_config, model_config_from_hf, r
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.model.weights import ModelWeights, extend_weights, load_weights
-from kubelora.engine.outputs import EngineSnapshot, FailureKind, LogprobsDecoder, RequestOutput
+from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
 from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig, StepResult
 from kubelora.engine.sampler import FAULT_NO_TOKEN_LEFT, FAULT_NON_FINITE_LOGITS
 from kubelora.engine.sampling_batch import token_bitmask

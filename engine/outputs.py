@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
 from kubelora.engine.adapters.types import AdapterStats
-
-
-class FailureKind(enum.Enum):
-    """Why the engine finished a request with finish_reason "error"; the server maps each to its answer."""
-
-    ADAPTER_LOAD = "adapter_load"  # its adapter's on-demand load failed; a later request retries the load
-    NON_FINITE_LOGITS = "non_finite_logits"  # its logits hold NaN or Inf: its adapter's weights or its input
-    NO_TOKEN_LEFT = "no_token_left"  # its sampling parameters leave no token with a finite logit
-    ENGINE_FAULT = "engine_fault"  # the engine's own work for it raised (a bug confined to this request)
+from kubelora.engine.common.errors import FailureKind
 
 
 @dataclass(frozen=True)

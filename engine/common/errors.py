@@ -9,7 +9,17 @@ Anything else that escapes a handler is a bug.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
+
+
+class FailureKind(enum.Enum):
+    """Why the engine finished a request with finish_reason "error"; the server maps each to its answer."""
+
+    ADAPTER_LOAD = "adapter_load"  # its adapter's on-demand load failed; a later request retries the load
+    NON_FINITE_LOGITS = "non_finite_logits"  # its logits hold NaN or Inf: its adapter's weights or its input
+    NO_TOKEN_LEFT = "no_token_left"  # its sampling parameters leave no token with a finite logit
+    ENGINE_FAULT = "engine_fault"  # the engine's own work for it raised (a bug confined to this request)
 
 
 class ServiceError(Exception):

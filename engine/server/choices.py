@@ -14,7 +14,7 @@ from aiohttp import web
 
 from kubelora.engine.common.errors import AdapterUnavailable, EngineFault, RequestFailed, ServiceError
 from kubelora.engine.common.http_errors import to_http
-from kubelora.engine.outputs import FailureKind
+from kubelora.engine.common.errors import FailureKind
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.server.async_engine import EngineRequest, RequestGroup
 from kubelora.engine.server.protocol import MAX_SEED, Choices
