@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -19,6 +20,10 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 # logits (and 1e-40 is a float32 subnormal, whose quotient is inf at once).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 2.0
+# KMP tables kept by stop string: a request with n choices has n SamplingParams (one seed each) sharing its
+# stop strings, and a table costs about 0.2 ms per 1000 characters on the engine thread. Enough for a few
+# requests at the stop-string limits; at 1024 characters a table is about 10 KiB.
+MAX_CACHED_STOP_TABLES = 64
 
 
 @dataclass(frozen=True)
@@ -136,8 +141,8 @@ class SamplingParams:
     @cached_property
     def stop_prefix_tables(self) -> tuple[tuple[int, ...], ...]:
         """Per stop string, KMP's prefix function: entry i is the length of the longest proper prefix of
-        stop[:i + 1] that is also its suffix. Computed once per parameters (engine/detokenizer.py scans only
-        each step's new characters with it)."""
+        stop[:i + 1] that is also its suffix. Computed once per parameters, and once per stop string while it
+        stays in the table cache (engine/detokenizer.py scans only each step's new characters with it)."""
         return tuple(_prefix_table(stop) for stop in self.stop)
 
     def token_ids_used(self) -> tuple[int, ...]:
@@ -146,6 +151,7 @@ class SamplingParams:
         return tuple(ids + [t for word in self.bad_words_token_ids for t in word])
 
 
+@lru_cache(maxsize=MAX_CACHED_STOP_TABLES)
 def _prefix_table(pattern: str) -> tuple[int, ...]:
     table = [0] * len(pattern)
     k = 0

@@ -195,3 +195,15 @@ def test_prompt_under_the_bound_is_tokenized_off_the_loop(live_server):
         assert status == 413 and "tokens" in answer["error"]["message"], answer
 
     assert_health_holds(server.url, one)
+
+
+def test_the_choices_of_one_request_share_their_stop_string_tables():
+    """n choices are n engine requests, each with its own seed; their KMP tables for the request's stop strings
+    (1024 characters each at the limit) are built once on the engine thread, not once per choice."""
+    from kubelora.engine.sampling_params import SamplingParams
+    from kubelora.engine.server.choices import _nth_params
+
+    params = SamplingParams(seed=0, stop=tuple(chr(97 + i) * 1023 + "\x01" for i in range(16)))
+    tables = [_nth_params(params, j).stop_prefix_tables for j in range(64)]
+    assert len({p.seed for p in (_nth_params(params, j) for j in range(64))}) == 64
+    assert all(t is first for choice in tables for t, first in zip(choice, tables[0]))
