@@ -466,3 +466,35 @@ def test_pattern_keys_match_as_peft_matches_them(llama, tmp_path, prompt_ids):
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]
     assert (result.prompt_logits - expected).abs().max() < 1e-4
+
+
+def test_matching_many_slow_pattern_keys_rests_the_loading_thread(monkeypatch):
+    """Compiling MAX_PATTERN_KEYS slow keys and looking up every module name is tens of ms of short GIL-holding
+    calls on the loading thread: it rests (sleeps, GIL released) often, never working long stretches in a row
+    that would make the engine thread wait for the GIL."""
+    from kubelora.engine.adapters import patterns
+    from kubelora.engine.adapters.peft_config import module_name
+
+    rests: list[float] = []
+    monkeypatch.setattr(patterns.time, "sleep", lambda seconds: rests.append(time.perf_counter()))
+    started = time.perf_counter()
+    keys = {f"(.|.){{0,24}}!{i}": 1.0 for i in range(patterns.MAX_PATTERN_KEYS)}
+    compiled = patterns.compile_patterns("a", "alpha_pattern", keys, is_rank=False)
+    for layer in range(2):
+        for module in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            assert compiled.lookup(module_name(layer, module), 8.0) == 8.0
+    marks = [started, *rests, time.perf_counter()]
+    assert len(rests) >= 5 and max(b - a for a, b in zip(marks, marks[1:])) < 0.02, len(rests)
+
+
+def test_pattern_lookup_picks_the_first_matching_key_in_order():
+    """PEFT's get_pattern_key: the first key (config order) matching the whole name or its end after a dot."""
+    from peft.utils.other import get_pattern_key
+
+    from kubelora.engine.adapters import patterns
+
+    keys = {"layers.1.self_attn.q_proj": 1, "q_proj": 2, r"self_attn\.(q|k)_proj": 3, ".*": 4, "proj": 5}
+    compiled = patterns.compile_patterns("a", "alpha_pattern", keys, is_rank=False)
+    for name in ("model.layers.1.self_attn.q_proj", "model.layers.0.self_attn.q_proj",
+                 "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.up_proj"):
+        assert compiled.lookup(name, 0) == keys[get_pattern_key(list(keys), name)], name
