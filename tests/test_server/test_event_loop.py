@@ -207,3 +207,36 @@ def test_the_choices_of_one_request_share_their_stop_string_tables():
     tables = [_nth_params(params, j).stop_prefix_tables for j in range(64)]
     assert len({p.seed for p in (_nth_params(params, j) for j in range(64))}) == 64
     assert all(t is first for choice in tables for t, first in zip(choice, tables[0]))
+
+
+def test_containers_are_counted_from_the_bytes_outside_strings():
+    """Brackets inside strings do not count; an escaped quote leaves the count to the parse."""
+    from kubelora.engine.server.json_body import count_containers
+
+    bodies = [{"a": [[], {}], "b": "[[{{"}, {"x": [[1], {"y": "{["}], "z": []}, {"s": "]]", "t": [{}] * 5}]
+    for body in bodies:
+        raw = json.dumps(body).encode()
+        containers = raw.count(b"[") + raw.count(b"{") - sum(s.count("[") + s.count("{") for s in _strings(body))
+        assert count_containers(raw) == containers, body
+    assert count_containers(json.dumps({"a\"": [[]]}).encode()) is None
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, dict):
+        return [k for k in value] + [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def test_a_body_of_empty_arrays_is_refused_before_any_parse(monkeypatch):
+    from kubelora.engine.server import json_body
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(json_body, "_BoundedScan", no_parse)
+    monkeypatch.setattr(json_body.json, "loads", no_parse)
+    body = _shape_bodies("m")["empty arrays"]
+    with pytest.raises(json_body.InvalidRequest, match="more than 65536 arrays and objects"):
+        json_body.decode_json_object(body, is_large=True)
