@@ -25,6 +25,21 @@ def is_pod_ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def is_engine_serving(pod: dict) -> bool:
+    """Whether to ask an engine pod what it holds (and so, if it answers, publish it ready): Ready, or not Ready
+    only by the node-lifecycle controller's word. That controller marks the pods of a node whose heartbeats
+    lapsed (an API-server outage is enough) Ready=False and leaves ContainersReady as the kubelet wrote it; the
+    kubelet, which sets both together, writes Ready back once it lists the pod again. Engine pods have no
+    readiness gates, so Ready=False with ContainersReady=True means exactly that; the operator's own
+    `GET /v1/models` then tells whether the engine really answers."""
+    if is_pod_ready(pod):
+        return True
+    if pod["metadata"].get("deletionTimestamp") or not (pod.get("status") or {}).get("podIP"):
+        return False
+    conditions = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+    return conditions.get("Ready") == "False" and conditions.get("ContainersReady") == "True"
+
+
 def pod_url(pod: dict) -> str:
     """The engine pod's serving port (what status shows, what clients and routers use)."""
     return f"http://{pod['status']['podIP']}:{names.ENGINE_PORT}"
@@ -55,7 +70,7 @@ async def observe_pool(kube: Kube, client_for: Callable[[dict], EngineClient], n
     pods = [p for p in await kube.list_pods(namespace, selector) if not p["metadata"].get("deletionTimestamp")]
     observation = Observation(pods=pods, all_urls={p["metadata"]["name"]: pod_url(p) for p in pods
                                                    if (p.get("status") or {}).get("podIP")})
-    ready = [p for p in pods if is_pod_ready(p)]
+    ready = [p for p in pods if is_engine_serving(p)]
     results = await asyncio.gather(*(client_for(p).list_models(pod_admin_url(p)) for p in ready),
                                    return_exceptions=True)
     unauthorized = set()

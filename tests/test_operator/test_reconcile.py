@@ -472,3 +472,33 @@ async def test_pods_refusing_an_unknown_token_keep_their_published_holdings(worl
     kube.add_adapter("b", "/adapters/b", replicas="all")
     await restarted.reconcile()
     assert _placement(kube)["adapters"]["b"] == []  # nothing readable holds it: not listed on unreadable pods
+
+
+def test_engine_pods_marked_not_ready_by_the_node_controller_stay_observed():
+    """After an API-server outage the node-lifecycle controller sets Ready=False on the node's pods and leaves
+    ContainersReady (the kubelet writes both, and Ready back soon); a pod whose containers are not ready, or that
+    is being deleted, is not asked."""
+    ready = pod("e0", "http://e0")
+    marked = copy.deepcopy(ready)
+    marked["status"]["conditions"] = [{"type": "Ready", "status": "False"},
+                                      {"type": "ContainersReady", "status": "True"}]
+    starting = copy.deepcopy(marked)
+    starting["status"]["conditions"][1]["status"] = "False"
+    deleting = copy.deepcopy(marked)
+    deleting["metadata"]["deletionTimestamp"] = "2026-12-07T00:00:00Z"
+    assert observe_module.is_engine_serving(ready) and observe_module.is_engine_serving(marked)
+    assert not observe_module.is_engine_serving(starting) and not observe_module.is_engine_serving(deleting)
+    assert not observe_module.is_pod_ready(marked)  # routers and the rest read Ready as it is
+
+
+async def test_a_node_controller_not_ready_mark_keeps_the_engines_published_ready(world):
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    await reconciler.reconcile()
+    for p in kube.pods:
+        p["status"]["conditions"] = [{"type": "Ready", "status": "False"},
+                                     {"type": "ContainersReady", "status": "True"}]
+    await reconciler.reconcile()
+    placement = _placement(kube)
+    assert {r["pod"]: r["ready"] for r in placement["replicas"]} == {"e0": True, "e1": True}
+    assert placement["adapters"]["a"] == ["e0", "e1"] and kube.status("a")["phase"] == "Ready"
