@@ -83,6 +83,9 @@ RULES: dict[type[ServiceError], HttpRule] = {
     EngineFault: HttpRule(500, "server_error"),
 }
 INTERNAL_ERROR = HttpError(500, "server_error", "internal server error; see the engine log")
+# The connection handler's options for every app that takes tenant bodies: a compressed body is never inflated
+# (refuse_encoded_bodies answers it 415 before reading it).
+HANDLER_ARGS = {"auto_decompress": False}
 # aiohttp's own errors (no route, wrong method, body too large) by status.
 _AIOHTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large"}
 
@@ -125,7 +128,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 async def refuse_encoded_bodies(request: web.Request, handler: Handler) -> web.StreamResponse:
     """415 for a body with a Content-Encoding other than identity, before any byte of it is read: no OpenAI
     client compresses requests, and inflating one on the event loop (1 MiB of gzip can hold 1 GiB) stalls it.
-    The server's connection handler runs with auto_decompress off, so such a body is never inflated."""
+    Apps that use it run their connection handler with HANDLER_ARGS (auto_decompress off), so such a body is
+    never inflated either way."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity") and request.body_exists:
         return error_response(HttpError(415, "invalid_request_error", "request bodies must not be compressed: "

@@ -21,7 +21,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubelora.engine.common.errors import InvalidRequest, ModelNotFound, ServiceError, Unavailable
-from kubelora.engine.common.http_errors import error_middleware, to_http
+from kubelora.engine.common.http_errors import HANDLER_ARGS, error_middleware, refuse_encoded_bodies, to_http
+from kubelora.engine.common.http_logs import redact_aiohttp_logs
 from kubelora.engine.common.logs import log_event
 from kubelora.engine.router import routing
 from kubelora.engine.router.config import RouterConfig
@@ -56,7 +57,13 @@ STATE = web.AppKey("router_state", RouterState)
 
 
 def build_app(config: RouterConfig, store: PlacementStore, source: PlacementSource | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    """The router's app, with the engine's HTTP edge: a compressed body is 415 and never inflated (the router
+    reads every body to find its model), and aiohttp's parser errors are logged without the request's bytes
+    (a malformed header may hold a tenant's API key, which the router passes on to the engines)."""
+    redact_aiohttp_logs()
+    # error_middleware outermost: the 415 gets its JSON body too.
+    app = web.Application(middlewares=[error_middleware, refuse_encoded_bodies], client_max_size=MAX_BODY_BYTES,
+                          handler_args=HANDLER_ARGS)
     app[STATE] = RouterState(config, store, source)
     app.cleanup_ctx.append(_lifetime)
     app.router.add_post("/v1/completions", handle_inference)

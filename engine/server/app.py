@@ -19,7 +19,8 @@ from pathlib import Path
 from aiohttp import web
 
 from kubelora.engine.common.errors import Unavailable
-from kubelora.engine.common.http_errors import error_middleware, refuse_encoded_bodies
+from kubelora.engine.common.http_errors import HANDLER_ARGS, error_middleware, refuse_encoded_bodies
+from kubelora.engine.common.http_logs import redact_aiohttp_logs
 from kubelora.engine.common.logs import log_event
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.server.adapter_ops import AdapterOps
@@ -27,7 +28,6 @@ from kubelora.engine.server.admin_api import AdminRoutes, admin_auth_middleware
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.config import ServerConfig
 from kubelora.engine.server.extra_api import ExtraRoutes
-from kubelora.engine.server.http_logs import redact_aiohttp_logs
 from kubelora.engine.server.metrics import EngineView, ServerMetrics
 from kubelora.engine.server.openai_api import OpenAIRoutes
 from kubelora.engine.server.serving import Serving
@@ -37,9 +37,6 @@ from kubelora.engine.server.tokenization import PromptTokenizer
 
 log = logging.getLogger("kubelora.engine.server")
 MAX_BODY_BYTES = 16 << 20
-# aiohttp's connection handler settings: bodies are never inflated (a Content-Encoding other than identity is
-# refused with 415 before any byte is read, so a 1 MiB gzip bomb cannot cost the loop seconds inflating to 1 GiB).
-HANDLER_ARGS = {"auto_decompress": False}
 MIDDLEWARES = [error_middleware, refuse_encoded_bodies]  # error_middleware outermost: every error gets its JSON body
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 GRAPH_CAPTURE_TIMEOUT_S = 120.0  # start-up waits this long at most for the adapters' decode graphs

@@ -5,7 +5,8 @@ request line), aiohttp answers 400 and logs the parser's exception on `aiohttp.s
 exception's text quotes the offending bytes: an `Authorization` header with a stray control character would put
 the admin token or a tenant's API key into the log. A filter on aiohttp's loggers rewrites every record whose
 exception (or one it was raised from) is a parser error: the record keeps aiohttp's message (the client's address)
-and names the error's class and status, and loses the exception, its text and its traceback.
+and names the error's class and status, and loses the exception, its text and its traceback. The server and the
+router both install it (no torch here: the router imports it).
 """
 
 from __future__ import annotations
