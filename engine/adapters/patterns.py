@@ -28,9 +28,10 @@ from kubelora.engine.errors import AdapterCorrupt, InvalidAdapter
 # keys x modules: at this bound a slow key costs ~75 us to compile and a module name ~1.3 ms to look up.
 MAX_PATTERN_KEYS = 256
 _MAX_REGEX_BYTES = 1 << 20  # RE2's memory for one compiled key; larger ones fail to compile and are refused
-# The loading thread works at most _WORK_S of pattern calls in a row, then sleeps _REST_S (GIL released).
+# The loading thread works at most _WORK_S of pattern calls in a row, then sleeps _REST_S (GIL released): a
+# third of a core at most, so a load beside traffic leaves the engine thread the GIL and most of a core.
 _WORK_S = 0.001
-_REST_S = 0.001
+_REST_S = 0.002
 _CALLS_PER_CLOCK = 16  # calls between reads of the clock
 
 
