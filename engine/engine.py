@@ -35,7 +35,7 @@ from kubelora.engine.adapters.pool import DeviceLoRAPool
 from kubelora.engine.adapters.staging import ShrinkStaging
 from kubelora.engine.adapters.spec import AdapterLimits
 from kubelora.engine.block_manager import BlockManager, BlockManagerConfig
-from kubelora.engine.common.errors import FailureKind
+from kubelora.contract.errors import FailureKind
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.detokenizer import Detokenizer
 from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull

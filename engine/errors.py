@@ -1,6 +1,6 @@
 """The engine core's errors. Each carries a stable `type`; the server's error middleware gives its HTTP answer.
 
-The classes with an answer of their own are defined once in `kubelora.engine.common.errors` (the server and the
+The classes with an answer of their own are defined once in `kubelora.contract.errors` (the server and the
 router raise some of them too) and re-exported here. Request errors are raised by `LLMEngine.add_request`;
 adapter errors by `AdapterManager.load` (and carried in `RequestOutput.error` when an on-demand load fails).
 The adapter validation failures below share `AdapterError`'s answer. Messages name the adapter, the field and
@@ -9,7 +9,7 @@ the limit. All but AdapterNotFound are permanent (`is_transient` False): the sam
 
 from __future__ import annotations
 
-from kubelora.engine.common.errors import (
+from kubelora.contract.errors import (
     AdapterChanged,
     AdapterError,
     AdapterExists,

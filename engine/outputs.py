@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kubelora.engine.adapters.types import AdapterStats
-from kubelora.engine.common.errors import FailureKind
+from kubelora.contract.errors import FailureKind
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from collections import deque
 from kubelora.engine.adapters.types import Residency
 from kubelora.engine.batch import AdapterPlacer, Batch, ScheduledChunk, SchedulerConfig
 from kubelora.engine.block_manager import BlockManager
-from kubelora.engine.common.errors import FailureKind
+from kubelora.contract.errors import FailureKind
 from kubelora.engine.errors import QueueFull
 from kubelora.engine.fairness import FairShare
 from kubelora.engine.sequence import Sequence, SequenceStatus

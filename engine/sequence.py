@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kubelora.engine.common.errors import FailureKind
+from kubelora.contract.errors import FailureKind
 from kubelora.engine.sampling_params import SamplingParams
 
 PENDING_TOKEN = -1  # a sampled token still on the device (its step runs while the next one is scheduled)

@@ -13,13 +13,14 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from kubelora.contract.load import S3_SECRET_KEYS, S3Access
 from kubelora.operator import names
 from kubelora.operator.engine_client import EngineError
 from kubelora.operator.memory import PodAdapter, Published, ReconcileMemory, Refusal, Retry
 from kubelora.operator.observe import Observation
 from kubelora.operator.placement import Placement, PlacementRequest, place
 from kubelora.operator.plan import Action, DesiredAdapter, Load, ObservedAdapter, Unload, is_current, plan_pod
-from kubelora.operator.specs import S3_SECRET_KEYS, AdapterSpec, InvalidSpec, PoolSpec, S3Access
+from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
 from kubelora.operator.status import Failure, ReplicaState
 from kubelora.operator.validation import DECLARED_MISMATCHES, check_declared, validate_adapter
 
@@ -171,7 +172,8 @@ def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterS
         secret, credentials = spec.source.auth_secret, view.tokens.get(name)
         if secret is not None and not credentials:
             # Not final: checked again every pass, so creating the Secret is enough.
-            keys = f"keys {S3_SECRET_KEYS[0]} and {S3_SECRET_KEYS[1]}" if spec.source.is_s3 else f"key {secret.key!r}"
+            keys = (f"keys {S3_SECRET_KEYS[0]} and {S3_SECRET_KEYS[1]} (with well-formed {S3_SECRET_KEYS[3]} and "
+                    f"{S3_SECRET_KEYS[4]} if given)" if spec.source.is_s3 else f"key {secret.key!r}")
             blocked[name] = Failure("SecretNotFound", f"spec.source.authSecretRef: Secret "
                                      f"{view.pool.namespace}/{secret.name} has no {keys}")
             continue
@@ -323,4 +325,5 @@ def _s3_access(spec: AdapterSpec, credentials: str | S3Access | None) -> S3Acces
     endpoint and region; None for other sources."""
     if not spec.source.is_s3:
         return None
-    return (credentials if isinstance(credentials, S3Access) else S3Access()).with_spec(spec.source)
+    return (credentials if isinstance(credentials, S3Access) else S3Access()).overridden(spec.source.s3_endpoint,
+                                                                                   spec.source.s3_region)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kubelora.contract.load import LoadRequest
 from kubelora.operator.plan import DesiredAdapter, ObservedAdapter
 
 
@@ -74,14 +75,8 @@ class EngineClient:
         return etag.strip('"') if etag else None
 
     async def load(self, base_url: str, adapter: DesiredAdapter, *, is_preload: bool, is_inplace: bool) -> LoadResult:
-        payload = {"lora_name": adapter.name, "lora_path": adapter.lora_path, "load_inplace": is_inplace,
-                   "preload": is_preload}
-        if adapter.sha256:
-            payload["sha256"] = adapter.sha256
-        if adapter.auth_token:
-            payload["auth_token"] = adapter.auth_token  # kubelora's engine: a bearer token for the source host
-        if adapter.s3 is not None:
-            payload["s3"] = adapter.s3.as_payload()  # kubelora's engine: endpoint, region and keys of an s3 source
+        payload = LoadRequest(adapter.name, adapter.lora_path, is_inplace, is_preload, adapter.sha256,
+                              adapter.auth_token, adapter.s3).as_payload()
         body = await self._call("POST", f"{base_url}/v1/load_lora_adapter", payload)
         return LoadResult(card=body.get("adapter") or {}, was_loaded=bool(body.get("was_loaded")))
 

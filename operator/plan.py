@@ -14,7 +14,8 @@ import hashlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from kubelora.operator.specs import S3Access
+from kubelora.contract.load import S3Access
+
 
 RESIDENT = ("host", "device")
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 
+from kubelora.contract.load import S3Access
 from kubelora.operator import names
 from kubelora.operator.builders import (build_admin_token_secret, build_owner_reference, build_placement_configmap,
                                         build_pool_manifests)
@@ -32,7 +33,7 @@ from kubelora.operator.report import (Publication, Report, build_publication, in
                                       report_publication)
 from kubelora.operator.routers import ACK_WAIT_S, BEHIND_ACK_WAIT_S, RouterView
 from kubelora.operator.settings import OperatorSettings
-from kubelora.operator.specs import InvalidSpec, PoolSpec, S3Access
+from kubelora.operator.specs import InvalidSpec, PoolSpec
 from kubelora.operator.status import Failure
 from kubelora.operator.tokens import remember_tokens, token_for_pod
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+from kubelora.contract.errors import AdapterSourceError
+from kubelora.contract.sources import SourceKind, source_kind
 from kubelora.operator import names
 
 ALL_REPLICAS = "all"
@@ -153,7 +155,7 @@ class AdapterSource:
 
     @property
     def is_s3(self) -> bool:
-        return self.url is not None and self.url.startswith("s3://")
+        return self.url is not None and _kind(self.url) is SourceKind.S3
 
     @property
     def lora_path(self) -> str:
@@ -207,36 +209,11 @@ class AdapterSpec:
         )
 
 
-# The keys an s3 source's Secret holds: named as the AWS SDKs' environment variables, so that
-# `kubectl create secret generic NAME --from-env-file=...` takes the same file. Only the key pair is required.
-S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-                  "AWS_REGION")
-
-
-@dataclass(frozen=True)
-class S3Access:
-    """What the engine's load call gets for an s3 source: the Secret's S3_SECRET_KEYS (none: the engine's
-    default credential chain), with spec.source.s3's endpoint and region over the Secret's. Never logged."""
-    access_key_id: str | None = field(default=None, repr=False)
-    secret_access_key: str | None = field(default=None, repr=False)
-    session_token: str | None = field(default=None, repr=False)
-    endpoint: str | None = None
-    region: str | None = None
-
-    @classmethod
-    def from_secret_data(cls, data: dict[str, str]) -> S3Access | None:
-        """None when the key pair is not both there."""
-        values = [data.get(key) or None for key in S3_SECRET_KEYS]
-        return cls(*values) if values[0] and values[1] else None
-
-    def with_spec(self, source: AdapterSource) -> S3Access:
-        return replace(self, endpoint=source.s3_endpoint or self.endpoint, region=source.s3_region or self.region)
-
-    def as_payload(self) -> dict[str, str]:
-        """The engine's `s3` load field."""
-        return {k: v for k, v in (("endpoint", self.endpoint), ("region", self.region),
-                                  ("access_key_id", self.access_key_id), ("secret_access_key", self.secret_access_key),
-                                  ("session_token", self.session_token)) if v is not None}
+def _kind(lora_path: str) -> SourceKind | None:
+    try:
+        return source_kind(lora_path)
+    except AdapterSourceError:
+        return None
 
 
 def _secret_ref(value: dict | None) -> SecretRef | None:

@@ -1,17 +1,15 @@
 """Checks of a LoRAAdapter against its pool that need no engine: rank, targets, source confinement.
 
-The engine repeats them (and checks what only the files tell: real rank, shapes, base model); checking here
-first gives a clear reason without touching any pod, and keeps a bad manifest from reaching a pod at all.
+The engine repeats them (and checks what only the files tell: real rank, shapes, base model, where symlinks
+lead); checking here first gives a clear reason without touching any pod, and keeps a bad manifest from reaching
+a pod at all. The source rules are the contract's (`kubelora.contract.sources`), so both sides agree.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import posixpath
-import re
-from urllib.parse import urlsplit
-
-from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
+from kubelora.contract.load import S3Access
+from kubelora.contract.sources import SourceKind, SourceNotAllowed, SourceRules, check_source
+from kubelora.operator.specs import AdapterSource, AdapterSpec, InvalidSpec, PoolSpec
 from kubelora.operator.status import Failure
 
 SUPPORTED_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
@@ -26,13 +24,7 @@ def validate_adapter(adapter: AdapterSpec, pool: PoolSpec) -> None:
     if unsupported:
         raise InvalidSpec("TargetUnsupported", f"spec.targets {unsupported} are not supported; allowed: "
                                                f"{sorted(SUPPORTED_TARGETS)}")
-    if adapter.source.path is not None:
-        check_path_allowed(adapter.source.path, pool.adapter_roots)
-    elif adapter.source.is_s3:
-        check_s3_allowed(adapter.source.url or "", adapter.source.s3_endpoint, pool.adapter_s3_buckets,
-                         pool.adapter_s3_endpoints)
-    else:
-        check_url_allowed(adapter.source.url or "", pool.adapter_url_hosts)
+    check_source_allowed(adapter.source, pool)
 
 
 RANK_MISMATCH, TARGETS_MISMATCH = "RankMismatch", "TargetsMismatch"
@@ -54,68 +46,24 @@ def check_declared(name: str, declared_rank: int | None, declared_targets: tuple
     return None
 
 
-def check_path_allowed(path: str, roots: tuple[str, ...]) -> None:
-    """Bare absolute paths, `file://` paths and paths relative to a root, confined to the roots lexically.
-
-    The engine resolves symlinks as well; this check only has the manifest to go by.
-    """
-    if not roots:
-        raise InvalidSpec("PathNotAllowed", "spec.source.path needs the pool to list spec.adapterRoots")
-    local = path[len("file://"):] if path.startswith("file://") else path
-    if ".." in local.split("/"):
-        raise InvalidSpec("PathNotAllowed", f"spec.source.path {path!r} must not contain '..'")
-    if not local.startswith("/"):
-        return  # relative paths are resolved under each root by the engine
-    normalized = posixpath.normpath(local)
-    for root in roots:
-        root_norm = posixpath.normpath(root)
-        if normalized == root_norm or normalized.startswith(root_norm.rstrip("/") + "/"):
-            return
-    raise InvalidSpec("PathNotAllowed", f"spec.source.path {path!r} is not under the pool's adapterRoots "
-                                        f"{list(roots)}")
+# The pool field of each contract rule, named in refusals.
+RULE_FIELDS = {"roots": "adapterRoots", "url_hosts": "adapterUrlHosts", "s3_buckets": "adapterS3Buckets",
+               "s3_endpoints": "adapterS3Endpoints"}
 
 
-def check_url_allowed(url: str, hosts: tuple[str, ...]) -> None:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidSpec("UrlNotAllowed", f"spec.source.url {url!r} must be an http(s) URL")
-    if parts.username or parts.password:
-        raise InvalidSpec("UrlNotAllowed", "spec.source.url must not carry credentials")
-    if not any(host_matches(parts.hostname, parts.port, pattern) for pattern in hosts):
-        raise InvalidSpec("UrlNotAllowed", f"spec.source.url host {parts.hostname!r} is not in the pool's "
-                                           f"adapterUrlHosts {list(hosts)}")
-
-
-S3_BUCKET_RULE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # as the engine's s3.BUCKET_RULE
-
-
-def check_s3_allowed(url: str, endpoint: str | None, buckets: tuple[str, ...], endpoints: tuple[str, ...]) -> None:
-    """An s3://bucket/key url: a valid bucket the pool's adapterS3Buckets allow; a spec.source.s3.endpoint in
-    its adapterS3Endpoints. (An endpoint from the Secret is known only to the pass that reads it: the engine
-    checks that one against the same list, rendered as --adapter-s3-endpoint.)"""
-    parts = urlsplit(url)
-    if "@" in parts.netloc or parts.query or parts.fragment or "?" in url or "#" in url:
-        raise InvalidSpec("UrlNotAllowed", "spec.source.url: s3 urls carry no credentials, query or fragment")
-    if not S3_BUCKET_RULE.fullmatch(parts.netloc):
-        raise InvalidSpec("UrlNotAllowed", f"spec.source.url bucket {parts.netloc!r} is not a valid S3 bucket name")
-    if ".." in parts.path.split("/"):
-        raise InvalidSpec("UrlNotAllowed", f"spec.source.url {url!r} must not contain '..'")
-    if not any(fnmatch.fnmatchcase(parts.netloc, pattern) for pattern in buckets):
-        raise InvalidSpec("UrlNotAllowed", f"spec.source.url bucket {parts.netloc!r} is not in the pool's "
-                                           f"adapterS3Buckets {list(buckets)}")
-    if endpoint is not None and normalize_endpoint(endpoint) not in {normalize_endpoint(e) for e in endpoints}:
-        raise InvalidSpec("UrlNotAllowed", f"spec.source.s3.endpoint {endpoint!r} is not in the pool's "
-                                           f"adapterS3Endpoints {list(endpoints)}")
-
-
-def normalize_endpoint(endpoint: str) -> str:
-    """scheme://host[:port] lowercased, no trailing slash: the form endpoints are compared in."""
-    return endpoint.strip().rstrip("/").lower()
-
-
-def host_matches(host: str, port: int | None, pattern: str) -> bool:
-    """`host` (any port), `host:port` or `*.example.com`, as the engine's --adapter-url-host."""
-    pattern_host, _, pattern_port = pattern.partition(":")
-    if pattern_port and str(port) != pattern_port:
-        return False
-    return fnmatch.fnmatchcase(host.lower(), pattern_host.lower())
+def check_source_allowed(source: AdapterSource, pool: PoolSpec) -> None:
+    """The contract's source rules (`kubelora.contract.sources`), the engine's too, over the pool's lists."""
+    rules = SourceRules(pool.adapter_roots, pool.adapter_url_hosts, pool.adapter_s3_buckets, pool.adapter_s3_endpoints)
+    try:
+        if source.is_s3:
+            S3Access(endpoint=source.s3_endpoint, region=source.s3_region)
+        checked = check_source(rules, source.lora_path, s3_endpoint=source.s3_endpoint)
+    except ValueError as exc:  # spec.source.s3's endpoint or region
+        raise InvalidSpec("UrlNotAllowed", f"spec.source.s3: {exc}") from None
+    except SourceNotAllowed as exc:
+        reason = "PathNotAllowed" if exc.code == "path_not_allowed" else "UrlNotAllowed"
+        named = f" (the pool's spec.{RULE_FIELDS[exc.rule]})" if exc.rule is not None else ""
+        raise InvalidSpec(reason, f"spec.source: {exc.message}{named}") from None
+    if (source.path is not None) != (checked.kind is SourceKind.LOCAL):
+        raise InvalidSpec("PathNotAllowed" if source.path is not None else "UrlNotAllowed",
+                          "spec.source.path takes a local path and spec.source.url an http(s) or s3 URL")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kubelora.engine.common.logs import install_json_handler, log_event
+from kubelora.contract.logs import install_json_handler, log_event
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"operator": "kubelora.operator", "engine": "kubelora.engine", "kernels": "kubelora.kernels",
-                "cli": "kubelora.cli", "bench": "kubelora.bench"}
+                "cli": "kubelora.cli", "bench": "kubelora.bench", "contract": "kubelora.contract"}
 
 
 def _pyproject() -> dict:

@@ -20,10 +20,10 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kubelora.engine.common.errors import InvalidRequest, ModelNotFound, ServiceError, Unavailable
-from kubelora.engine.common.http_errors import HANDLER_ARGS, error_middleware, refuse_encoded_bodies, to_http
-from kubelora.engine.common.http_logs import redact_aiohttp_logs
-from kubelora.engine.common.logs import log_event
+from kubelora.contract.errors import InvalidRequest, ModelNotFound, ServiceError, Unavailable
+from kubelora.contract.http_errors import HANDLER_ARGS, error_middleware, refuse_encoded_bodies, to_http
+from kubelora.contract.http_logs import redact_aiohttp_logs
+from kubelora.contract.logs import log_event
 from kubelora.engine.router import routing
 from kubelora.engine.router.config import RouterConfig
 from kubelora.engine.router.metrics import RouterMetrics, RouterSnapshot

@@ -11,8 +11,8 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from kubelora.engine.common.aio_serve import run_app
-from kubelora.engine.common.logs import install_json_handler, log_event
+from kubelora.contract.aio_serve import run_app
+from kubelora.contract.logs import install_json_handler, log_event
 from kubelora.engine.router.app import build_app
 from kubelora.engine.router.config import RouterConfig, add_arguments, resolve_config
 from kubelora.engine.router.sources import ConfigMapSource, FileSource, PlacementStore

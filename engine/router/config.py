@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubelora.engine.common import settings
-from kubelora.engine.common.settings import Setting
+from kubelora.contract import settings
+from kubelora.contract.settings import Setting
 
 ENV_PREFIX = "KUBELORA_ROUTER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -21,9 +21,9 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kubelora.engine.common.errors import BadGateway
-from kubelora.engine.common.http_errors import to_http
-from kubelora.engine.common.logs import log_event
+from kubelora.contract.errors import BadGateway
+from kubelora.contract.http_errors import to_http
+from kubelora.contract.logs import log_event
 from kubelora.engine.router.metrics import RouterMetrics
 from kubelora.engine.router.placement import Replica
 from kubelora.engine.router.routing import Route

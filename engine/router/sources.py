@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from kubelora.engine.common.logs import log_event
+from kubelora.contract.logs import log_event
 from kubelora.engine.router.placement import PLACEMENT_KEY, Placement, parse_placement
 
 log = logging.getLogger("kubelora.engine.router")

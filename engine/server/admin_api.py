@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kubelora.engine.common.errors import InvalidRequest, ModelNotFound, Unauthorized
-from kubelora.engine.common.logs import log_event
+from kubelora.contract.errors import InvalidRequest, ModelNotFound, Unauthorized
+from kubelora.contract.load import LoadRequest
+from kubelora.contract.logs import log_event
 from kubelora.engine.server.fields import parse_body
 from kubelora.engine.server.models_watch import ModelsWatch, adapter_set_tag, parse_wait_s
-from kubelora.engine.server.protocol import LoadAdapterRequest, parse_load_adapter, parse_unload_adapter
+from kubelora.engine.server.protocol import parse_load_adapter, parse_unload_adapter
 from kubelora.engine.server.serving import Serving
 from kubelora.engine.server.source_text import redact_source, source_digest
 from kubelora.engine.server.sources import resolve_source
@@ -57,7 +58,7 @@ def base_card(serving: Serving) -> dict:
             "adapter_pool_bytes": serving.adapters.stats().pool_total_bytes}
 
 
-def load_adapter(serving: Serving, req: LoadAdapterRequest) -> tuple[AdapterInfo, bool]:
+def load_adapter(serving: Serving, req: LoadRequest) -> tuple[AdapterInfo, bool]:
     """Blocking: fetch or confine the source, then register (and stage) it. True when it was already there."""
     source = resolve_source(serving.sources, req.lora_path, req.sha256, auth_token=req.auth_token,
                             s3=req.s3)
@@ -184,7 +185,7 @@ class AdminRoutes:
                                   "was_loaded": was_loaded})
 
 
-def _finish_load(serving: Serving, req: LoadAdapterRequest, started: float, task: asyncio.Task) -> None:
+def _finish_load(serving: Serving, req: LoadRequest, started: float, task: asyncio.Task) -> None:
     """On the loop, whether or not the client still waits: record the source, observe and log the outcome."""
     source = {"source": redact_source(req.lora_path), "source_digest": source_digest(req.lora_path)}
     seconds = round(time.monotonic() - started, 4)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kubelora.engine.common.errors import Unavailable
-from kubelora.engine.common.http_errors import HANDLER_ARGS, error_middleware, refuse_encoded_bodies
-from kubelora.engine.common.http_logs import redact_aiohttp_logs
-from kubelora.engine.common.logs import log_event
+from kubelora.contract.errors import Unavailable
+from kubelora.contract.http_errors import HANDLER_ARGS, error_middleware, refuse_encoded_bodies
+from kubelora.contract.http_logs import redact_aiohttp_logs
+from kubelora.contract.logs import log_event
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.server.adapter_ops import AdapterOps
 from kubelora.engine.server.admin_api import AdminRoutes, admin_auth_middleware

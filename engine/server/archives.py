@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from kubelora.engine.common.errors import AdapterSourceError
+from kubelora.contract.errors import AdapterSourceError
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 MAX_MEMBERS = 1000  # a PEFT adapter is a handful of files

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kubelora.engine.common.errors import InvalidRequest, Unavailable
-from kubelora.engine.common.logs import log_event
+from kubelora.contract.errors import InvalidRequest, Unavailable
+from kubelora.contract.logs import log_event
 from kubelora.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine's public names; no import cost at runtime

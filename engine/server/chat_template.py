@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.server.fields import Fields
 from kubelora.engine.server.tools import ToolRequest
 

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kubelora.engine.common.errors import AdapterUnavailable, EngineFault, RequestFailed, ServiceError
-from kubelora.engine.common.http_errors import to_http
-from kubelora.engine.common.errors import FailureKind
+from kubelora.contract.errors import AdapterUnavailable, EngineFault, RequestFailed, ServiceError
+from kubelora.contract.http_errors import to_http
+from kubelora.contract.errors import FailureKind
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.server.async_engine import EngineRequest, RequestGroup
 from kubelora.engine.server.protocol import MAX_SEED, Choices

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from kubelora.engine.common.aio_serve import SHUTDOWN_TIMEOUT_S, run_app
-from kubelora.engine.common.logs import install_json_handler, log_event
+from kubelora.contract.aio_serve import SHUTDOWN_TIMEOUT_S, run_app
+from kubelora.contract.logs import install_json_handler, log_event
 from kubelora.engine.server import config as server_config
 from kubelora.engine.server.app import ADMIN_APP, LIFECYCLE, build_app
 

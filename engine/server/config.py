@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kubelora.engine.common import settings
-from kubelora.engine.common.settings import Setting, parse_bool
+from kubelora.contract import settings
+from kubelora.contract.settings import Setting, parse_bool
+from kubelora.contract.sources import check_host_pattern, normalize_endpoint
 from kubelora.engine.config import EngineConfig
 
 ENV_PREFIX = "KUBELORA_"
@@ -66,7 +67,7 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--admin-port", int, "admin port: adapter load/unload and the operator's model list", default=8001),
     _setting("--admin-token-file", str, "file holding the bearer token for the adapter admin endpoints"),
     _setting("--adapter-root", str, "directory local adapter paths must lie under (repeatable)", is_list=True),
-    _setting("--adapter-url-host", str, "host[:port] adapter URLs may name (repeatable)", is_list=True),
+    _setting("--adapter-url-host", str, "host[:port] adapter URLs may name; `*` matches within one DNS label (repeatable)", is_list=True),
     _setting("--adapter-s3-bucket", str, "bucket (fnmatch pattern) s3:// adapter sources may name (repeatable)",
              is_list=True),
     _setting("--adapter-s3-endpoint", str, "http(s)://host[:port] of an S3-compatible server a load may name "
@@ -118,6 +119,10 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.admin_token is not None and not self.admin_token:
             raise ValueError("admin token must not be empty")
+        for pattern in self.adapter_url_host:
+            check_host_pattern(pattern)
+        for endpoint in self.adapter_s3_endpoint:
+            normalize_endpoint(endpoint)
         names = [name for name, _ in self.lora]
         for name in names:
             if not is_valid_adapter_name(name) or name == engine.served_model_name:

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from kubelora.engine.common.errors import AdapterSourceError
+from kubelora.contract.errors import AdapterSourceError
 from kubelora.engine.server.source_text import redact_source
 
 CHUNK_BYTES = 1 << 20

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.server.chat_template import TemplateOptions, take_template_options
 from kubelora.engine.server.fields import Fields, parse_body
 from kubelora.engine.server.protocol import ChatMessage, _parse_messages

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.server.json_body import check_text, decode_json_object
 
 __all__ = ["Fields", "check_text", "parse_body"]

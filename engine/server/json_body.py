@@ -22,7 +22,7 @@ import json.decoder
 import json.scanner
 from typing import Any
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 
 MAX_JSON_DEPTH = 64  # nested arrays and objects, the body itself included
 MAX_JSON_CONTAINERS = 65536  # arrays and objects in one body

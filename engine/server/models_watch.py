@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
-from kubelora.engine.common.errors import InvalidRequest, TooManyWatches
+from kubelora.contract.errors import InvalidRequest, TooManyWatches
 from kubelora.engine.server.serving import Serving
 
 POLL_S = 0.5  # how often a waiting request re-reads the adapter set

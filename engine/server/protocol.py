@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
+from kubelora.contract.load import S3_FIELDS, LoadRequest, S3Access
 from kubelora.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from kubelora.engine.server.config import ADAPTER_NAME_RULE, is_valid_adapter_name
 from kubelora.engine.server.chat_template import TemplateOptions, take_template_options
 from kubelora.engine.server.fields import Fields, check_text
-from kubelora.engine.server.s3 import S3Access
 from kubelora.engine.server.structured import take_structured
 from kubelora.engine.structured import StructuredOutput
 from kubelora.engine.server.tools import take_message_tool_fields, take_tools
@@ -117,21 +117,6 @@ class ChatRequest:
 
 
 MAX_AUTH_TOKEN_CHARS = 4096
-
-
-@dataclass(frozen=True)
-class LoadAdapterRequest:
-    lora_name: str
-    lora_path: str
-    is_inplace: bool
-    is_preload: bool
-    sha256: str | None
-    # kubelora extension: a bearer token for an http(s) source (from a Secret the operator reads); never
-    # logged, never shown in cards.
-    auth_token: str | None = field(default=None, repr=False)
-    # kubelora extension: endpoint, region and key pair of an s3:// source (None: the default credential chain);
-    # the keys are never logged, never shown in cards.
-    s3: S3Access | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -405,9 +390,6 @@ def _take_adapter_name(f: Fields) -> str:
     return name
 
 
-S3_FIELDS = ("endpoint", "region", "access_key_id", "secret_access_key", "session_token")
-
-
 def _take_s3_access(f: Fields) -> S3Access | None:
     s3 = f.take_object("s3")
     if s3 is None:
@@ -426,7 +408,7 @@ def _take_s3_access(f: Fields) -> S3Access | None:
         raise InvalidRequest(str(exc), param="s3", code="invalid_value") from None
 
 
-def parse_load_adapter(body: dict[str, Any]) -> LoadAdapterRequest:
+def parse_load_adapter(body: dict[str, Any]) -> LoadRequest:
     f = Fields(body)
     name = _take_adapter_name(f)
     path = f.take_str("lora_path", required=True)
@@ -439,7 +421,7 @@ def parse_load_adapter(body: dict[str, Any]) -> LoadAdapterRequest:
     if auth_token is not None and not (0 < len(auth_token) <= MAX_AUTH_TOKEN_CHARS and auth_token.isprintable()):
         raise InvalidRequest(f"'auth_token' must be 1..{MAX_AUTH_TOKEN_CHARS} printable characters",
                              param="auth_token", code="invalid_value")
-    request = LoadAdapterRequest(name, path, f.take_bool("load_inplace", False), f.take_bool("preload", True),
+    request = LoadRequest(name, path, f.take_bool("load_inplace", False), f.take_bool("preload", True),
                                  sha256.lower() if sha256 else None, auth_token, _take_s3_access(f))
     f.take_any("lora_int_id")  # vLLM clients send it; ids are ours to assign
     f.finish()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kubelora.engine.common.errors import ContextLengthExceeded, ModelNotFound, PromptTooLong
+from kubelora.contract.errors import ContextLengthExceeded, ModelNotFound, PromptTooLong
 from kubelora.engine.server.adapter_ops import AdapterOps
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.metrics import ServerMetrics

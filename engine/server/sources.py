@@ -2,8 +2,9 @@
 allowed host, or an `s3://` object or prefix in an allowed bucket (`s3.py`), downloaded into the cache directory.
 
 An adapter manifest must not make a pod read arbitrary files or reach arbitrary hosts (DESIGN "Sources of
-adapters"): local paths are resolved (symlinks included) and must stay under a root, every file inside the
-adapter directory too; URLs must name an allowed host, on every redirect. Everything here blocks on I/O, so
+adapters"): the rules are `kubelora.contract.sources`, the operator's too; here local paths are also resolved
+(symlinks included) and must stay under a root, every file inside the adapter directory too, and every redirect
+of a download must go to an allowed host. Everything here blocks on I/O, so
 callers run it in an executor, never on the event loop or the engine thread.
 """
 
@@ -19,10 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubelora.engine.common.errors import AdapterSourceError
+from kubelora.contract.errors import AdapterSourceError
+from kubelora.contract.load import S3Access
+from kubelora.contract.sources import (Source, SourceKind, SourceNotAllowed, SourceRules, check_local, check_source, check_url,
+                                       host_allowed, source_kind)
 from kubelora.engine.server.archives import ARCHIVE_SUFFIXES, extract_archive, find_adapter_dir
 from kubelora.engine.server.downloads import download
-from kubelora.engine.server.s3 import S3Access, S3Object, check_s3_allowed, parse_s3_url, sign_get
+from kubelora.engine.server.s3 import S3Object, sign_get
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -46,6 +50,11 @@ class SourceConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
+    @property
+    def rules(self) -> SourceRules:
+        return SourceRules(tuple(str(root) for root in self.roots), self.allowed_hosts, self.allowed_s3_buckets,
+                           self.allowed_s3_endpoints)
+
 
 @dataclass(frozen=True)
 class ResolvedSource:
@@ -54,6 +63,9 @@ class ResolvedSource:
     sha256: str | None  # the digest that was verified, when one was given
 
 
+# The flag of each contract rule, named in refusals.
+RULE_FLAGS = {"roots": "--adapter-root", "url_hosts": "--adapter-url-host", "s3_buckets": "--adapter-s3-bucket",
+              "s3_endpoints": "--adapter-s3-endpoint"}
 # A path that is not there (yet) may be copied later; every other refusal stands until the request changes.
 TRANSIENT_CODES = frozenset({"path_not_found"})
 
@@ -62,45 +74,44 @@ def _refuse(message: str, code: str = "path_not_allowed") -> AdapterSourceError:
     return AdapterSourceError(message, param="lora_path", code=code, is_transient=code in TRANSIENT_CODES)
 
 
+def check_load_source(config: SourceConfig, source: str, *, auth_token: str | None = None,
+                      s3: S3Access | None = None) -> Source:
+    """The engine's check of a load's source before any file is read or fetched: the request's credentials
+    fit its kind, and the contract's rules (`kubelora.contract.sources`) allow it."""
+    kind = source_kind(source)
+    if s3 is not None and kind is not SourceKind.S3:
+        raise _refuse("s3 settings are for s3:// sources only", "unsupported_scheme")
+    if auth_token is not None and kind is SourceKind.S3:
+        raise _refuse("auth_token is for http(s) sources; s3:// sources take s3 credentials", "unsupported_scheme")
+    try:
+        return check_source(config.rules, source, s3_endpoint=s3.endpoint if s3 is not None else None)
+    except SourceNotAllowed as exc:
+        if exc.rule is None:
+            raise
+        raise SourceNotAllowed(f"{exc.message} ({RULE_FLAGS[exc.rule]})", code=exc.code or "", rule=exc.rule,
+                               param=exc.param or "lora_path") from None
+
+
 def resolve_source(config: SourceConfig, source: str, sha256: str | None = None, *,
                    auth_token: str | None = None, s3: S3Access | None = None) -> ResolvedSource:
     """auth_token: sent as a bearer token to an http(s) source's host (not across redirects to another host);
     s3: endpoint, region and key pair of an s3:// source (None: the default credential chain)."""
-    scheme = urllib.parse.urlsplit(source).scheme.lower()
-    if s3 is not None and scheme != "s3":
-        raise _refuse("s3 settings are for s3:// sources only", "unsupported_scheme")
-    if scheme in ("http", "https"):
+    checked = check_load_source(config, source, auth_token=auth_token, s3=s3)
+    if checked.kind is SourceKind.URL:
         return ResolvedSource(fetch_url(config, source, sha256, auth_token), source, sha256)
-    if scheme == "s3":
-        if auth_token is not None:
-            raise _refuse("auth_token is for http(s) sources; s3:// sources take s3 credentials",
-                          "unsupported_scheme")
-        return ResolvedSource(fetch_s3(config, source, sha256, s3 or S3Access()), source, sha256)
-    if scheme not in ("", "file"):
-        raise _refuse(f"lora_path scheme {scheme!r} is not supported; use a path, file://, http://, https:// "
-                      "or s3://", "unsupported_scheme")
+    if checked.kind is SourceKind.S3:
+        return ResolvedSource(fetch_s3(config, checked, sha256, s3 or S3Access()), source, sha256)
     path = confine_local(config.roots, source)
     if sha256 is not None:
         _check_digest(_file_sha256(path / WEIGHTS_FILE), sha256, WEIGHTS_FILE)
     return ResolvedSource(path, source, sha256)
 
 
-def _local_text(source: str) -> str:
-    if source.startswith("file:"):
-        parts = urllib.parse.urlsplit(source)
-        if parts.netloc not in ("", "localhost"):
-            raise _refuse(f"file URL must name a local path, got host {parts.netloc!r}")
-        return urllib.parse.unquote(parts.path)
-    return source
-
-
 def confine_local(roots: tuple[Path, ...], source: str) -> Path:
-    """The resolved adapter directory, or AdapterSourceError when it (or a file in it) leaves every root."""
-    if not roots:
-        raise _refuse("local adapter paths are disabled on this server: no --adapter-root is configured")
-    text = _local_text(source)
-    if "\x00" in text or ".." in Path(text).parts:
-        raise _refuse(f"lora_path {source!r} must not contain '..' components")
+    """The resolved adapter directory, or AdapterSourceError when it (or a file in it) leaves every root.
+
+    The contract's lexical check first; then symlinks are resolved, which only this side can do."""
+    text = check_local(tuple(str(root) for root in roots), source)
     real_roots = [Path(os.path.realpath(root)) for root in roots]
     candidates = [Path(text)] if Path(text).is_absolute() else [root / text for root in real_roots]
     for candidate in candidates:
@@ -127,33 +138,9 @@ def _check_tree_confined(directory: Path, root: Path, source: str) -> None:
                 raise _refuse(f"lora_path {source!r} holds {name!r}, a link out of the adapter roots")
 
 
-def host_allowed(allowed_hosts: tuple[str, ...], url: str) -> bool:
-    """`host` allows every port, `host:port` one port, `*.example.com` every subdomain."""
-    parts = urllib.parse.urlsplit(url)
-    host = (parts.hostname or "").lower()
-    if not host or parts.scheme.lower() not in ("http", "https"):
-        return False
-    try:
-        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
-    except ValueError:
-        return False
-    for entry in (h.lower() for h in allowed_hosts):
-        entry_host, _, entry_port = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
-        if entry_port and entry_port != str(port):
-            continue
-        if host == entry_host or (entry_host.startswith("*.") and host.endswith(entry_host[1:])):
-            return True
-    return False
-
-
 def fetch_url(config: SourceConfig, url: str, sha256: str | None, auth_token: str | None = None) -> Path:
     """Download an archive, or the two adapter files under a URL "directory"; return the local directory."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username or parts.password:
-        raise _refuse("adapter URLs must not carry credentials", "url_not_allowed")
-    if not host_allowed(config.allowed_hosts, url):
-        raise _refuse(f"host {parts.netloc!r} is not an allowed adapter host (--adapter-url-host)",
-                      "url_not_allowed")
+    check_url(config.allowed_hosts, url)  # resolve_source checked it too; fetch_url may be called alone
 
     def get_for(deadline_at: float) -> Get:
         def get(file_url: str, dest: Path) -> str:
@@ -166,14 +153,13 @@ def fetch_url(config: SourceConfig, url: str, sha256: str | None, auth_token: st
     return _fetch_cached(config, url, url, sha256, get_for)
 
 
-def fetch_s3(config: SourceConfig, source: str, sha256: str | None, access: S3Access) -> Path:
-    """As fetch_url, for an s3:// archive object or prefix: each object through a presigned GET (s3.py)."""
-    root = parse_s3_url(source)
-    check_s3_allowed(root, access, config.allowed_s3_buckets, config.allowed_s3_endpoints)
+def fetch_s3(config: SourceConfig, source: Source, sha256: str | None, access: S3Access) -> Path:
+    """As fetch_url, for an s3:// archive object or prefix (`source` as `check_load_source` returned it): each
+    object through a presigned GET (s3.py)."""
 
     def get_for(deadline_at: float) -> Get:
         def get(object_url: str, dest: Path) -> str:
-            obj = S3Object(root.bucket, urllib.parse.urlsplit(object_url).path.lstrip("/"))
+            obj = S3Object(source.bucket, urllib.parse.urlsplit(object_url).path.lstrip("/"))
             signed = sign_get(obj, access, timeout_s=min(config.timeout_s, max(deadline_at - time.monotonic(), 1)))
             signing_host = urllib.parse.urlsplit(signed).netloc
             return download(signed, dest, max_bytes=config.max_bytes, timeout_s=config.timeout_s,
@@ -183,7 +169,7 @@ def fetch_s3(config: SourceConfig, source: str, sha256: str | None, access: S3Ac
         return get
 
     # Another endpoint holding the same bucket and key is another artifact.
-    return _fetch_cached(config, source, f"{access.endpoint or ''} {source}", sha256, get_for)
+    return _fetch_cached(config, source.text, f"{access.endpoint or ''} {source.text}", sha256, get_for)
 
 
 def _fetch_cached(config: SourceConfig, source: str, cache_key: str, sha256: str | None,

@@ -12,7 +12,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.server.fields import Fields
 from kubelora.engine.server.json_body import check_tree

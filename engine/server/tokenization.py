@@ -20,7 +20,7 @@ import asyncio
 import copy
 from concurrent.futures import ThreadPoolExecutor
 
-from kubelora.engine.common.errors import InvalidRequest, PromptTooLong
+from kubelora.contract.errors import InvalidRequest, PromptTooLong
 from kubelora.engine.server.chat_template import TemplateOptions, num_template_chars, render_text
 from kubelora.engine.server.protocol import ChatMessage, Prompt
 

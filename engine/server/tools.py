@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.server.fields import Fields
 from kubelora.engine.server.json_body import check_tree
 from kubelora.engine.server.tool_parser import ToolOutput

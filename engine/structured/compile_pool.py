@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import count
 
-from kubelora.engine.common.errors import InvalidRequest, Unavailable
+from kubelora.contract.errors import InvalidRequest, Unavailable
 from kubelora.engine.structured.spec import StructuredOutput
 
 

@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.structured.compile_pool import CompileLimits, CompilePool
 from kubelora.engine.structured.spec import StructuredKind, StructuredOutput
 

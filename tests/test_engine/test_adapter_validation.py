@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from kubelora.engine import LLM, SamplingParams
 from kubelora.engine import errors
-from kubelora.engine.common.http_errors import to_http
+from kubelora.contract.http_errors import to_http
 
 GOOD = "r8-all"
 

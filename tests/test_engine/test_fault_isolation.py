@@ -10,7 +10,7 @@ import torch
 
 from kubelora.engine import EngineConfig, LLMEngine, SamplingParams
 from kubelora.engine.errors import InvalidRequest
-from kubelora.engine.common.errors import FailureKind
+from kubelora.contract.errors import FailureKind
 from kubelora.engine.sampling_batch import token_bitmask
 from kubelora.engine.structured.matcher import unpack_bitmask
 

@@ -10,7 +10,7 @@ import pytest
 from kubelora.engine.adapters.types import Residency
 from kubelora.engine.block_manager import BlockManager, BlockManagerConfig
 from kubelora.engine.errors import QueueFull
-from kubelora.engine.common.errors import FailureKind
+from kubelora.contract.errors import FailureKind
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Scheduler, SchedulerConfig
 from kubelora.engine.sequence import Sequence, SequenceStatus

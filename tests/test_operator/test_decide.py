@@ -8,12 +8,13 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+from kubelora.contract.load import S3Access
 from kubelora.operator.decide import (CallResult, Event, StoredPlacement, classify_adapters, freeze_new_failures,
                                       plan_pass, record_result, standing_refusal)
 from kubelora.operator.engine_client import EngineError
 from kubelora.operator.memory import Published, ReconcileMemory, Refusal, Retry
 from kubelora.operator.plan import DesiredAdapter, Load, Unload
-from kubelora.operator.specs import PoolSpec, S3Access
+from kubelora.operator.specs import PoolSpec
 from kubelora.operator.status import Failure
 
 from .conftest import POOL, POOL_BODY, REFUSED, adapter, backoff_s, card, view

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from kubelora.engine.common.errors import InvalidRequest, Unavailable
-from kubelora.engine.common.http_errors import to_http
+from kubelora.contract.errors import InvalidRequest, Unavailable
+from kubelora.contract.http_errors import to_http
 from kubelora.engine.structured import StructuredKind, StructuredOutput
 from kubelora.engine.structured.compile_pool import CompileLimits, CompilePool
 

@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.server import json_body
 from kubelora.engine.server.json_body import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_JSON_STRINGS, decode_json_object
 

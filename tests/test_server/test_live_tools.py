@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.server.chat_template import render_text
 from kubelora.engine.server.protocol import parse_chat
 

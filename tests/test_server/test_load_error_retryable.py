@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kubelora.engine.common.errors import AdapterSourceError
-from kubelora.engine.common.http_errors import to_http
+from kubelora.contract.errors import AdapterSourceError
+from kubelora.contract.http_errors import to_http
 from kubelora.engine.server.sources import SourceConfig, resolve_source
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kubelora.engine.common.errors import InvalidRequest
-from kubelora.engine.common.http_errors import to_http
+from kubelora.contract.errors import InvalidRequest
+from kubelora.contract.http_errors import to_http
 from kubelora.engine.server.json_body import decode_json_object
 from kubelora.engine.server.protocol import (parse_chat, parse_completion, parse_load_adapter,
                                              parse_unload_adapter)

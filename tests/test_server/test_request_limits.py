@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kubelora.engine.common.errors import InvalidRequest
+from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.server import chat_template, protocol, structured, tools
 from kubelora.engine.server.app import LIFECYCLE
 from kubelora.engine.server.protocol import parse_chat, parse_completion

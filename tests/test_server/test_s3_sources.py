@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kubelora.engine.common.errors import AdapterSourceError
-from kubelora.engine.common.logs import JsonFormatter
-from kubelora.engine.common.http_errors import to_http
+from kubelora.contract.errors import AdapterSourceError
+from kubelora.contract.logs import JsonFormatter
+from kubelora.contract.http_errors import to_http
 from kubelora.engine.server.protocol import InvalidRequest, parse_load_adapter
 from kubelora.engine.server.s3 import S3Access
 from kubelora.engine.server.source_text import redact_source

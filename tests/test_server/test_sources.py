@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kubelora.engine.common.errors import AdapterSourceError
-from kubelora.engine.common.http_errors import to_http
-from kubelora.engine.server.sources import SourceConfig, confine_local, host_allowed, resolve_source
+from kubelora.contract.errors import AdapterSourceError
+from kubelora.contract.http_errors import to_http
+from kubelora.contract.sources import host_allowed
+from kubelora.engine.server.sources import SourceConfig, confine_local, resolve_source
 
 FILES = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"weights"}
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from kubelora.engine.common.errors import (
+from kubelora.contract.errors import (
     AdapterChanged, AdapterError, AdapterExists, AdapterSourceError, AdapterUnavailable, AdapterUnloading, BadGateway,
     EngineFault, InvalidRequest, ModelNotFound, PromptTooLong, QueueFull, RequestFailed, ServiceError, TooManyWatches,
     Unauthorized, Unavailable, UnknownAdapter)

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from kubelora.engine.common.logs import log_event
+from kubelora.contract.logs import log_event
 
 SHUTDOWN_TIMEOUT_S = 10.0
 

@@ -1,7 +1,7 @@
 """The errors kubelora answers on purpose: one hierarchy for the engine core, the server and the router.
 
 Each class has a stable `type`; an instance may name the field at fault (`param`) and refine `type` for clients
-(`code`), and may carry response headers. Nothing here knows HTTP: `kubelora.engine.common.http_errors` maps each
+(`code`), and may carry response headers. Nothing here knows HTTP: `kubelora.contract.http_errors` maps each
 class to its status in one table. Every class with an answer of its own lives here; refinements that share their
 parent's answer stay beside the code that raises them (`kubelora.engine.errors`: each adapter validation failure).
 Anything else that escapes a handler is a bug.
