@@ -45,7 +45,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    from kubelora.engine.router.cli import main as router_main
+    from kubelora.router.cli import main as router_main
 
     return router_main(args.rest)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"operator": "kubelora.operator", "engine": "kubelora.engine", "kernels": "kubelora.kernels",
-                "cli": "kubelora.cli", "bench": "kubelora.bench", "contract": "kubelora.contract"}
+                "cli": "kubelora.cli", "bench": "kubelora.bench", "contract": "kubelora.contract",
+                "router": "kubelora.router"}
 
 
 def _pyproject() -> dict:

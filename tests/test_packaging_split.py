@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_STACK = {"torch", "triton", "transformers", "safetensors", "tokenizers", "numpy", "xgrammar", "obstore",
                 "google-re2"}
 # Installed by the control plane's image; kubelora.operator.main registers every handler on import.
-TORCH_FREE_IMPORTS = "import kubelora.operator.main, kubelora.operator.cli, kubelora.engine.router.app, " \
-                     "kubelora.engine.router.cli, kubelora.cli.main"
+TORCH_FREE_IMPORTS = "import kubelora.operator.main, kubelora.operator.cli, kubelora.router.app, " \
+                     "kubelora.router.cli, kubelora.cli.main"
 BLOCKER = f'''import sys
 
 class _BlockEngineStack:

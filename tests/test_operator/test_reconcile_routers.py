@@ -11,9 +11,9 @@ import time
 import aiohttp
 import pytest
 
-from kubelora.engine.router.app import build_app
-from kubelora.engine.router.config import RouterConfig
-from kubelora.engine.router.sources import PlacementStore
+from kubelora.router.app import build_app
+from kubelora.router.config import RouterConfig
+from kubelora.router.sources import PlacementStore
 from kubelora.operator import observe as observe_module
 from kubelora.operator.reconcile import PoolReconciler
 from kubelora.operator.routers import RECHECK_BEHIND_S

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from kubelora.engine.router.app import STATE, build_app
-from kubelora.engine.router.config import RouterConfig
-from kubelora.engine.router.placement import parse_placement
-from kubelora.engine.router.sources import PlacementStore
+from kubelora.router.app import STATE, build_app
+from kubelora.router.config import RouterConfig
+from kubelora.router.placement import parse_placement
+from kubelora.router.sources import PlacementStore
 
 
 @dataclass

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kubelora.engine.router.cli import main
-from kubelora.engine.router.config import add_arguments, resolve_config
-from kubelora.engine.router.placement import parse_placement
+from kubelora.router.cli import main
+from kubelora.router.config import add_arguments, resolve_config
+from kubelora.router.placement import parse_placement
 
 
 def resolve(argv: list[str], environ: dict[str, str]):

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from kubelora.engine.router.hashring import HashRing, bounded_walk, load_bound
+from kubelora.router.hashring import HashRing, bounded_walk, load_bound
 
 PODS = [f"pool-engine-{i}" for i in range(4)]
 KEYS = [f"tenant-{i}" for i in range(2000)]

@@ -123,7 +123,7 @@ def test_router_pod_reads_its_configmap_and_routes_by_pod_ip(cluster):
 
 def test_configmap_source_with_a_kubeconfig(cluster):
     """The out-of-cluster path (--kubeconfig): missing ConfigMap, then created, unchanged, updated, broken."""
-    from kubelora.engine.router.sources import ConfigMapSource, PlacementStore
+    from kubelora.router.sources import ConfigMapSource, PlacementStore
 
     namespace = f"klr-router-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)

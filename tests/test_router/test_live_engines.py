@@ -22,7 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kubelora.engine.router.hashring import HashRing
+from kubelora.router.hashring import HashRing
 
 KUBELORA = str(Path(sys.executable).with_name("kubelora"))
 COMMON = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})

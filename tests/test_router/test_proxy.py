@@ -9,9 +9,9 @@ import socket
 import aiohttp
 import pytest
 
-from kubelora.engine.router.hashring import HashRing
-from kubelora.engine.router.placement import parse_placement
-from kubelora.engine.router.proxy import REPLICA_HEADER
+from kubelora.router.hashring import HashRing
+from kubelora.router.placement import parse_placement
+from kubelora.router.proxy import REPLICA_HEADER
 
 from .conftest import placement_text
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kubelora.engine.router import routing
-from kubelora.engine.router.hashring import HashRing
-from kubelora.engine.router.placement import parse_placement
+from kubelora.router import routing
+from kubelora.router.hashring import HashRing
+from kubelora.router.placement import parse_placement
 
 
 def placement(ready=("p0", "p1", "p2"), not_ready=(), adapters=None):

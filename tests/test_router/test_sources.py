@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kubelora.engine.router.sources import FileSource, PlacementStore
+from kubelora.router.sources import FileSource, PlacementStore
 
 
 def doc(revision: int) -> str:

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from kubelora.engine.router.app import STATE, build_app
-from kubelora.engine.router.config import RouterConfig
-from kubelora.engine.router.proxy import REPLICA_HEADER
-from kubelora.engine.router.sources import FileSource, PlacementStore
+from kubelora.router.app import STATE, build_app
+from kubelora.router.config import RouterConfig
+from kubelora.router.proxy import REPLICA_HEADER
+from kubelora.router.sources import FileSource, PlacementStore
 
 from .conftest import placement_text
 
@@ -77,7 +77,7 @@ async def test_placement_query_errors_are_400(engines, router, query):
 
 
 async def test_unreadable_placement_ages_and_ready_fails_after_the_max_age(engines, file_router, caplog):
-    caplog.set_level(logging.INFO, logger="kubelora.engine.router")
+    caplog.set_level(logging.INFO, logger="kubelora.router")
     client = await file_router(placement_text(engines, revision=4), poll_interval=0.1, max_placement_age=0.6)
     assert (await client.get("/ready")).status == 200
     client.path.unlink()  # the placement can no longer be read (a lost token mount, RBAC removed)

@@ -24,13 +24,13 @@ from kubelora.contract.errors import InvalidRequest, ModelNotFound, ServiceError
 from kubelora.contract.http_errors import HANDLER_ARGS, error_middleware, refuse_encoded_bodies, to_http
 from kubelora.contract.http_logs import redact_aiohttp_logs
 from kubelora.contract.logs import log_event
-from kubelora.engine.router import routing
-from kubelora.engine.router.config import RouterConfig
-from kubelora.engine.router.metrics import RouterMetrics, RouterSnapshot
-from kubelora.engine.router.proxy import InFlight, Unreachable, forward
-from kubelora.engine.router.sources import PlacementSource, PlacementStore
+from kubelora.router import routing
+from kubelora.router.config import RouterConfig
+from kubelora.router.metrics import RouterMetrics, RouterSnapshot
+from kubelora.router.proxy import InFlight, Unreachable, forward
+from kubelora.router.sources import PlacementSource, PlacementStore
 
-log = logging.getLogger("kubelora.engine.router")
+log = logging.getLogger("kubelora.router")
 MAX_BODY_BYTES = 16 << 20  # the engine's own limit: a larger body would be refused there anyway
 RETRY_AFTER_S = "1"
 MAX_PLACEMENT_WAIT_S = 10.0  # GET /placement?wait=: the longest a caller may hold a request open

@@ -24,11 +24,11 @@ from multidict import CIMultiDict
 from kubelora.contract.errors import BadGateway
 from kubelora.contract.http_errors import to_http
 from kubelora.contract.logs import log_event
-from kubelora.engine.router.metrics import RouterMetrics
-from kubelora.engine.router.placement import Replica
-from kubelora.engine.router.routing import Route
+from kubelora.router.metrics import RouterMetrics
+from kubelora.router.placement import Replica
+from kubelora.router.routing import Route
 
-log = logging.getLogger("kubelora.engine.router")
+log = logging.getLogger("kubelora.router")
 
 # RFC 9110 hop-by-hop headers, and the ones aiohttp sets itself on each side.
 _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",

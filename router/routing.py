@@ -18,8 +18,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kubelora.engine.router.hashring import bounded_walk
-from kubelora.engine.router.placement import Placement, Replica
+from kubelora.router.hashring import bounded_walk
+from kubelora.router.placement import Placement, Replica
 
 
 class Decision(enum.Enum):

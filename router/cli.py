@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 from kubelora.contract.aio_serve import run_app
 from kubelora.contract.logs import install_json_handler, log_event
-from kubelora.engine.router.app import build_app
-from kubelora.engine.router.config import RouterConfig, add_arguments, resolve_config
-from kubelora.engine.router.sources import ConfigMapSource, FileSource, PlacementStore
+from kubelora.router.app import build_app
+from kubelora.router.config import RouterConfig, add_arguments, resolve_config
+from kubelora.router.sources import ConfigMapSource, FileSource, PlacementStore
 
-log = logging.getLogger("kubelora.engine.router")
+log = logging.getLogger("kubelora.router")
 
 
 def main(argv: list[str]) -> int:

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Protocol
 
 from kubelora.contract.logs import log_event
-from kubelora.engine.router.placement import PLACEMENT_KEY, Placement, parse_placement
+from kubelora.router.placement import PLACEMENT_KEY, Placement, parse_placement
 
-log = logging.getLogger("kubelora.engine.router")
+log = logging.getLogger("kubelora.router")
 
 
 MIN_READ_GAP_S = 0.05  # nudges cannot make a source read more often than this

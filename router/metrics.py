@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kubelora.engine.router.placement import Placement
+from kubelora.router.placement import Placement
 
 
 class RouterMetrics:
