@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster (default)")
     parser.add_argument("--liveness", type=int, default=_int_env("LIVENESS_PORT"), metavar="PORT",
                         help="serve kopf's liveness probe on http://0.0.0.0:PORT/healthz")
+    parser.add_argument("--metrics-port", type=int, default=_int_env("METRICS_PORT"), metavar="PORT",
+                        help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics "
+                             "(env KUBELORA_OPERATOR_METRICS_PORT; default off)")
     parser.add_argument("--resync-seconds", type=float, default=_float_env("RESYNC_S", defaults.resync_s),
                         help=f"reconcile each pool at least this often (default {defaults.resync_s})")
     parser.add_argument("--max-concurrent-calls", type=int,
@@ -157,6 +160,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"kubelora operator: {exc}")
         return 2
     namespaces = args.namespace or [n for n in (_env("NAMESPACES") or "").split(",") if n]
+    if args.metrics_port:
+        from kubelora.operator.metrics import serve
+
+        serve(args.metrics_port)
     return run(settings, namespaces, args.liveness, args.verbose, election)
 
 
@@ -185,7 +192,10 @@ async def operate(operator, election, liveness_port: int | None, memo: dict | No
     """`operator(stop_flag=...)` runs kopf until SIGTERM/SIGINT (kopf's own handlers) or the flag is set. memo:
     kopf's memo, given `release_leadership`, which the cleanup handler calls as soon as kopf's handlers have
     stopped (handlers.on_cleanup); the release after kopf returns is then a no-op."""
+    from kubelora.operator.metrics import METRICS
+
     if election is None:
+        METRICS.set_leader(True)
         await operator()
         return 0
     from kubelora.operator.leader import LeaderElector, load_api_client, stand_by
@@ -193,8 +203,10 @@ async def operate(operator, election, liveness_port: int | None, memo: dict | No
     elector = LeaderElector(election, await asyncio.to_thread(load_api_client))
     elector.start()
     try:
+        METRICS.set_leader(False)
         if not await stand_by(elector, liveness_port):
             return 0
+        METRICS.set_leader(True)
         if memo is not None:
             memo["release_leadership"] = elector.release
         await operator(stop_flag=elector.lost)
@@ -204,5 +216,6 @@ async def operate(operator, election, liveness_port: int | None, memo: dict | No
             return 1
         return 0
     finally:
+        METRICS.set_leader(False)
         if await elector.release():  # a standby takes over at its next retry, not after the lease runs out
             log.info("released the Lease %s/%s", election.namespace, election.lease_name)

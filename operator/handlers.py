@@ -23,7 +23,8 @@ from kubelora.operator.conditions import build_status_patch, merge_conditions
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube, KubeError, load_connection
 from kubelora.operator.observe import is_pod_ready, pod_admin_url
-from kubelora.operator.reconcile import PoolReconciler
+from kubelora.operator.metered import MeteredReconciler
+from kubelora.operator.metrics import METRICS
 from kubelora.operator.report import phase_event
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.settings import OperatorSettings
@@ -107,9 +108,9 @@ async def _write_pool_invalid(runtime: Runtime, body: kopf.Body, exc: InvalidSpe
 async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
                       logger: logging.Logger, **_: Any) -> None:
     runtime: Runtime = memo.runtime
-    reconciler = PoolReconciler(runtime.kube, runtime.engine_session, runtime.settings, namespace, name,
-                                on_released=lambda adapters: runtime.mark_released(namespace, name, adapters),
-                                take_heal_request=lambda: runtime.take_heal_request(namespace, name))
+    reconciler = MeteredReconciler(runtime.kube, runtime.engine_session, runtime.settings, namespace, name,
+                                   on_released=lambda adapters: runtime.mark_released(namespace, name, adapters),
+                                   take_heal_request=lambda: runtime.take_heal_request(namespace, name))
     wake = runtime.trigger_for(namespace, name)
     watchers = PodWatchers(lambda token: EngineClient(runtime.engine_session, token, runtime.settings.engine_timeout_s),
                            lambda: runtime.trigger(namespace, name))
@@ -131,6 +132,7 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
             await gather_triggers(wake, runtime.settings.debounce_s, runtime.settings.max_gather_s)
     finally:
         runtime.forget(namespace, name)
+        METRICS.forget_pool(namespace, name)
         await watchers.close()
 
 

@@ -20,6 +20,16 @@ def test_main_runs_kopf_with_the_parsed_settings(monkeypatch):
     assert cli.main(["--resync-seconds", "0"]) == 2
 
 
+def test_metrics_port_from_flag_or_env_starts_the_server(monkeypatch):
+    served = []
+    monkeypatch.setattr("kubelora.operator.metrics.serve", served.append)
+    monkeypatch.setattr(cli, "run", lambda *args: 0)
+    assert cli.main([]) == 0 and served == []  # off unless asked
+    assert cli.main(["--metrics-port", "9090"]) == 0 and served == [9090]
+    monkeypatch.setenv("KUBELORA_OPERATOR_METRICS_PORT", "8080")
+    assert cli.main([]) == 0 and served == [9090, 8080]
+
+
 def test_settings_validate_and_back_off():
     with pytest.raises(ValueError, match="max_concurrent_calls"):
         OperatorSettings(max_concurrent_calls=0)

@@ -18,6 +18,7 @@ from kubernetes import client
 
 from kubelora.operator import cli, handlers
 from kubelora.operator.leader import ElectionSettings, LeaderElector
+from kubelora.operator.metrics import METRICS
 
 NS, LEASE = "ops", "kubelora-operator"
 PATH = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases"
@@ -178,10 +179,11 @@ async def test_operate_runs_kopf_only_while_leading_and_releases_on_exit(api, mo
     monkeypatch.setattr("kubelora.operator.leader.load_api_client", api_client)
     now = dt.datetime.now(dt.timezone.utc).isoformat()
     store.put({"spec": {"holderIdentity": "other", "leaseDurationSeconds": 3, "acquireTime": now, "renewTime": now}})
-    runs = []
+    runs, leader_gauge = [], []
 
     async def operator(stop_flag):
         runs.append(store.holder())
+        leader_gauge.append(_leader_gauge())
         store.is_failing = True  # the API becomes unreachable for this replica: it must stop and exit 1
         await stop_flag.wait()
 
@@ -190,8 +192,10 @@ async def test_operate_runs_kopf_only_while_leading_and_releases_on_exit(api, mo
     await asyncio.sleep(1.5)
     health = await asyncio.to_thread(_get_json, f"http://127.0.0.1:{port}/healthz")
     assert health == {"leading": False} and runs == []  # a standby: probed healthy, kopf not started
+    assert _leader_gauge() == 0  # and its metrics say it stands by
     assert await asyncio.wait_for(task, 12) == 1
-    assert runs == ["b"]
+    assert runs == ["b"] and leader_gauge == [1]
+    assert _leader_gauge() == 0  # it stopped leading
     store.is_failing = False
 
 
@@ -214,13 +218,17 @@ async def test_the_lease_is_released_by_kopfs_cleanup_not_after_kopf_returns(api
     assert holders == ["a", None] and time.monotonic() - started > 7
 
 
+def _leader_gauge() -> float:
+    return METRICS.registry.get_sample_value("kubelora_operator_leader")
+
+
 async def test_operate_without_election_runs_kopf_directly():
     runs = []
 
     async def operator():
-        runs.append(True)
+        runs.append(_leader_gauge())
 
-    assert await cli.operate(operator, None, None) == 0 and runs == [True]
+    assert await cli.operate(operator, None, None) == 0 and runs == [1]
 
 
 def test_election_settings_from_flags_and_env(monkeypatch):

@@ -502,3 +502,43 @@ async def test_a_node_controller_not_ready_mark_keeps_the_engines_published_read
     placement = _placement(kube)
     assert {r["pod"]: r["ready"] for r in placement["replicas"]} == {"e0": True, "e1": True}
     assert placement["adapters"]["a"] == ["e0", "e1"] and kube.status("a")["phase"] == "Ready"
+
+
+async def test_the_metered_reconcile_counts_passes_calls_placements_and_phases(world):
+    from prometheus_client import generate_latest
+
+    from kubelora.operator.metered import MeteredReconciler
+    from kubelora.operator.metrics import OperatorMetrics
+
+    kube, engines, plain = world
+    metrics = OperatorMetrics()
+    reconciler = MeteredReconciler(kube, plain._session, plain._settings, NS, "p", metrics=metrics)
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    kube.add_adapter("big", "/adapters/big", replicas=1)  # the engine refuses it: Failed
+    await reconciler.reconcile()
+    await reconciler.reconcile()  # converged: no calls, no new placement
+
+    def sample(name: str, **labels) -> float | None:
+        return metrics.registry.get_sample_value(name, {"namespace": NS, "pool": "p", **labels})
+
+    assert sample("kubelora_operator_reconcile_passes_total") == 2
+    assert sample("kubelora_operator_reconcile_errors_total") is None
+    assert sample("kubelora_operator_engine_calls_total", call="load", result="ok") == 2  # "a" on both pods
+    refused = sum(call == ("load", "big") for e in engines.values() for call in e.calls)
+    assert refused >= 1 and sample("kubelora_operator_engine_calls_total", call="load", result="error") == refused
+    assert sample("kubelora_operator_placement_changes_total") == 1
+    assert sample("kubelora_operator_adapters", phase="Ready") == 1
+    assert sample("kubelora_operator_adapters", phase="Failed") == 1
+    assert sample("kubelora_operator_pool_condition", condition="Ready") == 1
+    del kube.objects[("loraadapters", "a")]
+    await reconciler.reconcile()
+    assert sample("kubelora_operator_engine_calls_total", call="unload", result="ok") == 2
+    kube.get_custom = _raise  # the API server fails: the pass is counted as an error
+    with pytest.raises(aiohttp.ClientError):
+        await reconciler.reconcile()
+    assert sample("kubelora_operator_reconcile_errors_total") == 1
+    assert b"kubelora_operator_reconcile_duration_seconds_count" in generate_latest(metrics.registry)
+
+
+async def _raise(*_args, **_kwargs):
+    raise aiohttp.ClientConnectionError("refused")
