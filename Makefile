@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # -P / PYTHONSAFEPATH: the repo root never lands on sys.path, so `operator/` cannot shadow the stdlib.
 export PYTHONSAFEPATH := 1
 
-.PHONY: venv k8s test test-gpu demo images clean
+.PHONY: venv k8s promtool test test-gpu demo images clean
 
 venv: $(VENV)/.installed
 
@@ -22,8 +22,12 @@ k8s:
 	e2e/cluster build
 	e2e/helm/build.sh
 
+# promtool runs the chart's alert unit tests (tests/test_chart/test_alerts.py); Debian's prometheus package has it.
+promtool:
+	command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
 # The e2e cluster's pods run the images (the local kubelet unpacks build/images/*.tar and runs them with runc).
-test: venv k8s images
+test: venv k8s promtool images
 	$(PY) -P -m pytest $(PYTEST_ARGS)
 
 # Every GPU test on a CUDA machine (bench/gpu-tests.sh; log under OUT, /tmp/kubelora-out by default).

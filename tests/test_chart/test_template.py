@@ -59,11 +59,12 @@ def test_defaults_render_an_operator_of_the_release_namespace(render):
     operator = container(rendered)
     assert operator["image"] == "kubelora-operator:0.1.0"  # appVersion
     assert operator["args"] == ["operator"]
-    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION,
+    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", "KUBELORA_OPERATOR_METRICS_PORT": "8080", **BUILT_IMAGES, **ELECTION,
                              "KUBELORA_OPERATOR_NAMESPACES": NS, **network()}  # unset: defaults
     for probe in ("livenessProbe", "readinessProbe"):
         assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "healthz"}
-    assert operator["ports"] == [{"name": "healthz", "containerPort": 8081, "protocol": "TCP"}]
+    assert operator["ports"] == [{"name": "healthz", "containerPort": 8081, "protocol": "TCP"},
+                                 {"name": "metrics", "containerPort": 8080, "protocol": "TCP"}]
     deployment = rendered[("Deployment", "rel-kubelora", NS)]
     assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "rel-kubelora"
@@ -165,7 +166,7 @@ def test_watched_namespaces_get_roles_and_bindings_and_settings_become_env(rende
     operator = container(rendered)
     assert operator["image"] == "registry.example.com/kubelora/operator:v0.1.0-test"
     assert operator["args"] == ["operator", "--engine-timeout-seconds", "60"]
-    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION,
+    assert env(rendered) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", "KUBELORA_OPERATOR_METRICS_PORT": "8080", **BUILT_IMAGES, **ELECTION,
                              "KUBELORA_OPERATOR_NAMESPACES": "team-a,team-b", "KUBELORA_OPERATOR_RESYNC_S": "15",
                              "KUBELORA_OPERATOR_MAX_CONCURRENT_CALLS": "8", "KUBELORA_OPERATOR_VERBOSE": "true",
                              **network("ops"), "EXTRA": "1"}
@@ -174,7 +175,7 @@ def test_watched_namespaces_get_roles_and_bindings_and_settings_become_env(rende
 def test_network_policies_are_on_by_default_and_switch_off(render):
     assert env(render(CI["default-values"]))["KUBELORA_OPERATOR_NETWORK_POLICY"] == "true"
     off = render(CI["default-values"], "networkPolicy.enabled=false")
-    assert env(off) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", **BUILT_IMAGES, **ELECTION,
+    assert env(off) == {"KUBELORA_OPERATOR_LIVENESS_PORT": "8081", "KUBELORA_OPERATOR_METRICS_PORT": "8080", **BUILT_IMAGES, **ELECTION,
                         "KUBELORA_OPERATOR_NAMESPACES": NS, **network(enabled="false")}
     # The labels the operator puts in the policies select its own pods.
     [deployment] = [m for (kind, _, _), m in off.items() if kind == "Deployment"]
@@ -222,6 +223,25 @@ def test_service_monitor_is_off_by_default_and_on_when_asked(render):
         "matchNames": ["team-a"]}
 
 
+def test_pod_monitors_scrape_the_routers_and_the_operator(render):
+    assert not [key for key in render(CI["default-values"]) if key[0] == "PodMonitor"]
+    rendered = render(CI["servicemonitor-values"], "operator.metricsPort=9100")
+    routers = rendered[("PodMonitor", "rel-kubelora-routers", NS)]
+    assert routers["metadata"]["labels"]["release"] == "prometheus"
+    assert routers["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "kubelora-operator",
+                                                          "app.kubernetes.io/component": "router"}
+    assert routers["spec"]["namespaceSelector"] == {"matchNames": [NS]}
+    assert routers["spec"]["podTargetLabels"] == ["kubelora.io/pool"]
+    assert routers["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    operator = rendered[("PodMonitor", "rel-kubelora-operator", NS)]
+    deployment = rendered[("Deployment", "rel-kubelora", NS)]
+    assert operator["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    [endpoint] = operator["spec"]["podMetricsEndpoints"]
+    assert endpoint == {"port": "metrics", "path": "/metrics", "honorLabels": True, "interval": "15s"}
+    assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container(rendered)["ports"]
+    assert env(rendered)["KUBELORA_OPERATOR_METRICS_PORT"] == "9100"
+
+
 def test_existing_service_account_without_rbac(render):
     rendered = render(CI["existing-serviceaccount-values"])
     assert {kind for kind, _, _ in rendered} == {"Deployment"}
@@ -249,6 +269,8 @@ def test_every_object_is_labelled_by_the_release(render, name):
                                         ("clusterWide.enabled=yes", "enabled"),
                                         ("operator.maxConcurrentCalls=0", "maxConcurrentCalls"),
                                         ("metrics.serviceMonitor.interval=often", "interval"),
+                                        ("operator.metricsPort=0", "metricsPort"),
+                                        ("metrics.prometheusRule.enabled=yes", "enabled"),
                                         ("operater.verbose=true", "operater"),
                                         ("networkPolicy.enabled=maybe", "enabled")])
 def test_values_schema_refuses_bad_values(helm, bad, field):
