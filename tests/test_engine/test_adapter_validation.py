@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from kubelora.engine import LLM, SamplingParams
 from kubelora.engine import errors
+from kubelora.engine.adapters import patterns
 from kubelora.contract.http_errors import to_http
 
 GOOD = "r8-all"
@@ -372,8 +373,8 @@ NEW_CASES = [
      r"(q)\\1_proj"),
     (_config("lookahead", rank_pattern={r"q(?=_proj)": 8}), errors.InvalidAdapter, "rank_pattern",
      "not a regular expression RE2 accepts"),
-    (_config("many-keys", alpha_pattern={f"layers\\.{i}\\.x": 1 for i in range(1025)}), errors.InvalidAdapter,
-     "alpha_pattern", "at most 1024"),
+    (_config("many-keys", alpha_pattern={f"layers\\.{i}\\.x": 1 for i in range(patterns.MAX_PATTERN_KEYS + 1)}),
+     errors.InvalidAdapter, "alpha_pattern", f"at most {patterns.MAX_PATTERN_KEYS}"),
     (_replace_with("dir", WEIGHTS), errors.InvalidAdapter, WEIGHTS, "is a directory"),
     (_replace_with("dir", "adapter_config.json"), errors.InvalidAdapter, "adapter_config.json", "is a directory"),
     (_replace_with("fifo", WEIGHTS), errors.InvalidAdapter, WEIGHTS, "is a FIFO"),

@@ -1,4 +1,4 @@
-"""Client input gets a 4xx, never a 500 (issue 16): each hostile case against a real server (aiohttp test
+"""Client input gets a 4xx, never a 500: each hostile case against a real server (aiohttp test
 client over the tiny model), and the server keeps serving afterwards."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import struct
 from pathlib import Path
 
 import pytest
+
+from kubelora.engine.server import json_body
 
 COMPLETION = {"model": "a0", "prompt": "Hello", "max_tokens": 4}
 CHAT = {"model": "a0", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
@@ -63,10 +65,13 @@ async def test_lone_surrogates_are_400(api, api_error, path, body, param):
 @pytest.mark.parametrize("depth", [1000, 100_000])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter"])
 async def test_deep_nesting_is_400(api, api_error, path, depth):
+    """Too deep is refused; past the body's count of arrays and objects it is refused before any parse."""
     raw = '{"model": "a0", "prompt": ' + "[" * depth + "]" * depth + "}"
     port = api.admin if "lora_adapter" in path else api
-    error = await api_error(await port.post(path, data=raw), 400, "invalid_request_error", code="invalid_json")
-    assert "nested too deeply" in error["message"]
+    is_too_many = depth > json_body.MAX_JSON_CONTAINERS
+    error = await api_error(await port.post(path, data=raw), 400, "invalid_request_error",
+                            code="out_of_range" if is_too_many else "invalid_json")
+    assert ("arrays and objects" if is_too_many else "nested too deeply") in error["message"]
     await _still_serves(api)
 
 
