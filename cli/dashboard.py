@@ -15,8 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import dashboard, prometheus, table, timeseries
+from grafana_foundation_sdk.builders import common, dashboard, prometheus, table, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, SortOrder, TooltipDisplayMode
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
 CHART_DASHBOARD = Path(__file__).resolve().parents[1] / "charts" / "kubelora" / "dashboards" / "kubelora.json"
@@ -35,8 +36,12 @@ def query(expr: str, legend: str, *, is_table: bool = False) -> prometheus.Dataq
 
 
 def graph(title: str, unit: str, *queries: prometheus.Dataquery, description: str = "") -> timeseries.Panel:
+    # A table legend with the last and the highest value: with one series per adapter, the worst is one sort away.
+    legend = (common.VizLegendOptions().display_mode(LegendDisplayMode.TABLE).placement(LegendPlacement.BOTTOM)
+              .show_legend(True).calcs(["lastNotNull", "max"]))
+    tooltip = common.VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING)
     panel = (timeseries.Panel().title(title).unit(unit).datasource(DATASOURCE).height(HEIGHT).span(WIDTH)
-             .description(description))
+             .description(description).legend(legend).tooltip(tooltip))
     for i, q in enumerate(queries):
         panel = panel.with_target(q.ref_id(chr(ord("A") + i)))
     return panel

@@ -1,8 +1,9 @@
-"""Chart test material: the helm binary (built by e2e/helm/build.sh, cached), rendering helpers, and the
+"""Chart test material: the helm binary (built by e2e/helm/build.sh, cached), promtool, rendering helpers, and the
 `cluster` fixture of e2e/pytest_cluster.py for the install test."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,14 @@ def helm() -> str:
                             timeout=900)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    """Debian's `prometheus` package provides it; .ci/run and `make test` (`make promtool`) install it when missing."""
+    path = shutil.which("promtool")
+    assert path, "promtool not found: apt-get install prometheus (as .ci/run and `make promtool` do)"
+    return path
 
 
 def run_helm(helm: str, *args: str, timeout_s: float = 120) -> str:

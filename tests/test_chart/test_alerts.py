@@ -22,14 +22,6 @@ MONITORING = next(p for p in CI_VALUES if p.stem == "monitoring-values")
 
 
 @pytest.fixture(scope="session")
-def promtool() -> str:
-    """Debian's `prometheus` package provides it; .ci/run and `make test` install it when missing."""
-    path = shutil.which("promtool")
-    assert path, "promtool not found: apt-get install prometheus (as .ci/run and `make promtool` do)"
-    return path
-
-
-@pytest.fixture(scope="session")
 def groups(render) -> list[dict]:
     rendered = render(MONITORING, f"metrics.prometheusRule.runbookUrl={RUNBOOK_URL}")
     [rule] = [m for (kind, _, _), m in rendered.items() if kind == "PrometheusRule"]

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+
+import yaml
 
 from kubelora.cli import dashboard as generator
 
@@ -68,3 +71,17 @@ def test_chart_configmap_carries_the_dashboard_for_the_sidecar(render):
     assert json.loads(config_map["data"]["kubelora.json"]) == generator.build_dashboard()
     here = render(None, "metrics.grafanaDashboard.enabled=true")
     assert ("ConfigMap", "rel-kubelora-dashboard", NS) in here
+
+
+def test_every_query_parses_as_promql(promtool, tmp_path):
+    """promtool checks each query as a recording rule, with Grafana's variables in the values Grafana gives them."""
+    board = generator.build_dashboard()
+    exprs = [t["expr"] for p in panels(board) for t in p["targets"]]
+    exprs += [re.fullmatch(r"label_values\((.+), \w+\)", v["query"]).group(1)
+              for v in board["templating"]["list"] if v["type"] == "query"]
+    rules = [{"record": f"kubelora:panel_{i}", "expr": expr.replace("$__rate_interval", "1m").replace("$", "")}
+             for i, expr in enumerate(exprs)]
+    (tmp_path / "panels.yaml").write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    checked = subprocess.run([promtool, "check", "rules", "panels.yaml"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
