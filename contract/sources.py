@@ -64,7 +64,6 @@ class SourceRules:
 class Source:
     kind: SourceKind
     text: str  # the source as the load names it
-    local_path: str = ""  # LOCAL: the path, `file://` removed and unquoted
     bucket: str = ""  # S3
     key: str = ""  # S3: no leading slash; "" for the bucket's root
 
@@ -86,7 +85,8 @@ def check_source(rules: SourceRules, lora_path: str, *, s3_endpoint: str | None 
     url_not_allowed or unsupported_scheme; never transient: only a new spec or new rules change the answer)."""
     kind = source_kind(lora_path)
     if kind is SourceKind.LOCAL:
-        return Source(kind, lora_path, local_path=check_local(rules.roots, lora_path))
+        check_local(rules.roots, lora_path)
+        return Source(kind, lora_path)
     if kind is SourceKind.URL:
         check_url(rules.url_hosts, lora_path)
         return Source(kind, lora_path)
@@ -100,7 +100,7 @@ def check_local(roots: tuple[str, ...], lora_path: str) -> str:
     if not roots:
         raise _refuse("local adapter paths are disabled: no adapter roots are configured", rule="roots")
     text = lora_path
-    if lora_path.startswith("file:"):
+    if lora_path[:5].lower() == "file:":
         parts = urllib.parse.urlsplit(lora_path)
         if parts.netloc not in ("", "localhost"):
             raise _refuse(f"file URL must name a local path, got host {parts.netloc!r}")
