@@ -13,7 +13,7 @@
 # over the cache's filesystem (as root), else on vfs, which needs neither overlayfs nor fuse.
 # An image is rebuilt only when its inputs changed (images/inputs_digest.py: Dockerfile, build context, base),
 # and then on its cached deps stage unless pyproject.toml, constraints.txt or the base changed too.
-# Env: KUBELORA_IMAGES (names, default all three), KUBELORA_CACHE (default ~/.cache/kubelora),
+# Env: KUBELORA_IMAGES (names, default both), KUBELORA_CACHE (default ~/.cache/kubelora),
 # KUBELORA_DEBIAN_MIRROR, KUBELORA_REBASE=1 (rebuild the bases), KUBELORA_IMAGES_FORCE=1 (rebuild the images),
 # KUBELORA_STORAGE_DRIVER (overlay or vfs; default: overlay when a test mount of it works).
 # docs/chart.md says more.
@@ -22,7 +22,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="${KUBELORA_CACHE:-$HOME/.cache/kubelora}/podman"
 out="$repo/build/images"
 mirror="${KUBELORA_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-read -r -a names <<<"${KUBELORA_IMAGES:-kubelora-operator kubelora-router kubelora-engine}"
+read -r -a names <<<"${KUBELORA_IMAGES:-kubelora-operator kubelora-engine}"
 base=localhost/kubelora-base:bookworm
 engine_base=localhost/kubelora-base-engine:bookworm
 version="$(python3 -c 'import tomllib, sys; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' \
@@ -154,7 +154,7 @@ for name in "${names[@]}"; do
     say "$deps_tag: $((SECONDS - start)) s"
   fi
   # Deps images of earlier inputs lose their tag, so the prune at the end frees them. One name at a time:
-  # the operator's and the router's deps stages can be one image with two names.
+  # two Dockerfiles with the same deps stage give one image with two names.
   for old in $("${podman[@]}" images --format '{{.Repository}}:{{.Tag}}' "localhost/$name-deps"); do
     if [[ "$old" == "localhost/$name-deps:"* && "$old" != "$deps_tag" ]]; then
       "${podman[@]}" untag "$old" "$old"

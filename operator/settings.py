@@ -21,10 +21,11 @@ class DefaultImages:
     """The images a pool gets when its spec leaves `image` / `router.image` empty: this operator's own version.
 
     The chart renders them (registry, names, its appVersion); these defaults are the names `make images` builds.
+    The router runs from the control-plane image, the operator's own, with the router command.
     """
 
     engine: str = f"kubelora-engine:{VERSION}"
-    router: str = f"kubelora-router:{VERSION}"
+    router: str = f"kubelora-operator:{VERSION}"
 
     def __post_init__(self) -> None:
         for name in ("engine", "router"):

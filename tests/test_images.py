@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = ["kubelora-operator", "kubelora-router", "kubelora-engine"]
+NAMES = ["kubelora-operator", "kubelora-engine"]  # the control plane (operator and router) and the engine
 _spec = importlib.util.spec_from_file_location("inputs_digest", ROOT / "images" / "inputs_digest.py")
 inputs_digest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(inputs_digest)
@@ -130,8 +130,7 @@ def test_the_deps_stage_is_rebuilt_when_its_inputs_change(repo_copy, change):
 def test_only_the_engine_image_installs_the_engine_extra():
     engine_extra = 'p["optional-dependencies"]["engine"]'
     assert engine_extra in _dockerfile("kubelora-engine")
-    for name in ("kubelora-operator", "kubelora-router"):
-        assert "optional-dependencies" not in _dockerfile(name)
+    assert "optional-dependencies" not in _dockerfile("kubelora-operator")
 
 
 def test_dockerignore_lets_in_what_the_wheel_needs():

@@ -90,7 +90,7 @@ def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout_s: floa
     pytest.fail(f"{url} did not answer in {timeout_s:.0f}s: {log.read_text()[-3000:]}")
 
 
-@pytest.mark.parametrize("name", ["kubelora-operator", "kubelora-router", "kubelora-engine"])
+@pytest.mark.parametrize("name", ["kubelora-operator", "kubelora-engine"])
 def test_each_image_runs_kubelora_as_non_root(store: ImageStore, name: str, tmp_path: Path) -> None:
     img = image(store, name)
     assert img.config.entrypoint == ("kubelora",)
@@ -114,7 +114,7 @@ def test_a_read_only_root_is_read_only_and_the_shared_rootfs_never_changes(store
     assert not (img.rootfs / "tmp" / "written").exists()
 
 
-def test_router_image_answers_health(store: ImageStore, tmp_path: Path) -> None:
+def test_the_control_plane_image_runs_the_router(store: ImageStore, tmp_path: Path) -> None:
     placement = tmp_path / "placement"
     placement.mkdir(mode=0o755)
     (placement / "placement.json").write_text(json.dumps(
@@ -124,7 +124,7 @@ def test_router_image_answers_health(store: ImageStore, tmp_path: Path) -> None:
     mounts = (runtime.ContainerMount(placement, "/etc/kubelora", True),)
     args = ["kubelora", "router", "--placement-file", "/etc/kubelora/placement.json", "--host", "127.0.0.1",
             "--port", str(port)]
-    with container(image(store, "kubelora-router"), args, tmp_path, mounts) as process:
+    with container(image(store, "kubelora-operator"), args, tmp_path, mounts) as process:
         assert wait_healthy(f"http://127.0.0.1:{port}/health", process, tmp_path / "log", 60) == 200
 
 

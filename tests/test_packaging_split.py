@@ -1,6 +1,6 @@
 """The dependency split: the operator and the router install and import without the engine's stack.
 
-The base distribution is what images/kubelora-operator and images/kubelora-router install; `kubelora[engine]`
+The base distribution is what images/kubelora-operator (the operator and the router) installs; `kubelora[engine]`
 adds torch, triton, transformers and the rest.
 """
 

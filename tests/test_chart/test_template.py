@@ -15,7 +15,7 @@ NS = "kubelora-system"
 REPO = Path(__file__).resolve().parents[2]
 # The images `make images` builds (images/build.sh: localhost/<name>:<version>), as the operator gets them.
 BUILT_IMAGES = {"KUBELORA_OPERATOR_ENGINE_IMAGE": "kubelora-engine:0.1.0",
-                "KUBELORA_OPERATOR_ROUTER_IMAGE": "kubelora-router:0.1.0"}
+                "KUBELORA_OPERATOR_ROUTER_IMAGE": "kubelora-operator:0.1.0"}
 # Leader election is on by default; POD_NAME and POD_NAMESPACE come from the downward API (no value).
 ELECTION = {"KUBELORA_OPERATOR_LEADER_ELECT": "true", "KUBELORA_OPERATOR_LEADER_ELECT_LEASE": "rel-kubelora",
             "POD_NAME": None, "POD_NAMESPACE": None}
@@ -284,7 +284,7 @@ def test_images_come_from_one_registry_and_the_chart_version(render):
     assert container(rendered)["image"] == "registry.example.com:5000/ml/kubelora-operator:0.1.0"
     images = {k: v for k, v in env(rendered).items() if k.endswith("_IMAGE")}
     assert images == {"KUBELORA_OPERATOR_ENGINE_IMAGE": "registry.example.com:5000/ml/kubelora-engine:0.1.0-cuda",
-                      "KUBELORA_OPERATOR_ROUTER_IMAGE": "registry.example.com:5000/ml/kubelora-router:0.1.0"}
+                      "KUBELORA_OPERATOR_ROUTER_IMAGE": "registry.example.com:5000/ml/kubelora-operator:0.1.0"}
 
 
 def test_rendered_images_are_the_ones_make_images_builds(render):

@@ -12,7 +12,7 @@ from kubelora.operator.specs import PoolSpec
 OWNER = {"apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool", "name": "p", "uid": "u", "controller": True,
          "blockOwnerDeletion": True}
 IMAGES = DefaultImages(engine="registry.example.com/kubelora-engine:1.2.3",
-                       router="registry.example.com/kubelora-router:1.2.3")
+                       router="registry.example.com/kubelora-operator:1.2.3")
 
 
 def _images(spec: dict, images: DefaultImages) -> dict[str, str]:
@@ -37,9 +37,20 @@ def test_pool_images_win():
 
 def test_built_in_defaults_are_the_images_of_this_version():
     assert VERSION != "dev"  # installed: the distribution's version
+    # The router runs from the control-plane image, the operator's own, with the router command.
     assert _images({}, DefaultImages()) == {"engine": f"kubelora-engine:{VERSION}",
-                                            "router": f"kubelora-router:{VERSION}"}
+                                            "router": f"kubelora-operator:{VERSION}"}
     assert OperatorSettings().images == DefaultImages()
+
+
+def test_the_router_deployment_runs_the_router_command_of_the_image():
+    body = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {"model": {"path": "/models/base"}, "router": {"enabled": True}}}
+    [router] = [m for m in build_pool_manifests(PoolSpec.from_body(body), OWNER, DefaultImages())
+                if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("router")]
+    [container] = router["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"kubelora-operator:{VERSION}" and container["args"][0] == "router"
+    assert "command" not in container  # the image's entrypoint, `kubelora`
 
 
 def test_flags_and_env_set_the_default_images(monkeypatch):

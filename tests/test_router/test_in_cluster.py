@@ -18,7 +18,7 @@ from pytest_cluster import wait_for
 from kubelora.operator.settings import VERSION
 
 # The image make images builds; its venv's python has aiohttp, so the fake engine runs on it too.
-ROUTER_IMAGE = f"kubelora-router:{VERSION}"
+ROUTER_IMAGE = f"kubelora-operator:{VERSION}"  # the control-plane image, with the router command
 
 FAKE_ENGINE = """
 import os
