@@ -1,4 +1,4 @@
-"""images/*/Dockerfile follow the conventions of issue 17 (multi-stage, pinned BASE, non-root, kubelora entrypoint,
+"""images/*/Dockerfile follow the image conventions (multi-stage, pinned BASE, non-root, kubelora entrypoint,
 OCI labels) and ship every package folder; .dockerignore lets exactly what the wheel needs into the context;
 the deps stage (the dependencies, minutes to build) is keyed on its own inputs only, so a code change keeps it.
 

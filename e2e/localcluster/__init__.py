@@ -1,1 +1,1 @@
-"""`e2e/cluster`: a real Kubernetes control plane on this machine (issue 5)."""
+"""`e2e/cluster`: a real Kubernetes control plane on this machine."""

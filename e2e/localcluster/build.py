@@ -20,7 +20,7 @@ def has_all_binaries(bin_dir: Path) -> bool:
 def ensure_binaries() -> Path:
     """Return the cached bin dir, building it first if any binary is missing.
 
-    Prints how long the check or the build took: CI budgets on the cold build (issue 5).
+    Prints how long the check or the build took: CI budgets on the cold build.
     """
     started = time.monotonic()
     bin_dir = config.bin_dir()

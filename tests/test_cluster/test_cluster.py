@@ -1,4 +1,4 @@
-"""The local control plane and kubelet behave like a cluster (issue 5).
+"""The local control plane and kubelet behave like a cluster.
 
 A Deployment of a small HTTP server scales 1 -> 3 -> 1; pods get distinct IPs on the
 bridge, become Ready through their probes, show up in the Service's EndpointSlices, answer

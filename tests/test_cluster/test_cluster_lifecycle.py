@@ -1,4 +1,4 @@
-"""The local cluster's own lifecycle (issue 18): the kubelet re-asserts pod status that others overwrote, `up`
+"""The local cluster's own lifecycle: the kubelet re-asserts pod status that others overwrote, `up`
 replaces an API server that is shutting down and refuses a cluster another checkout started, `down` removes only
 the network namespaces this cluster's kubelet made, and failures name the component and its log.
 

@@ -1,4 +1,4 @@
-"""Ready means routable, stale placement (issue 18), on a real API server with the router reached by pod IP
+"""Ready means routable, stale placement, on a real API server with the router reached by pod IP
 (the local cluster has no kube-proxy):
 
 - after an adapter turns `Ready`, the very next request through the router succeeds (every trial), and apply ->

@@ -1,4 +1,4 @@
-"""Status on a real API server (issue 18): transient failures heal, kstatus conditions, declared rank checked.
+"""Status on a real API server: transient failures heal, kstatus conditions, declared rank checked.
 
 - an adapter applied before its files exist is Loading (LoadRetrying) with the last error and the next retry
   time, and becomes Ready once the files are copied, without any spec edit;

@@ -1,4 +1,4 @@
-"""Bulk deletes cost what they must (issue 18): the deletion handler waits for the pool's reconcile instead of
+"""Bulk deletes cost what they must: the deletion handler waits for the pool's reconcile instead of
 unloading on its own, so each (pod, adapter) gets one unload, nothing is loaded, and deletes arriving together
 share passes. The real handlers and daemon run against fake engines and an in-memory API."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Out-of-band changes are repaired within seconds, not at the next resync (issue 18): the daemon watches each
+"""Out-of-band changes are repaired within seconds, not at the next resync: the daemon watches each
 ready pod's adapter set with the engine's long poll (watch.py) and reconciles when it moves."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The pool reconcile with a real router app in front (issue 18): the pass that loads an adapter publishes the
+"""The pool reconcile with a real router app in front: the pass that loads an adapter publishes the
 placement, the router reads it when asked (`GET /placement?min_revision=N&wait=S`), and the adapter is written
 Ready in that same pass; a router that cannot read its placement keeps it Loading/WaitingForRouters and asks
 for a pass in 1 s. The router's placement source reads the fake API server's ConfigMap, as the ConfigMap

@@ -1,4 +1,4 @@
-"""Ready means routable, stale placement (issue 18), without a cluster: an adapter is Ready once every ready router
+"""Ready means routable, stale placement, without a cluster: an adapter is Ready once every ready router
 took a placement revision listing it; a router behind for over 10 s makes the pool Degraded/RouterPlacementStale."""
 from __future__ import annotations
 

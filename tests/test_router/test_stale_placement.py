@@ -1,4 +1,4 @@
-"""Ready means routable, stale placement (issue 18): the operator's ack endpoint, a nudged read, the placement's
+"""Ready means routable, stale placement: the operator's ack endpoint, a nudged read, the placement's
 age in /ready and /metrics, and retries through every replica of a stale view."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adapter loads are bounded (issue 16): a download has one deadline for the whole adapter, an unload never
+"""Adapter loads are bounded: a download has one deadline for the whole adapter, an unload never
 waits behind loads of other adapters, a load whose client left still ends with a log line, and oversized or
 short adapter files are refused before they are read."""
 

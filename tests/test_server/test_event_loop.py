@@ -1,4 +1,4 @@
-"""The event loop never does unbounded work (issue 16): a huge prompt is refused by a character bound before
+"""The event loop never does unbounded work: a huge prompt is refused by a character bound before
 any tokenizing while `/health` keeps answering within 100 ms, and memory is not retained afterwards.
 
 The live server runs in a thread of this process; the clients run in other threads, with their bodies built

@@ -1,4 +1,4 @@
-"""`GET /v1/models` reports what the operator places by (issue 18): each adapter's device pool bytes at its own
+"""`GET /v1/models` reports what the operator places by: each adapter's device pool bytes at its own
 rank, and the base card's device adapter pool budget."""
 
 from __future__ import annotations

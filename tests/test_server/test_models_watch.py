@@ -1,5 +1,5 @@
 """`GET /v1/models` tags the adapter set (`ETag`) and, on the admin port, waits for a change with
-`?changed_since=` (issue 18): the operator learns of an adapter unloaded or loaded behind its back within a
+`?changed_since=`: the operator learns of an adapter unloaded or loaded behind its back within a
 second, without polling."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No secrets in open endpoints (issue 16): the serving port's `GET /v1/models` redacts the query string of an
+"""No secrets in open endpoints: the serving port's `GET /v1/models` redacts the query string of an
 adapter's source and shows no local path, token or not; the admin port shows both to the admin token;
 `source_digest` identifies the full source for every caller. Adapter names with path segments such as `..` are
 refused."""
