@@ -15,6 +15,7 @@ or missed by how much. With `--checkpoint FILE` one run can span several process
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import tempfile
 import time
@@ -27,6 +28,7 @@ from kubelora.bench.engine_checkpoint import UNFINISHED_EXIT, Checkpoint, Checkp
 from kubelora.bench.engine_device import copy_bandwidth, environment, free_device, matmul_flops
 from kubelora.bench.engine_plan import DEFAULT_SCENARIOS, SCENARIOS, EngineBenchConfig, adapter_plan
 from kubelora.bench.engine_report import BenchResult, render_markdown
+from kubelora.engine.server.config import engine_switches_from_env
 
 
 def prepare_model(config: EngineBenchConfig, model_dir: Path) -> tuple[Path, ModelShape]:
@@ -184,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
         device=args.device, shape=shape, scenarios=scenarios, copy_bytes=args.copy_mib << 20,
         hf_timeout_s=args.hf_timeout, server_timeout_s=args.server_timeout, is_eager=args.enforce_eager,
         is_profiled=args.profile, max_num_batched_tokens=args.max_num_batched_tokens,
+        engine_switches=tuple(sorted(engine_switches_from_env(os.environ).items())),
         **{k: getattr(args, k) for k in (*_INT_FLAGS, *_LIST_FLAGS)})
 
 

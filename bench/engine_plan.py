@@ -55,6 +55,9 @@ class EngineBenchConfig:
     is_profiled: bool = False
     profile_steps: int = 20
     max_num_batched_tokens: int | None = None  # None: EngineConfig's default (the server's too)
+    # EngineConfig switches of every offline engine (from KUBELORA_GEMV, KUBELORA_BLAS, ... at the entry point;
+    # the server row's engine reads the same variables itself)
+    engine_switches: tuple[tuple[str, object], ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:

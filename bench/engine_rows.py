@@ -98,7 +98,7 @@ class EngineRows:
 
         c = self.config
         common = {"device": c.device, "dtype": "bfloat16" if is_cuda(c.device) else "auto",
-                  "max_model_len": c.max_model_len, "enforce_eager": c.is_eager}
+                  "max_model_len": c.max_model_len, "enforce_eager": c.is_eager, **dict(c.engine_switches)}
         if c.max_num_batched_tokens:
             common["max_num_batched_tokens"] = c.max_num_batched_tokens
         start = time.perf_counter()

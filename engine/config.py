@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BLAS_LIBRARIES = ("cublaslt", "cublas")
 DEFAULT_CPU_LORAS = 4  # the CPU pool's default size, in adapters of max_lora_rank, when max_loras is not set
 
 
@@ -27,6 +28,11 @@ class EngineConfig:
     - lora_time_slice_steps: while requests wait for room in the device adapter pool, the steps an adapter keeps
       its room before its requests pause (KV cache kept) so waiting adapters take turns (engine/scheduler.py).
     - enforce_eager: run every step eagerly (no CUDA graphs; vLLM's name). CUDA graphs are only used on CUDA.
+    - use_gemv: one-token steps on CUDA run their projections as the Triton GEMV (kernels/gemv.py); False: cuBLAS.
+    - use_prefill_graphs: a lone sequence's short prefill chunk replays a CUDA graph (engine/prefill_graph.py).
+    - use_staged_shrink: LoRA decode steps on the static path with the Triton backend compute their shrink in the
+      base matmul (engine/adapters/staging.py).
+    - blas_library: the library PyTorch's CUDA matmuls use, "cublaslt" or "cublas" (engine/setup.py: configure_blas).
     - async_scheduling: schedule the next step and queue its forward pass before reading this one's sampled ids
       back, so host work overlaps the device (vLLM's name); None (default): on CUDA, off on CPU.
     - is_base_model_strict: reject (True) or warn about (False) an adapter whose base_model_name_or_path
@@ -53,6 +59,10 @@ class EngineConfig:
     lora_backend: str | None = None
     is_base_model_strict: bool = False
     enforce_eager: bool = False
+    use_gemv: bool = True
+    use_prefill_graphs: bool = True
+    use_staged_shrink: bool = True
+    blas_library: str = BLAS_LIBRARIES[0]
     async_scheduling: bool | None = None
     num_loader_threads: int = 2
     served_model_name: str | None = None
@@ -82,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"lora_pool_fraction must be in (0, 1), got {self.lora_pool_fraction}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.blas_library not in BLAS_LIBRARIES:
+            raise ValueError(f"blas_library must be one of {', '.join(BLAS_LIBRARIES)}, got {self.blas_library!r}")
         if self.lora_backend not in (None, "torch", "triton"):
             raise ValueError(f"lora_backend must be 'torch', 'triton' or None (auto), got {self.lora_backend!r}")
 

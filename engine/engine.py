@@ -77,7 +77,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = setup.resolve_dtype(config)
-        setup.configure_blas(self.device)  # before the warm-up and the graphs pick their kernels
+        setup.configure_blas(self.device, self.config.blas_library)  # before the warm-up and the graphs pick their kernels
         hf_config = load_hf_config(config.model_dir)
         self.model_config = model_config_from_hf(hf_config, config.model_dir)
         self.model_name = config.served_model_name or self.model_config.name
@@ -145,7 +145,7 @@ class LLMEngine:
         kv_cache = setup.allocate_kv_cache(self.config, self.model_config, self.dtype, self.num_kv_blocks + 1,
                                            self.device)
         model = DecoderModel(self.model_config, weights, RotaryEmbedding(inv_freq, attention_scaling, self.device),
-                             kv_cache, pool.layer_buffers())
+                             kv_cache, pool.layer_buffers(), use_gemv=self.config.use_gemv)
         lora_backend = setup.resolve_lora_backend(self.config)
         runner_config = RunnerConfig(device=self.device, block_size=self.config.kv_block_size,
                                      lora_backend=lora_backend, is_paged_attention=self.device.type == "cuda",

@@ -12,7 +12,7 @@ Base-model graphs are captured at start-up for every bucket. Graphs for adapters
 (projection kinds, rank lanes) and captured while the engine is idle for the registered adapters' common shapes
 (engine/engine.py: capture_pending_graphs), never on a request's path: a chunk whose graph is not captured runs
 eagerly. Batches of several sequences, longer chunks and chunks asking for prompt logprobs or logits run eagerly.
-`KUBELORA_PREFILL_GRAPHS=0` (or `--enforce-eager`) turns this off.
+`EngineConfig.use_prefill_graphs=False` (`--no-prefill-graphs`, or `--enforce-eager`) turns this off.
 
 Off CUDA (tests) the same static path runs eagerly: `StaticPrefill(..., use_graphs=False)`.
 """
@@ -20,7 +20,6 @@ Off CUDA (tests) the same static path runs eagerly: `StaticPrefill(..., use_grap
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -29,12 +28,7 @@ from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContex
 from kubelora.engine.prefill_inputs import PrefillInputs, PrefillKey, PrefillStep, prefill_key
 
 log = logging.getLogger(__name__)
-PREFILL_GRAPHS_ENV = "KUBELORA_PREFILL_GRAPHS"  # 0: every prefill eager
 MAX_PREFILL_GRAPH_TOKENS = 512  # the largest bucket; longer chunks are compute-bound, their launches a small share
-
-
-def is_prefill_graphs_enabled() -> bool:
-    return os.environ.get(PREFILL_GRAPHS_ENV, "1") != "0"
 
 
 def prefill_buckets(max_num_batched_tokens: int) -> list[int]:

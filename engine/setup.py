@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 
 from kubelora.engine.adapters.pool import DeviceLoRAPool
-from kubelora.engine.adapters.staging import ROWS_PER_SLICE, STAGED_KINDS, ShrinkStaging, is_staging_enabled
+from kubelora.engine.adapters.staging import ROWS_PER_SLICE, STAGED_KINDS, ShrinkStaging
 from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
 from kubelora.engine.decode_inputs import DecodeInputs
 from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import KVCache
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.model.llama import DecoderModel
-from kubelora.engine.prefill_graph import StaticPrefill, is_prefill_graphs_enabled, prefill_buckets
+from kubelora.engine.prefill_graph import StaticPrefill, prefill_buckets
 from kubelora.engine.prefill_inputs import PrefillInputs
 
 log = logging.getLogger(__name__)
 CPU_KV_CAP_BYTES = 4 << 30
-BLAS_ENV = "KUBELORA_BLAS"  # the matmul library on CUDA: cublaslt (the default) or cublas
-BLAS_LIBRARIES = ("cublaslt", "cublas")
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -114,8 +111,8 @@ def uses_static_decode(config: EngineConfig) -> bool:
 
 def uses_staged_shrink(config: EngineConfig) -> bool:
     """LoRA decode steps compute their shrink in the base matmul (engine/adapters/staging.py): on the static decode
-    path with the Triton LoRA backend, unless KUBELORA_STAGED_SHRINK=0."""
-    return uses_static_decode(config) and resolve_lora_backend(config) == "triton" and is_staging_enabled()
+    path with the Triton LoRA backend, unless use_staged_shrink is off."""
+    return uses_static_decode(config) and resolve_lora_backend(config) == "triton" and config.use_staged_shrink
 
 
 def staged_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
@@ -148,8 +145,8 @@ def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_le
 
 def build_static_prefill(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
                          lora_backend: str, use_graphs: bool | None = None) -> StaticPrefill | None:
-    """The static prefill path (None when KUBELORA_PREFILL_GRAPHS=0); on CUDA captures every bucket's base graph now."""
-    if not is_prefill_graphs_enabled():
+    """The static prefill path (None when use_prefill_graphs is off); on CUDA captures every bucket's base graph now."""
+    if not config.use_prefill_graphs:
         return None
     device = torch.device(config.device)
     inputs = PrefillInputs(max_tokens=prefill_buckets(config.max_num_batched_tokens)[-1],
@@ -176,22 +173,14 @@ def _capture_base(graphs: StaticDecoder | StaticPrefill, device: torch.device, w
              what, graphs.buckets, graphs.capture_seconds, used / (1 << 30))
 
 
-def blas_library() -> str:
-    """The library PyTorch's CUDA matmuls use: KUBELORA_BLAS, else cuBLASLt. On an H200 at the 7B shape cuBLASLt
-    runs the down projection of a 64-token decode step in 25.9 us a layer where cuBLAS picks a split-K kernel
-    taking 30.1, and equals it on the other projections (docs/benchmarks-engine.md, "Batch 1 and the matmul library")."""
-    name = os.environ.get(BLAS_ENV, BLAS_LIBRARIES[0]).strip().lower()
-    if name not in BLAS_LIBRARIES:
-        raise ValueError(f"{BLAS_ENV} must be one of {', '.join(BLAS_LIBRARIES)}, got {name!r}")
-    return name
-
-
-def configure_blas(device: torch.device) -> str | None:
-    """Choose the CUDA matmul library (a process-wide PyTorch setting) before any graph is captured: a captured
-    graph keeps the kernels chosen at capture. None off CUDA."""
+def configure_blas(device: torch.device, name: str) -> str | None:
+    """Choose the CUDA matmul library `name` (EngineConfig.blas_library; a process-wide PyTorch setting) before any
+    graph is captured: a captured graph keeps the kernels chosen at capture. None off CUDA. cuBLASLt is the default:
+    on an H200 at the 7B shape it runs the down projection of a 64-token decode step in 25.9 us a layer where cuBLAS
+    picks a split-K kernel taking 30.1, and equals it on the other projections (docs/benchmarks-engine.md, "Batch 1
+    and the matmul library")."""
     if device.type != "cuda":
         return None
-    name = blas_library()
     torch.backends.cuda.preferred_blas_library(name)
     log.info("CUDA matmuls through %s", name)
     return name

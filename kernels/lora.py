@@ -13,12 +13,11 @@ Semantics, for every token t whose step slot a = token_slots[t] >= 0 and every s
 Tokens with slot -1 and slices with rank 0 leave y untouched. `LoRAStep` (once per step) and `LoRAProj`
 (once per step and projection kind) are packed on the host by `prepare_*`, copied to the device in one
 transfer each, and shared by every layer. `add_lora` dispatches to the reference (`add_lora_torch`) or to
-the Triton kernels (`kernels/lora_triton.py`); `default_backend` reads `KUBELORA_LORA_BACKEND`.
+the Triton kernels (`kernels/lora_triton.py`); `default_backend` is a device's when the engine's config names none.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,7 +25,6 @@ import numpy as np
 import torch
 
 BACKENDS = ("torch", "triton")
-BACKEND_ENV = "KUBELORA_LORA_BACKEND"
 # Token tile heights of the Triton kernels (tl.dot needs >= 16 rows). A step takes the smallest height that
 # cuts its slot groups into at most MAX_TILES tiles (a long segment is cut into several tiles of its slot):
 # decode steps take 16 (one tile per adapter), one adapter with 64..512 tokens still 16 (more programs,
@@ -249,13 +247,8 @@ def _slice_delta(x: torch.Tensor, a_pool: torch.Tensor, b_pool: torch.Tensor, pr
 
 
 def default_backend(device: torch.device | str) -> str:
-    """The LoRA backend from `KUBELORA_LORA_BACKEND` (torch|triton); unset: triton on CUDA, torch elsewhere."""
-    value = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if not value:
-        return "triton" if torch.device(device).type == "cuda" else "torch"
-    if value not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={value!r} is not allowed: use one of {', '.join(BACKENDS)}")
-    return value
+    """The LoRA backend a device runs when none is named: triton on CUDA, torch elsewhere."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
 def add_lora(

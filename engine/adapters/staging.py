@@ -20,21 +20,15 @@ on the current stream, so they follow the steps in flight that read the rows the
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kubelora.engine.adapters.pool import DeviceLoRAPool, RowAllocator, SlotView
 
-STAGE_ENV = "KUBELORA_STAGED_SHRINK"  # 0: every LoRA decode step runs its shrink launches
 STAGED_KINDS = ("qkv", "o")
 ROWS_PER_SLICE = 1024  # staging capacity at most: this many rows per module (64 adapters of rank 16)
 MIN_BUCKET = 64
-
-
-def is_staging_enabled() -> bool:
-    return os.environ.get(STAGE_ENV, "1") != "0"
 
 
 def stage_bucket(rows: int, capacity: int) -> int:

@@ -7,12 +7,11 @@ state so that each residual add is fused with the RMSNorm after it; on CUDA the 
 RMSNorm, SiLU x mul, rotary with the KV-cache write) are one Triton launch each (kernels/fused.py), elsewhere
 their PyTorch references, which compute what transformers computes. On CUDA a step of one
 token (decode at batch 1) runs its projections as weight-streaming Triton GEMVs (kernels/gemv.py) instead of
-cuBLAS; `KUBELORA_GEMV=0` keeps cuBLAS.
+cuBLAS; `use_gemv=False` (EngineConfig) keeps cuBLAS.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,6 @@ from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
 from kubelora.kernels.lora_rotary import add_lora_rotary_kv_cache_, is_expand_rotary
 
 
-GEMV_ENV = "KUBELORA_GEMV"
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class DecoderModel:
     def __init__(self, config: ModelConfig, weights: ModelWeights, rope: RotaryEmbedding, kv_cache: KVCache,
-                 lora_buffers: list[LayerLoRABuffers]) -> None:
+                 lora_buffers: list[LayerLoRABuffers], use_gemv: bool = True) -> None:
         self.config = config
         self.weights = weights
         self.rope = rope
@@ -83,8 +81,7 @@ class DecoderModel:
         self.scale = config.head_dim**-0.5
         self.windows = set(config.sliding_windows)
         self.is_fused = weights.embed.is_cuda  # Triton small ops (kernels/fused.py) on CUDA
-        # Triton GEMVs for one-token steps (kernels/gemv.py), on CUDA unless KUBELORA_GEMV=0
-        self.is_gemv = self.is_fused and os.environ.get(GEMV_ENV, "1") != "0"
+        self.is_gemv = self.is_fused and use_gemv  # Triton GEMVs for one-token steps (kernels/gemv.py) on CUDA
 
     @property
     def dtype(self) -> torch.dtype:
@@ -158,7 +155,7 @@ class DecoderModel:
         return qkv[:, : cfg.num_heads * cfg.head_dim].view(-1, cfg.num_heads, cfg.head_dim)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T + b: a single-row Triton GEMV for one-token steps on CUDA (unless KUBELORA_GEMV=0), else cuBLAS."""
+        """x W^T + b: a single-row Triton GEMV for one-token steps on CUDA (unless use_gemv is off), else cuBLAS."""
         if self.is_gemv and x.shape[0] == 1:
             return gemv.linear(x, weight, bias)
         return F.linear(x, weight, bias)

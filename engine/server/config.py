@@ -37,6 +37,10 @@ def is_valid_adapter_name(name: str) -> bool:
 _setting = functools.partial(Setting, env_prefix=ENV_PREFIX)
 
 
+def _lower(text: str) -> str:
+    return text.strip().lower()
+
+
 def _lora(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -62,6 +66,14 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--enforce-eager", parse_bool, "run every step eagerly, without CUDA graphs", is_switch=True),
     _setting("--async-scheduling", parse_bool,
              "queue the next step before reading this one's tokens back (default: on CUDA)", is_switch=True),
+    _setting("--gemv", parse_bool, "one-token steps on CUDA through the Triton GEMV (off: cuBLAS)", is_switch=True,
+             config_field="use_gemv"),
+    _setting("--prefill-graphs", parse_bool, "a lone sequence's short prefill replays a CUDA graph", is_switch=True,
+             config_field="use_prefill_graphs"),
+    _setting("--staged-shrink", parse_bool, "LoRA decode steps compute their shrink in the base matmul (Triton, CUDA)",
+             is_switch=True, config_field="use_staged_shrink"),
+    _setting("--lora-backend", _lower, "LoRA kernels: triton or torch (default: triton on CUDA, torch elsewhere)"),
+    _setting("--blas", _lower, "CUDA matmul library: cublaslt or cublas", config_field="blas_library"),
     _setting("--host", str, "listen address", default="0.0.0.0"),
     _setting("--port", int, "serving port: the OpenAI API, the public model list, health, metrics", default=8000),
     _setting("--admin-port", int, "admin port: adapter load/unload and the operator's model list", default=8001),
@@ -80,6 +92,16 @@ SETTINGS: tuple[Setting, ...] = (
 # Rows named like an EngineConfig field fill it (EngineConfig keeps their defaults and range checks); the rest
 # are the server's own.
 ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig))
+# The engine's execution switches: also read from the environment by the entry points that build an EngineConfig
+# without the server's flags (the offline rows of `kubelora bench engine`).
+ENGINE_SWITCHES = ("--gemv", "--prefill-graphs", "--staged-shrink", "--lora-backend", "--blas")
+
+
+def engine_switches_from_env(environ: Mapping[str, str]) -> dict[str, object]:
+    """EngineConfig fields of the ENGINE_SWITCHES set in `environ` (KUBELORA_GEMV=0, KUBELORA_LORA_BACKEND=torch,
+    KUBELORA_BLAS=cublas, ...)."""
+    rows = [s for s in SETTINGS if s.flag in ENGINE_SWITCHES]
+    return {s.field_name: s.parse(environ[s.env]) for s in rows if s.env in environ}
 REQUIRED = ("--model", "--max-lora-rank", "--max-cpu-loras", "--max-model-len")
 
 

@@ -71,7 +71,7 @@ def test_overlapped_steps_give_the_tokens_of_sync_steps(llama, prompt_ids, enfor
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_graphs_give_the_eager_prefill_tokens(llama, prompt_ids, monkeypatch, dtype):
     """One request at a time (each prefill one sequence's, padded to its token bucket): the same greedy tokens
-    with the prefill graphs as with eager prefills (KUBELORA_PREFILL_GRAPHS=0); each request's one prefill
+    with the prefill graphs as with eager prefills (use_prefill_graphs=False); each request's one prefill
     replayed a graph (generate captures the adapters' graphs first). Counted per request: start-up's own warm-up
     requests (engine/warmup.py) replay the base graph too, before any request of the test."""
     from kubelora.engine import graph_plan, prefill_graph
@@ -83,8 +83,8 @@ def test_prefill_graphs_give_the_eager_prefill_tokens(llama, prompt_ids, monkeyp
     run = prefill_graph.StaticPrefill.run
     monkeypatch.setattr(prefill_graph.StaticPrefill, "run", lambda self, *a: runs.append(1) or run(self, *a))
     for enabled in ("0", "1"):
-        monkeypatch.setenv(prefill_graph.PREFILL_GRAPHS_ENV, enabled)
-        llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_num_seqs=32, device="cuda", dtype=dtype)
+        llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_num_seqs=32, device="cuda", dtype=dtype,
+                  use_prefill_graphs=enabled == "1")
         for name in names[1:]:
             llm.load_adapter(name, llama.adapters[name])
         try:

@@ -221,12 +221,14 @@ def test_warm_up_requests_leave_the_engine_as_new(llama, prompt_ids):
         small.close()
 
 
-def test_the_matmul_library_is_cublaslt_unless_the_environment_names_another(monkeypatch):
-    monkeypatch.delenv(setup.BLAS_ENV, raising=False)
-    assert setup.blas_library() == "cublaslt"
-    monkeypatch.setenv(setup.BLAS_ENV, " cuBLAS ")
-    assert setup.blas_library() == "cublas"
-    assert setup.configure_blas(torch.device("cpu")) is None  # a CUDA setting only
-    monkeypatch.setenv(setup.BLAS_ENV, "rocblas")
+def test_the_matmul_library_is_cublaslt_unless_the_entry_point_names_another():
+    from kubelora.engine.config import EngineConfig
+    from kubelora.engine.server.config import engine_switches_from_env
+
+    assert EngineConfig(model_dir="m").blas_library == "cublaslt"
+    assert engine_switches_from_env({"KUBELORA_BLAS": " cuBLAS "}) == {"blas_library": "cublas"}
+    assert engine_switches_from_env({"KUBELORA_GEMV": "0", "KUBELORA_PREFILL_GRAPHS": "1"}) == {
+        "use_gemv": False, "use_prefill_graphs": True}
+    assert setup.configure_blas(torch.device("cpu"), "cublas") is None  # a CUDA setting only
     with pytest.raises(ValueError, match="cublaslt, cublas"):
-        setup.blas_library()
+        EngineConfig(model_dir="m", blas_library="rocblas")

@@ -1,4 +1,4 @@
-"""The engine with KUBELORA_LORA_BACKEND=triton (Triton's CPU interpreter, float32) gives the outputs of the
+"""The engine with lora_backend="triton" (Triton's CPU interpreter, float32) gives the outputs of the
 torch backend: a tiny Llama (GQA: q 64 wide, k/v 32), adapters of odd ranks 3, 12 and 24 on attention and
 MLP projections, a mixed batch with base-model requests, a prompt long enough for prefill-shaped tiles."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubelora.kernels.lora import BACKEND_ENV
 from lora_problems import count_calls, run_tiny, write_tiny
 
 # name -> (rank, alpha, targets)
@@ -28,10 +27,9 @@ def tiny(tmp_path_factory):
 def generate(tiny, monkeypatch, backend: str):
     from kubelora.engine import SamplingParams
 
-    monkeypatch.setenv(BACKEND_ENV, backend)
     prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, return_logits=True)
-    return run_tiny(tiny, prompts, params, BATCH, max_loras=3, max_lora_rank=24)[0]
+    return run_tiny(tiny, prompts, params, BATCH, max_loras=3, max_lora_rank=24, lora_backend=backend)[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine on CPU needs Triton's interpreter (set without CUDA)")
@@ -41,7 +39,7 @@ def test_triton_backend_matches_torch_backend(triton_backend, monkeypatch, tiny)
     expected = generate(tiny, monkeypatch, "torch")
     assert not calls
     got = generate(tiny, monkeypatch, "triton")
-    assert calls, "the engine did not take the triton backend from KUBELORA_LORA_BACKEND"
+    assert calls, "the engine did not take the triton backend from its config"
     for name, want, have in zip(BATCH, expected, got):
         assert have.token_ids == want.token_ids, name
         torch.testing.assert_close(have.prompt_logits, want.prompt_logits, rtol=1e-4, atol=1e-4)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kubelora.kernels.lora import (
-    BACKEND_ENV,
     MAX_TILES,
     add_lora,
     add_lora_torch,
@@ -81,22 +80,21 @@ def test_projs_of_several_kinds_share_one_buffer():
     assert projs["down"].max_rank == (0,)
 
 
-@pytest.mark.parametrize(
-    ("value", "device", "expected"),
-    [(None, "cpu", "torch"), (None, "cuda", "triton"), ("torch", "cuda", "torch"), ("Triton", "cpu", "triton")],
-)
-def test_default_backend(monkeypatch, value, device, expected):
-    if value is None:
-        monkeypatch.delenv(BACKEND_ENV, raising=False)
-    else:
-        monkeypatch.setenv(BACKEND_ENV, value)
+@pytest.mark.parametrize(("device", "expected"), [("cpu", "torch"), ("cuda", "triton"), ("cuda:1", "triton")])
+def test_default_backend(device, expected):
     assert default_backend(device) == expected
 
 
-def test_default_backend_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match=f"{BACKEND_ENV}.*torch, triton"):
-        default_backend("cpu")
+@pytest.mark.parametrize(("value", "expected"), [("torch", "torch"), (" Triton ", "triton")])
+def test_the_backend_is_named_at_the_entry_point(value, expected):
+    from kubelora.engine.config import EngineConfig
+    from kubelora.engine.server.config import engine_switches_from_env
+
+    switches = engine_switches_from_env({"KUBELORA_LORA_BACKEND": value})
+    assert switches == {"lora_backend": expected}
+    assert EngineConfig(model_dir="m", **switches).lora_backend == expected
+    with pytest.raises(ValueError, match="lora_backend must be 'torch', 'triton'"):
+        EngineConfig(model_dir="m", **engine_switches_from_env({"KUBELORA_LORA_BACKEND": "cuda"}))
 
 
 def test_add_lora_rejects_unknown_backend():

@@ -11,7 +11,6 @@ import torch
 
 from kubelora.engine import setup
 from kubelora.engine.adapters import staging
-from kubelora.kernels.lora import BACKEND_ENV
 from lora_problems import count_calls, run_tiny, write_tiny
 
 ADAPTERS = {"r3-qv": (3, 6, "q_proj,v_proj"), "r12-all": (12, 24, "all-linear"),
@@ -27,8 +26,6 @@ def tiny(tmp_path_factory):
 def generate(tiny, monkeypatch, backend: str, is_static: bool, is_staged: bool, rows_per_slice: int = 64):
     from kubelora.engine import SamplingParams
 
-    monkeypatch.setenv(BACKEND_ENV, backend)
-    monkeypatch.setenv(staging.STAGE_ENV, "1" if is_staged else "0")
     monkeypatch.setattr(setup, "uses_static_decode", lambda config: is_static)
     monkeypatch.setattr(setup, "ROWS_PER_SLICE", rows_per_slice)
     prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(3 + i % 4)] for i in range(len(BATCH))]
@@ -40,7 +37,8 @@ def generate(tiny, monkeypatch, backend: str, is_static: bool, is_staged: bool, 
         assert (llm.engine._staging is not None) == is_staged
         return llm.engine._staging.num_copies if is_staged else 0
 
-    return run_tiny(tiny, prompts, params, BATCH, inspect=copies, max_loras=4, max_lora_rank=24, max_num_seqs=16)
+    return run_tiny(tiny, prompts, params, BATCH, inspect=copies, max_loras=4, max_lora_rank=24, max_num_seqs=16,
+                    lora_backend=backend, use_staged_shrink=is_staged)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine on CPU needs Triton's interpreter (set without CUDA)")
