@@ -10,6 +10,7 @@ Anything else that escapes a handler is a bug.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 
 
@@ -95,9 +96,26 @@ class ModelNotFound(ServiceError):
 
 
 class Unauthorized(ServiceError):
-    """An admin endpoint called without the bearer token it requires."""
+    """An admin endpoint called without the bearer token it requires; a serving request without a valid API key
+    where the pool requires one."""
 
     type = "unauthorized"
+
+
+class PermissionDenied(ServiceError):
+    """The request's API key may not call the model it names (whether or not that model exists)."""
+
+    type = "permission_denied"
+
+
+class RateLimited(ServiceError):
+    """The request's API key is over its requests or tokens per minute; `retry_after_s` until it is not."""
+
+    type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, param=None, code="rate_limit_exceeded",
+                         headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
 class AdapterSourceError(ServiceError):

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from kubelora.contract.errors import (
     AdapterChanged, AdapterError, AdapterExists, AdapterSourceError, AdapterUnavailable, AdapterUnloading, BadGateway,
-    EngineFault, InvalidRequest, ModelNotFound, PromptTooLong, QueueFull, RequestFailed, ServiceError, TooManyWatches,
-    Unauthorized, Unavailable, UnknownAdapter)
+    EngineFault, InvalidRequest, ModelNotFound, PermissionDenied, PromptTooLong, QueueFull, RateLimited, RequestFailed,
+    ServiceError, TooManyWatches, Unauthorized, Unavailable, UnknownAdapter)
 
 log = logging.getLogger("kubelora.engine.http")
 
@@ -67,6 +67,8 @@ RULES: dict[type[ServiceError], HttpRule] = {
     InvalidRequest: HttpRule(400, "invalid_request_error"),
     PromptTooLong: HttpRule(413, "prompt_too_long", code="context_length_exceeded"),
     Unauthorized: HttpRule(401, "authentication_error", code="invalid_api_key"),
+    PermissionDenied: HttpRule(403, "permission_error"),
+    RateLimited: HttpRule(429, "rate_limit_error"),
     ModelNotFound: HttpRule(404, "not_found_error"),
     UnknownAdapter: HttpRule(404, "not_found_error", param="model", code="model_not_found"),
     AdapterUnloading: HttpRule(404, "not_found_error", param="model"),
