@@ -26,7 +26,7 @@ import hmac
 import json
 import re
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kubelora.contract.errors import PermissionDenied, Unauthorized
@@ -97,11 +97,16 @@ class KeyTable:
         text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def authorize(self, authorization: str | None) -> KeyGrant | None:
-        """The grant of the request's key (None when the pool asks for none); 401 without a known key. The answer
-        is the same for a missing, malformed, unknown or revoked key."""
+    def authorize(self, authorizations: Sequence[str]) -> KeyGrant | None:
+        """The grant of the request's key, from its `Authorization` header values (None when the pool asks for
+        none); 401 without a known key. The answer is the same for a missing, malformed, unknown or revoked key;
+        a repeated header is refused (proxies disagree on which copy counts)."""
         if not self.required:
             return None
+        if len(authorizations) > 1:
+            raise Unauthorized("send one 'Authorization' header, not several", param=None, code="invalid_api_key",
+                               headers=_UNAUTHORIZED_HEADERS)
+        authorization = authorizations[0] if authorizations else None
         scheme, _, key = (authorization or "")[:MAX_HEADER_CHARS + 1].partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key or len(authorization or "") > MAX_HEADER_CHARS:

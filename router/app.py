@@ -1,7 +1,7 @@
 """The router's aiohttp application: OpenAI inference routes, `/v1/models`, probes and metrics.
 
-    POST /v1/completions, /v1/chat/completions  -> routing.route(model) -> proxy.forward
-    GET  /v1/models                              -> the base model and the pool's adapters, from the placement
+    POST /v1/completions, /v1/chat/completions  -> key check -> routing.route(model) -> proxy.forward
+    GET  /v1/models                              -> the base model and the pool's adapters the key may call
     GET  /placement                              -> the revision routed on and its age (the operator's ack)
     GET  /health, /ready, /metrics
 """
@@ -22,10 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubelora.contract.errors import InvalidRequest, ModelNotFound, ServiceError, Unavailable
 from kubelora.contract.http_errors import HANDLER_ARGS, error_middleware, refuse_encoded_bodies, to_http
+from kubelora.contract.keys import KeyGrant, visible_models
 from kubelora.contract.http_logs import redact_aiohttp_logs
 from kubelora.contract.logs import log_event
 from kubelora.router import routing
 from kubelora.router.config import RouterConfig
+from kubelora.router.limits import KeyLimits, estimate_tokens
+from kubelora.router.placement import Placement
 from kubelora.router.metrics import RouterMetrics, RouterSnapshot
 from kubelora.router.proxy import InFlight, Unreachable, forward
 from kubelora.router.sources import PlacementSource, PlacementStore
@@ -46,6 +49,7 @@ class RouterState:
     session: aiohttp.ClientSession | None = None
     requests_seen: count = field(default_factory=count)  # rotates ties between idle replicas
     is_stale: bool = False  # /ready last found the placement past --max-placement-age (logged on each change)
+    limits: KeyLimits = field(default_factory=KeyLimits)
     metrics: RouterMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,18 +98,40 @@ async def _lifetime(app: web.Application) -> AsyncIterator[None]:
     await state.session.close()
 
 
-def _requested_model(body: bytes) -> str:
+def _parse_body(body: bytes) -> dict:
     try:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise InvalidRequest("request body is not valid JSON", param=None, code="invalid_json") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object", param=None, code="invalid_type")
+    return payload
+
+
+def _requested_model(payload: dict) -> str:
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("field 'model' is required: the base model's name or an adapter of the pool",
                              param="model", code="missing_field")
     return model
+
+
+def _placement(state: RouterState) -> Placement:
+    placement = state.store.placement
+    if placement is None:
+        raise Unavailable("the pool's placement is not loaded yet", code="placement_not_loaded",
+                          headers={"Retry-After": RETRY_AFTER_S})
+    return placement
+
+
+def _metric_model(placement: Placement, body: bytes) -> str:
+    """The refused request's model as a metric label: a name the pool serves, else "other" (a label taken from
+    any client's text would grow without bound). Never the key."""
+    try:
+        model = _parse_body(body).get("model")
+    except InvalidRequest:
+        model = None
+    return model if model == placement.base_model or model in placement.adapters else "other"
 
 
 def _route(state: RouterState, model: str) -> routing.Route:
@@ -124,10 +150,23 @@ def _route(state: RouterState, model: str) -> routing.Route:
 
 
 async def handle_inference(request: web.Request) -> web.StreamResponse:
+    """The key is checked before the body is parsed (a 401 says nothing about the request), the model before
+    routing (a 403 is the same whether or not the model exists), the key's rates last."""
     state = request.app[STATE]
     try:
         body = await request.read()
-        model = _requested_model(body)
+        placement = _placement(state)
+        try:
+            grant = placement.api_keys.authorize(request.headers.getall("Authorization", []))
+            payload = _parse_body(body)
+            model = _requested_model(payload)
+            placement.api_keys.check(grant, model, placement.base_model)
+            if grant is not None:
+                state.limits.admit(grant, estimate_tokens(len(body), payload))
+        except ServiceError as exc:
+            if placement.api_keys.required and to_http(exc).status in (401, 403, 429):
+                state.metrics.key_refusals.labels(_metric_model(placement, body), str(to_http(exc).status)).inc()
+            raise
         route = _route(state, model)
     except ServiceError as exc:
         state.metrics.rejected.labels(to_http(exc).code).inc()
@@ -138,16 +177,18 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_models(request: web.Request) -> web.Response:
-    placement = request.app[STATE].store.placement
-    if placement is None:
-        raise Unavailable("the pool's placement is not loaded yet", code="placement_not_loaded",
-                          headers={"Retry-After": RETRY_AFTER_S})
-    created = int(request.app[STATE].store.loaded_at or 0)
-    cards = [{"id": placement.base_model, "object": "model", "created": created, "owned_by": "kubelora",
-              "root": placement.base_model, "parent": None}]
-    cards += [{"id": name, "object": "model", "created": created, "owned_by": "kubelora", "root": name,
-               "parent": placement.base_model, "replicas": list(placement.holders(name))}
-              for name in sorted(placement.adapters)]
+    """The base model and the adapters the request's key may call (every one when the pool requires no key)."""
+    state = request.app[STATE]
+    placement = _placement(state)
+    grant: KeyGrant | None = placement.api_keys.authorize(request.headers.getall("Authorization", []))
+    created = int(state.store.loaded_at or 0)
+    cards = []
+    for name in visible_models(grant, [placement.base_model, *sorted(placement.adapters)], placement.base_model):
+        card = {"id": name, "object": "model", "created": created, "owned_by": "kubelora", "root": name,
+                "parent": None if name == placement.base_model else placement.base_model}
+        if name != placement.base_model:
+            card["replicas"] = list(placement.holders(name))
+        cards.append(card)
     return web.json_response({"object": "list", "data": cards})
 
 

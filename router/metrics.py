@@ -23,6 +23,10 @@ class RouterMetrics:
                                 ["model", "pod", "decision"], registry=self.registry)
         self.rejected = Counter("kubelora_router_rejected_requests", "requests answered by the router itself",
                                 ["code"], registry=self.registry)
+        self.key_refusals = Counter("kubelora_router_key_refusals", "requests refused on their API key: 401 (no valid "
+                                    "key), 403 (a model the key may not call), 429 (over its rates), by the "
+                                    "model asked for (\"other\": one the pool does not serve); never by key",
+                                    ["model", "status"], registry=self.registry)
         self.upstream_errors = Counter("kubelora_router_upstream_errors",
                                        "replica failures: connect (retried on the next replica) or broken (after "
                                        "the first byte; the client sees the error)", ["pod", "kind"],

@@ -2,7 +2,10 @@
 
     {"pool": "p", "baseModel": "tiny-llama", "revision": 17,
      "replicas": [{"pod": "p-engine-abcde", "url": "http://10.244.0.7:8000", "ready": true}],
-     "adapters": {"tenant-a": ["p-engine-abcde"], "tenant-b": []}}
+     "adapters": {"tenant-a": ["p-engine-abcde"], "tenant-b": []},
+     "apiKeys": {"required": true, "keys": [{"digest": "<sha256 hex>", "adapters": ["tenant-a"], "baseModel": false}]}}
+
+`apiKeys` (kubelora.contract.keys) is absent for a pool that requires no keys.
 
 `parse_placement` turns that text into an immutable `Placement` or raises `ValueError` naming the field; the
 router keeps serving the previous placement when a new one does not parse.
@@ -14,6 +17,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from kubelora.contract.keys import OPEN, KeyTable, parse_table
 
 PLACEMENT_KEY = "placement.json"
 
@@ -32,6 +37,7 @@ class Placement:
     revision: int
     replicas: tuple[Replica, ...]
     adapters: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    api_keys: KeyTable = OPEN
 
     def ready_replicas(self) -> dict[str, Replica]:
         return {r.pod: r for r in self.replicas if r.is_ready}
@@ -78,4 +84,5 @@ def parse_placement(text: str) -> Placement:
                      base_model=_expect(raw.get("baseModel"), str, "baseModel"),
                      revision=_expect(raw.get("revision", 0), int, "revision"),
                      replicas=replicas,
-                     adapters=MappingProxyType(_parse_adapters(raw.get("adapters", {}))))
+                     adapters=MappingProxyType(_parse_adapters(raw.get("adapters", {}))),
+                     api_keys=parse_table(raw.get("apiKeys")))
