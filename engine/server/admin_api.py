@@ -23,6 +23,7 @@ from aiohttp import web
 from kubelora.contract.errors import InvalidRequest, ModelNotFound, Unauthorized
 from kubelora.contract.load import LoadRequest
 from kubelora.contract.logs import log_event
+from kubelora.engine.server.api_keys import GRANT, KeyGate, get_api_keys, may_see, put_api_keys
 from kubelora.engine.server.fields import parse_body
 from kubelora.engine.server.models_watch import ModelsWatch, adapter_set_tag, parse_wait_s
 from kubelora.engine.server.protocol import parse_load_adapter, parse_unload_adapter
@@ -96,9 +97,10 @@ def admin_auth_middleware(token: str | None):
 
 
 class AdminRoutes:
-    def __init__(self, get_serving: Callable[[], Serving], admin_token: str | None) -> None:
+    def __init__(self, get_serving: Callable[[], Serving], admin_token: str | None, keys: KeyGate) -> None:
         self._serving = get_serving
         self._token = admin_token
+        self._keys = keys
         self._watch = ModelsWatch()
 
     def add_public_to(self, app: web.Application) -> None:
@@ -112,6 +114,8 @@ class AdminRoutes:
         app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
+        app.router.add_put("/v1/api_keys", put_api_keys)
+        app.router.add_get("/v1/api_keys", get_api_keys)
 
     def _has_admin_token(self, request: web.Request) -> bool:
         return has_admin_token(request, self._token)
@@ -128,10 +132,12 @@ class AdminRoutes:
         if request.query.get("changed_since") is not None:
             raise InvalidRequest("waiting for a change ('changed_since') is served on the admin port only",
                                  param="changed_since", code="invalid_value")
-        return self._list(self._serving(), is_admin=False)
+        return self._list(self._serving(), is_admin=False, request=request)
 
     async def public_model(self, request: web.Request) -> web.Response:
-        return self._card(self._serving(), request.match_info["model_id"], is_admin=False)
+        serving, model_id = self._serving(), request.match_info["model_id"]
+        serving.resolve_model(model_id, request.get(GRANT))  # 403 for a model the key may not call
+        return self._card(serving, model_id, is_admin=False)
 
     async def models(self, request: web.Request) -> web.Response:
         """The served models, tagged (`ETag`) by the adapter set; `?changed_since=<tag>[&wait_s=<s>]` waits until
@@ -144,9 +150,16 @@ class AdminRoutes:
     async def model(self, request: web.Request) -> web.Response:
         return self._card(self._serving(), request.match_info["model_id"], is_admin=self._has_admin_token(request))
 
-    def _list(self, serving: Serving, is_admin: bool) -> web.Response:
-        return web.json_response({"object": "list", "data": self.model_cards(serving, is_admin)},
-                                 headers={"ETag": f'"{adapter_set_tag(serving)}"'})
+    def _list(self, serving: Serving, is_admin: bool, request: web.Request | None = None) -> web.Response:
+        """On the serving port (`request` given) only what the request's API key may call; on the admin port the
+        base card also says which API key table the engine holds (`api_keys`: the operator pushes one that
+        differs)."""
+        cards = self.model_cards(serving, is_admin)
+        if request is None:
+            cards[0]["api_keys"] = self._keys.describe()
+        else:
+            cards = [c for c in cards if may_see(request, c["id"], serving.model_name)]
+        return web.json_response({"object": "list", "data": cards}, headers={"ETag": f'"{adapter_set_tag(serving)}"'})
 
     def _card(self, serving: Serving, model_id: str, is_admin: bool) -> web.Response:
         """`GET /v1/models/{id}`: the base model's or one adapter's card; 404 model_not_found otherwise."""

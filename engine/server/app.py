@@ -27,6 +27,7 @@ from kubelora.engine.server.adapter_ops import AdapterOps
 from kubelora.engine.server.admin_api import AdminRoutes, admin_auth_middleware
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.config import ServerConfig
+from kubelora.engine.server.api_keys import KEY_GATE, KeyGate, key_middleware
 from kubelora.engine.server.extra_api import ExtraRoutes
 from kubelora.engine.server.metrics import EngineView, ServerMetrics
 from kubelora.engine.server.openai_api import OpenAIRoutes
@@ -167,20 +168,23 @@ def build_app(config: ServerConfig, engine_factory: Callable[[EngineConfig], obj
               ) -> web.Application:
     """The serving application; it starts and stops the engine. Its admin application is `app[ADMIN_APP]`."""
     redact_aiohttp_logs()
-    app = web.Application(middlewares=MIDDLEWARES, client_max_size=MAX_BODY_BYTES, handler_args=HANDLER_ARGS)
+    keys = KeyGate(config.require_api_keys)
+    app = web.Application(middlewares=[*MIDDLEWARES, key_middleware(keys)], client_max_size=MAX_BODY_BYTES,
+                          handler_args=HANDLER_ARGS)
     lifecycle = Lifecycle(config, engine_factory)
     app[LIFECYCLE] = lifecycle
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     OpenAIRoutes(lifecycle.get_serving).add_to(app)
-    admin_routes = AdminRoutes(lifecycle.get_serving, config.admin_token)
+    admin_routes = AdminRoutes(lifecycle.get_serving, config.admin_token, keys)
     admin_routes.add_public_to(app)
     ExtraRoutes(lifecycle.get_serving).add_to(app)
     app.cleanup_ctx.append(_engine_context)
     admin = web.Application(middlewares=[*MIDDLEWARES, admin_auth_middleware(config.admin_token)],
                             client_max_size=MAX_BODY_BYTES, handler_args=HANDLER_ARGS)
     admin[LIFECYCLE] = lifecycle
+    admin[KEY_GATE] = keys
     admin_routes.add_to(admin)
     app[ADMIN_APP] = admin
     return app

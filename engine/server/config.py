@@ -78,6 +78,8 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--port", int, "serving port: the OpenAI API, the public model list, health, metrics", default=8000),
     _setting("--admin-port", int, "admin port: adapter load/unload and the operator's model list", default=8001),
     _setting("--admin-token-file", str, "file holding the bearer token for the adapter admin endpoints"),
+    _setting("--require-api-keys", parse_bool, "serve only requests with a tenant API key of the table the operator "
+             "pushes (PUT /v1/api_keys on the admin port)", is_switch=True),
     _setting("--adapter-root", str, "directory local adapter paths must lie under (repeatable)", is_list=True),
     _setting("--adapter-url-host", str, "host[:port] adapter URLs may name; `*` matches within one DNS label (repeatable)", is_list=True),
     _setting("--adapter-s3-bucket", str, "bucket (fnmatch pattern) s3:// adapter sources may name (repeatable)",
@@ -113,6 +115,7 @@ class ServerConfig:
     port: int = 8000
     admin_port: int = 8001  # the admin endpoints listen here only (docs/server.md, "Two ports")
     admin_token: str | None = field(default=None, repr=False)
+    require_api_keys: bool = False
     adapter_root: tuple[str, ...] = ()
     adapter_url_host: tuple[str, ...] = ()
     adapter_s3_bucket: tuple[str, ...] = ()

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from kubelora.contract.errors import InvalidRequest
 from kubelora.engine.server.chat_template import TemplateOptions, take_template_options
+from kubelora.engine.server.api_keys import GRANT
 from kubelora.engine.server.fields import Fields, parse_body
 from kubelora.engine.server.protocol import ChatMessage, _parse_messages
 from kubelora.engine.server.serving import Serving
@@ -85,7 +86,7 @@ class ExtraRoutes:
         serving = self._serving()
         req = await parse_body(request, parse_tokenize)
         if req.model is not None:
-            serving.resolve_model(req.model)
+            serving.resolve_model(req.model, request.get(GRANT))
         if req.prompt is not None:
             tokens = (await serving.prompts.encode((req.prompt,), req.add_special_tokens))[0]
         else:
@@ -99,7 +100,7 @@ class ExtraRoutes:
         serving = self._serving()
         req = await parse_body(request, parse_detokenize)
         if req.model is not None:
-            serving.resolve_model(req.model)
+            serving.resolve_model(req.model, request.get(GRANT))
         if len(req.tokens) > serving.max_model_len:
             raise InvalidRequest(f"'tokens' has {len(req.tokens)} ids; at most max-model-len "
                                  f"({serving.max_model_len})", param="tokens", code="out_of_range")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from kubelora.engine.server.choices import ChoicePlan, stream, truncate_prompt, whole
+from kubelora.engine.server.api_keys import GRANT
 from kubelora.engine.server.fields import parse_body
 from kubelora.engine.server.protocol import CompletionRequest, parse_chat, parse_completion
 from kubelora.engine.server.responses import Envelope
@@ -31,7 +32,7 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         serving = self._serving()
         req = await parse_body(request, parse_completion)
-        adapter = serving.resolve_model(req.model)
+        adapter = serving.resolve_model(req.model, request.get(GRANT))
         prompts = await serving.prompts.encode(req.prompts)
         keep = req.choices.truncate_prompt_tokens
         prompts = [truncate_prompt(tokens, keep, serving.max_model_len) for tokens in prompts]
@@ -47,7 +48,7 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         serving = self._serving()
         req = await parse_body(request, parse_chat)
-        adapter = serving.resolve_model(req.model)
+        adapter = serving.resolve_model(req.model, request.get(GRANT))
         tokens = await serving.prompts.render_chat(req.messages, req.add_generation_prompt, req.template)
         tokens = truncate_prompt(tokens, req.choices.truncate_prompt_tokens, serving.max_model_len)
         serving.check_length(len(tokens), req.sampling.max_tokens, "messages")
