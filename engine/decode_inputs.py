@@ -24,29 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from kubelora.engine.static_inputs import StaticInputs, table_regions
+from kubelora.engine.step.shape import TILE_M, LoRAShape, StepShape, decode_shape, max_tiles
 from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
 
 if TYPE_CHECKING:
     from kubelora.engine.adapters.staging import StagedStep
-
-TILE_M = 16  # LoRA tile height of decode steps (the kernels' decode launch shape)
-
-
-def max_tiles_for(num_seqs: int, max_slots: int) -> int:
-    """Tiles a decode step of num_seqs tokens over at most max_slots adapters can need (16 tokens a tile)."""
-    return min(num_seqs, max_slots + num_seqs // TILE_M)
-
-
-@dataclass(frozen=True)
-class LoRAKey:
-    """What a LoRA decode graph is specialised on (besides the bucket): kinds present, rank lanes, tile rows."""
-
-    kinds: tuple[str, ...]  # projection kinds some adapter of the step adapts
-    lanes: int  # max rank of the step rounded up to 16
-    rows: int  # most tokens of one adapter in the step, rounded up to a power of two (<= 16)
-    # (kind, staged rows the kind's matmul reads) for the kinds whose shrink is staged (engine/adapters/staging.py)
-    stage: tuple[tuple[str, int], ...] = ()
-
 
 @dataclass(frozen=True)
 class DecodeStep:
@@ -59,6 +41,10 @@ class DecodeStep:
     slot_tables: dict[str, tuple[list, list, list]]  # kind -> (row_start, rank, scale) per slot and slice
     staged: StagedStep | None = None  # the staged shrinks' rows and columns (None: none, or past the capacity)
 
+    def shape(self, bucket: int) -> StepShape:
+        return decode_shape(bucket, self.token_slots, self.slot_tables,
+                            self.staged.rows if self.staged is not None else None)
+
 
 class DecodeInputs(StaticInputs):
     def __init__(self, max_seqs: int, max_blocks: int, block_size: int, pad_block: int,
@@ -68,7 +54,7 @@ class DecodeInputs(StaticInputs):
         self.block_size = block_size
         self.pad_slot = pad_block * block_size
         self.max_slots = max_seqs  # a step has at most one adapter per sequence
-        self.max_tiles = max_tiles_for(max_seqs, self.max_slots)
+        self.num_tiles = max_tiles(max_seqs, self.max_slots)
         self.kind_slices = dict(kind_slices)
         self.staged_kinds = tuple(staged_kinds)
         super().__init__(self._layout(), device)
@@ -76,7 +62,7 @@ class DecodeInputs(StaticInputs):
     def _layout(self) -> list[tuple[str, int]]:
         n, table_rows = self.max_seqs, self.max_slots + 1
         regions = [("token_ids", n), ("positions", n), ("slot_mapping", n), ("context_lens", n),
-                   ("token_slots", n), ("sorted_tokens", n), ("tiles", self.max_tiles * (TILE_HEAD + TILE_M))]
+                   ("token_slots", n), ("sorted_tokens", n), ("tiles", self.num_tiles * (TILE_HEAD + TILE_M))]
         regions += table_regions(self.kind_slices, table_rows)
         regions += [(f"{kind}.t_col", table_rows * self.kind_slices[kind]) for kind in self.staged_kinds]
         return regions + [("block_tables", n * self.max_blocks)]
@@ -98,9 +84,9 @@ class DecodeInputs(StaticInputs):
     def block_tables(self, bucket: int) -> torch.Tensor:
         return self._region(self.device_buf, "block_tables", bucket * self.max_blocks).view(bucket, self.max_blocks)
 
-    def lora_step(self, bucket: int, key: LoRAKey) -> LoRAStep:
+    def lora_step(self, bucket: int, key: LoRAShape) -> LoRAStep:
         """The graph's LoRAStep: fixed tile count for the bucket, every size from shapes (see module doc)."""
-        num_tiles = max_tiles_for(bucket, self.max_slots)
+        num_tiles = max_tiles(bucket, self.max_slots)
         tiles = self._region(self.device_buf, "tiles", num_tiles * (TILE_HEAD + TILE_M))
         return LoRAStep(token_slots=self._region(self.device_buf, "token_slots", bucket),
                         num_slots=self.max_slots + 1, has_lora=True,
@@ -108,7 +94,7 @@ class DecodeInputs(StaticInputs):
                         tiles=tiles.view(num_tiles, TILE_HEAD + TILE_M), block_m=TILE_M, is_slot_tiles=False,
                         num_lora_tokens=bucket, max_tile_count=key.rows)
 
-    def lora_projs(self, key: LoRAKey) -> dict[str, LoRAProj]:
+    def lora_projs(self, key: LoRAShape) -> dict[str, LoRAProj]:
         table_rows = self.max_slots + 1
         t_cols = {kind: self._region(self.device_buf, f"{kind}.t_col", table_rows * self.kind_slices[kind])
                   .view(table_rows, self.kind_slices[kind]) for kind, rows in key.stage if rows}
@@ -116,7 +102,7 @@ class DecodeInputs(StaticInputs):
 
     # ---- host side, once per step ----
 
-    def fill(self, step: DecodeStep, bucket: int, key: LoRAKey | None) -> None:
+    def fill(self, step: DecodeStep, bucket: int, key: LoRAShape | None) -> None:
         """Write one step into the host buffer (padding rows up to bucket) and copy it to the device."""
         num = len(step.token_ids)
         assert 0 < num <= bucket <= self.max_seqs
@@ -149,7 +135,7 @@ class DecodeInputs(StaticInputs):
                 self._put(name, [value] * length)
             # LoRA regions: every tile empty, on the rank-0 pad slot.
             self._put("sorted_tokens", [0] * n)
-            self._put("tiles", ([self.max_slots, 0, 0] + [0] * TILE_M) * self.max_tiles)
+            self._put("tiles", ([self.max_slots, 0, 0] + [0] * TILE_M) * self.num_tiles)
             self._clear_slot_tables(self.kind_slices, self.max_slots + 1)
             for kind in self.staged_kinds:
                 self._put(f"{kind}.t_col", [0] * ((self.max_slots + 1) * self.kind_slices[kind]))
@@ -170,7 +156,7 @@ class DecodeInputs(StaticInputs):
                 part = tokens[first : first + TILE_M]
                 rows += [slot, len(order) + first, len(part), *part, *[0] * (TILE_M - len(part))]
             order += tokens
-        num_tiles = max_tiles_for(bucket, self.max_slots)
+        num_tiles = max_tiles(bucket, self.max_slots)
         width = TILE_HEAD + TILE_M
         assert len(rows) <= num_tiles * width
         rows += ([pad_slot, 0, 0] + [0] * TILE_M) * (num_tiles - len(rows) // width)
@@ -183,31 +169,3 @@ class DecodeInputs(StaticInputs):
                 blank = (table_rows - len(t_col)) * self.kind_slices[kind]
                 self._put(f"{kind}.t_col", [v for r in t_col for v in r] + [0] * blank)
 
-
-def rank_lanes(rank: int) -> int:
-    """Rank lanes a LoRA graph is specialised on: the rank rounded up to 16 (the graphs captured ahead for an
-    adapter's shape and the keys of its steps must round alike, or the captured graphs are never replayed)."""
-    return -(-rank // 16) * 16
-
-
-def table_shape(slot_tables: dict[str, tuple[list, list, list]]) -> tuple[tuple[str, ...], int] | None:
-    """(projection kinds some slot adapts, their max rank in lanes) of a step's slot tables; None: nothing adapted."""
-    ranks = {kind: max((r for row in rank for r in row), default=0) for kind, (_, rank, _) in slot_tables.items()}
-    kinds = tuple(kind for kind, rank in ranks.items() if rank > 0)
-    return (kinds, rank_lanes(max(ranks.values()))) if kinds else None
-
-
-def lora_key(step: DecodeStep) -> LoRAKey | None:
-    """The LoRA graph a step needs, or None when no token of it has an adapter."""
-    counts: dict[int, int] = {}
-    for slot in step.token_slots:
-        if slot >= 0:
-            counts[slot] = counts.get(slot, 0) + 1
-    shape = table_shape(step.slot_tables) if counts else None
-    if shape is None:
-        return None
-    kinds, lanes = shape
-    rows = 1 << (min(max(counts.values()), TILE_M) - 1).bit_length()
-    staged_rows = step.staged.rows if step.staged is not None else {}
-    stage = tuple((kind, staged_rows[kind]) for kind in kinds if staged_rows.get(kind))
-    return LoRAKey(kinds=kinds, lanes=lanes, rows=rows, stage=stage)

@@ -50,8 +50,8 @@ from kubelora.engine.sampler import FAULT_NO_TOKEN_LEFT, FAULT_NON_FINITE_LOGITS
 from kubelora.engine.sampling_batch import token_bitmask
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from kubelora.engine.prefill_inputs import PrefillKey
 from kubelora.engine.sequence import Sequence, SequenceStatus
+from kubelora.engine.step.shape import Phase, StepShape
 from kubelora.engine.structured.compiler import GrammarCompiler
 from kubelora.engine.structured.matcher import Advance, advance, new_matcher
 from kubelora.engine import setup
@@ -439,10 +439,10 @@ class LLMEngine:
 
     # ---- CUDA graphs for the registered adapters' shapes (engine thread, between steps) ----
 
-    def pending_graphs(self) -> list[tuple[int, object]]:
+    def pending_graphs(self) -> list[StepShape]:
         """Graphs that steps over the registered adapters will need and that are not captured: for the two most
-        common adapter shapes (projection kinds, rank rounded to 16), the decode graphs of `lora_graph_keys` and
-        the prefill graphs of `graph_keys` (engine/prefill_graph.py) of each, as (bucket, LoRAKey | PrefillKey)."""
+        common adapter shapes (projection kinds, rank rounded to 16), their decode and prefill step shapes
+        (engine/graph_plan.py)."""
         return self._graph_plan()[0]
 
     def pending_warm_ups(self) -> list[tuple[tuple[str, int], ...]]:
@@ -483,8 +483,8 @@ class LLMEngine:
         if prefill is not None:  # and their prefill graphs go
             prefill.keep(set(wanted))
         while pending and not self._has_work():
-            bucket, key = pending.pop()
-            (prefill if isinstance(key, PrefillKey) else decoder).capture_idle(bucket, key)
+            shape = pending.pop()
+            (prefill if shape.phase is Phase.PREFILL else decoder).capture_idle(shape)
             if time.perf_counter() - started >= budget_s:
                 break
         return bool(pending)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kubelora.engine.adapters.types import AdapterInfo
-from kubelora.engine.decode_inputs import rank_lanes
 from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.prefill_graph import StaticPrefill
+from kubelora.engine.step.shape import Phase, StepShape, plan_decode_shapes, plan_prefill_shapes, rank_lanes
 
 MAX_GRAPH_SHAPES = 2  # adapter shapes whose LoRA decode and prefill graphs are captured before their first step
 MAX_WARM_SHAPES = 8  # adapters' module ranks whose prefill kernels are run ahead of their first request (CUDA)
@@ -42,18 +42,17 @@ def adapter_shape(info: AdapterInfo, model: ModelConfig) -> tuple[tuple[str, ...
 
 
 def plan_graphs(infos: list[AdapterInfo], model: ModelConfig, decoder: StaticDecoder | None,
-                prefill: StaticPrefill | None) -> tuple[list, list]:
+                prefill: StaticPrefill | None) -> tuple[list[StepShape], list[StepShape]]:
     """(the graphs not captured yet, every graph wanted) for the MAX_GRAPH_SHAPES most common adapter shapes: each
-    shape's decode graphs (`lora_graph_keys`) and, where prefill graphs are captured, its prefill graphs
-    (`graph_keys`), as (bucket, LoRAKey | PrefillKey)."""
+    shape's decode graphs and, where prefill graphs are captured, its prefill graphs (engine/step/shape.py)."""
     if decoder is None:
         return [], []
     shapes = [shape for shape in (adapter_shape(info, model) for info in infos) if shape is not None]
     common, counts = _most_common(shapes, MAX_GRAPH_SHAPES)
-    wanted = [graph for shape in common for graph in decoder.lora_graph_keys(*shape, counts[shape])]
-    pending = [graph for graph in wanted if not decoder.has_graph(*graph)]
+    wanted = [step for shape in common
+              for step in plan_decode_shapes(decoder.buckets, *shape, counts[shape], decoder.staging)]
     if prefill is not None and prefill.use_graphs:
-        prefill_wanted = [graph for shape in common for graph in prefill.graph_keys(*shape)]
-        wanted += prefill_wanted
-        pending += [graph for graph in prefill_wanted if not prefill.has_graph(*graph)]
+        wanted += [step for shape in common for step in plan_prefill_shapes(prefill.buckets, *shape)]
+    pending = [step for step in wanted
+               if not (prefill if step.phase is Phase.PREFILL else decoder).has_graph(step)]
     return pending, wanted

@@ -8,8 +8,8 @@ and replays the graph of its token bucket (`prefill_buckets`: multiples of the 1
 the graph writes the chunk's last-token logits `[1, vocab]` float32 into a static output and sampling runs after
 it, as after a decode graph.
 
-Base-model graphs are captured at start-up for every bucket. Graphs for adapters are keyed by `PrefillKey`
-(projection kinds, rank lanes) and captured while the engine is idle for the registered adapters' common shapes
+Base-model graphs are captured at start-up for every bucket. Graphs for adapters are keyed by their `StepShape`
+(engine/step/shape.py: projection kinds, rank lanes) and captured while the engine is idle for the registered adapters' common shapes
 (engine/engine.py: capture_pending_graphs), never on a request's path: a chunk whose graph is not captured runs
 eagerly. Batches of several sequences, longer chunks and chunks asking for prompt logprobs or logits run eagerly.
 `EngineConfig.use_prefill_graphs=False` (`--no-prefill-graphs`, or `--enforce-eager`) turns this off.
@@ -25,21 +25,10 @@ import torch
 
 from kubelora.engine.graph_runner import capture_graph
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
-from kubelora.engine.prefill_inputs import PrefillInputs, PrefillKey, PrefillStep, prefill_key
+from kubelora.engine.prefill_inputs import PrefillInputs, PrefillStep
+from kubelora.engine.step.shape import Phase, StepShape, bucket_for, prefill_buckets
 
 log = logging.getLogger(__name__)
-MAX_PREFILL_GRAPH_TOKENS = 512  # the largest bucket; longer chunks are compute-bound, their launches a small share
-
-
-def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """16, 32, 64, then steps of 1.5x and 2x in turn (96, 128, 192, 256, 384, 512: padding at most a third of a
-    bucket, whose compute a short prefill's weight reads mostly hide), up to the first that holds a step's whole
-    token budget, at most 512."""
-    sizes = [16, 32, 64] + [size for power in (64, 128, 256) for size in (power * 3 // 2, power * 2)]
-    top = next((size for size in sizes if size >= min(max_num_batched_tokens, MAX_PREFILL_GRAPH_TOKENS)), sizes[-1])
-    return [size for size in sizes if size <= top]
-
-
 class StaticPrefill:
     def __init__(self, model: DecoderModel, inputs: PrefillInputs, lora_backend: str, use_graphs: bool) -> None:
         self.model = model
@@ -47,40 +36,36 @@ class StaticPrefill:
         self.lora_backend = lora_backend
         self.use_graphs = use_graphs
         self.buckets = prefill_buckets(inputs.max_tokens)
-        self._graphs: dict[tuple[int, PrefillKey | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.num_captures = 0
         self.capture_seconds = 0.0
 
     def bucket_for(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+        return bucket_for(self.buckets, num_tokens)
 
-    def is_ready(self, bucket: int, key: PrefillKey | None) -> bool:
-        """Whether a chunk of this bucket and key runs here: its graph is captured (always, off graphs)."""
-        return not self.use_graphs or (bucket, key) in self._graphs
+    def is_ready(self, shape: StepShape) -> bool:
+        """Whether a chunk of this shape runs here: its graph is captured (always, off graphs)."""
+        return not self.use_graphs or shape in self._graphs
 
-    def graph_keys(self, kinds: tuple[str, ...], lanes: int) -> list[tuple[int, PrefillKey]]:
-        """The graphs chunks over an adapter of one shape (projection kinds, rank lanes) use: one per bucket."""
-        return [(bucket, PrefillKey(kinds, lanes)) for bucket in self.buckets]
+    def has_graph(self, shape: StepShape) -> bool:
+        return shape in self._graphs
 
-    def has_graph(self, bucket: int, key: PrefillKey | None) -> bool:
-        return (bucket, key) in self._graphs
-
-    def keep(self, wanted: set[tuple[int, PrefillKey]]) -> None:
+    def keep(self, wanted: set[StepShape]) -> None:
         """Drop the adapter graphs outside `wanted` (shapes no longer registered); the base graphs stay."""
-        for entry in [e for e in self._graphs if e[1] is not None and e not in wanted]:
-            del self._graphs[entry]
+        for shape in [s for s in self._graphs if s.lora is not None and s not in wanted]:
+            del self._graphs[shape]
 
     def capture_base(self) -> None:
         """The base-model graph of every bucket, largest first (the pool then serves the smaller ones)."""
         self.inputs.fill_padding()
         for bucket in sorted(self.buckets, reverse=True):
-            self._capture(bucket, None)
+            self._capture(StepShape(Phase.PREFILL, bucket, None))
 
-    def capture_idle(self, bucket: int, key: PrefillKey) -> None:
+    def capture_idle(self, shape: StepShape) -> None:
         """Capture one graph between steps (nothing in flight), over padding: it writes only the pad block."""
         self.inputs.fill_padding()
-        self._capture(bucket, key)
+        self._capture(shape)
 
     def run(self, step: PrefillStep, pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
             ) -> torch.Tensor:
@@ -88,19 +73,19 @@ class StaticPrefill:
 
         pending: (rows, sources, tokens) device tensors: token_ids[rows] = tokens[sources] before the replay."""
         bucket = self.bucket_for(len(step.token_ids))
-        key = prefill_key(step.slot_tables)
-        self.inputs.fill(step, bucket, key)
+        shape = step.shape(bucket)
+        self.inputs.fill(step, bucket, shape.lora)
         if pending is not None:
             rows, sources, tokens = pending
             self.inputs.token_ids(bucket)[rows] = tokens[sources]
         if not self.use_graphs:
-            return self._forward(bucket, key)
-        graph, logits = self._graphs[(bucket, key)]
+            return self._forward(shape)
+        graph, logits = self._graphs[shape]
         graph.replay()
         return logits
 
-    def _forward(self, bucket: int, key: PrefillKey | None) -> torch.Tensor:
-        inputs = self.inputs
+    def _forward(self, shape: StepShape) -> torch.Tensor:
+        inputs, bucket, key = self.inputs, shape.bucket, shape.lora
         lora = None
         if key is not None:
             lora = LoRAContext(step=inputs.lora_step(bucket), proj=inputs.lora_projs(key), backend=self.lora_backend)
@@ -108,11 +93,11 @@ class StaticPrefill:
         hidden = self.model.forward(inputs.token_ids(bucket), ctx)
         return self.model.compute_logits(hidden.index_select(0, inputs.last_row()))
 
-    def _capture(self, bucket: int, key: PrefillKey | None) -> None:
+    def _capture(self, shape: StepShape) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph, logits, elapsed = capture_graph(self.inputs.device, self._pool, lambda: self._forward(bucket, key))
-        self._graphs[(bucket, key)] = (graph, logits)
+        graph, logits, elapsed = capture_graph(self.inputs.device, self._pool, lambda: self._forward(shape))
+        self._graphs[shape] = (graph, logits)
         self.num_captures += 1
         self.capture_seconds += elapsed
-        log.info("captured prefill graph bucket=%d lora=%s in %.3f s", bucket, key, elapsed)
+        log.info("captured prefill graph bucket=%d lora=%s in %.3f s", shape.bucket, shape.lora, elapsed)

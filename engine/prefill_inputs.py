@@ -22,20 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kubelora.engine.decode_inputs import TILE_M, table_shape
 from kubelora.engine.model.attention import PrefillMetadata
 from kubelora.engine.static_inputs import StaticInputs, table_regions
+from kubelora.engine.step.shape import TILE_M, LoRAShape, StepShape, prefill_shape
 from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
 
 TABLE_ROWS = 2  # slot 0: the chunk's adapter; slot 1: rank 0 everywhere (empty tiles)
-
-
-@dataclass(frozen=True)
-class PrefillKey:
-    """What a LoRA prefill graph is specialised on (besides the bucket): kinds adapted, rank lanes."""
-
-    kinds: tuple[str, ...]  # projection kinds the adapter adapts
-    lanes: int  # the adapter's max rank rounded up to 16
 
 
 @dataclass(frozen=True)
@@ -47,11 +39,8 @@ class PrefillStep:
     block_table: tuple[int, ...]
     slot_tables: dict[str, tuple[list, list, list]] | None  # kind -> (row_start, rank, scale) of one slot; None: base
 
-
-def prefill_key(slot_tables: dict[str, tuple[list, list, list]] | None) -> PrefillKey | None:
-    """The LoRA graph a chunk over this one slot's tables needs; None for the base graph (no slot, or rank 0)."""
-    shape = table_shape(slot_tables) if slot_tables is not None else None
-    return PrefillKey(*shape) if shape is not None else None
+    def shape(self, bucket: int) -> StepShape:
+        return prefill_shape(bucket, self.slot_tables)
 
 
 class PrefillInputs(StaticInputs):
@@ -100,12 +89,12 @@ class PrefillInputs(StaticInputs):
                         tiles=tiles.view(num_tiles, TILE_HEAD + TILE_M), block_m=TILE_M, is_slot_tiles=False,
                         num_lora_tokens=bucket, max_tile_count=TILE_M)
 
-    def lora_projs(self, key: PrefillKey) -> dict[str, LoRAProj]:
+    def lora_projs(self, key: LoRAShape) -> dict[str, LoRAProj]:
         return self._slot_projs(self.kind_slices, TABLE_ROWS, key.kinds, key.lanes)
 
     # ---- host side, once per step ----
 
-    def fill(self, step: PrefillStep, bucket: int, key: PrefillKey | None) -> None:
+    def fill(self, step: PrefillStep, bucket: int, key: LoRAShape | None) -> None:
         """Write one chunk into the host buffer (padding up to bucket) and copy it to the device."""
         num = len(step.token_ids)
         assert 0 < num <= bucket <= self.max_tokens and bucket % TILE_M == 0

@@ -24,7 +24,7 @@ from kubelora.engine.model.attention import prepare_attention, prepare_decode_at
 from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
 from kubelora.engine.prefill_graph import StaticPrefill
-from kubelora.engine.prefill_inputs import PrefillStep, prefill_key
+from kubelora.engine.prefill_inputs import PrefillStep
 from kubelora.engine.sampler import SampledStep, TokenLogprobs, keep_top, prompt_logprobs, sample_on_device
 from kubelora.engine.sampling_batch import prepare_sampling
 from kubelora.engine.scheduler import Batch
@@ -162,10 +162,9 @@ class ModelRunner:
         if chunk.slot >= 0:
             slot = batch.slots[chunk.slot : chunk.slot + 1]
             tables = {kind: _kind_tables(slot, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
-        if not self.prefill.is_ready(bucket, prefill_key(tables)):
-            return None
-        return PrefillStep(token_ids=[max(t, 0) for t in chunk.token_ids], start_pos=chunk.start_pos,
+        step = PrefillStep(token_ids=[max(t, 0) for t in chunk.token_ids], start_pos=chunk.start_pos,
                            block_table=tuple(chunk.block_table), slot_tables=tables)
+        return step if self.prefill.is_ready(step.shape(bucket)) else None
 
     def _forward_static(self, batch: Batch, pending) -> torch.Tensor:
         chunks = batch.chunks

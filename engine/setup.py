@@ -15,8 +15,9 @@ from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import KVCache
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.model.llama import DecoderModel
-from kubelora.engine.prefill_graph import StaticPrefill, prefill_buckets
+from kubelora.engine.prefill_graph import StaticPrefill
 from kubelora.engine.prefill_inputs import PrefillInputs
+from kubelora.engine.step.shape import prefill_buckets
 
 log = logging.getLogger(__name__)
 CPU_KV_CAP_BYTES = 4 << 30

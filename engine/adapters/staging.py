@@ -13,7 +13,7 @@ Placement: an adapter placement (`SlotView.placement`) takes the sum of its rank
 contiguous rows, modules in the kind's slice order, and stays staged across steps (a decode batch keeps its
 adapters for many steps) until its rows are needed. A step stages what it lacks, evicting staged adapters it
 does not use; the matmul reads rows up to the highest one the step uses, rounded up to a bucket
-(`stage_bucket`, part of the CUDA graph key), and a step whose rows lie spread out is staged again from row 0.
+(engine/step/shape.py: `stage_bucket`, part of the CUDA graph key), and a step whose rows lie spread out is staged again from row 0.
 A step needing more rows than the capacity runs the shrink launch instead (`stage` returns None). Copies run
 on the current stream, so they follow the steps in flight that read the rows they overwrite.
 """
@@ -25,21 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from kubelora.engine.adapters.pool import DeviceLoRAPool, RowAllocator, SlotView
+from kubelora.engine.step.shape import stage_bucket
 
 STAGED_KINDS = ("qkv", "o")
 ROWS_PER_SLICE = 1024  # staging capacity at most: this many rows per module (64 adapters of rank 16)
-MIN_BUCKET = 64
-
-
-def stage_bucket(rows: int, capacity: int) -> int:
-    """Rows the matmul reads for a step whose staged rows end at `rows`: the smallest of 64, 96, 128, 192, 256,
-    ... (x1.5 steps at most) that holds them, at most the capacity; 0 for none."""
-    if rows <= 0:
-        return 0
-    size = MIN_BUCKET
-    while size < rows:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return min(size, capacity)
 
 
 @dataclass(frozen=True)

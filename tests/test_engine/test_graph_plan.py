@@ -5,6 +5,7 @@ from __future__ import annotations
 from kubelora.engine.adapters.types import AdapterInfo
 from kubelora.engine.graph_plan import MAX_WARM_SHAPES, adapter_shape, plan_graphs, plan_warm_ups
 from kubelora.engine.model.config import ModelConfig
+from kubelora.engine.step.shape import LoRAShape, Phase, StepShape
 
 
 def _info(name: str, ranks: dict[str, int]) -> AdapterInfo:
@@ -41,32 +42,33 @@ def test_warm_ups_are_the_common_rank_sets_not_yet_run():
 
 
 class _Graphs:
-    """A decoder or prefill stand-in: one graph per bucket, some captured."""
+    """A decoder or prefill stand-in: its buckets, some shapes captured."""
 
-    def __init__(self, captured=(), use_graphs: bool = True) -> None:
-        self.captured, self.use_graphs = set(captured), use_graphs
+    def __init__(self, buckets, captured=(), use_graphs: bool = True) -> None:
+        self.buckets, self.captured, self.use_graphs = buckets, set(captured), use_graphs
+        self.staging = None
 
-    def lora_graph_keys(self, kinds, lanes, num_adapters):
-        return [(bucket, ("decode", kinds, lanes, num_adapters)) for bucket in (1, 2)]
+    def has_graph(self, shape) -> bool:
+        return shape in self.captured
 
-    def graph_keys(self, kinds, lanes):
-        return [(bucket, ("prefill", kinds, lanes)) for bucket in (16, 32)]
 
-    def has_graph(self, bucket, key) -> bool:
-        return (bucket, key) in self.captured
+def _shape(phase: Phase, bucket: int, kinds: tuple[str, ...], lanes: int, rows: int) -> StepShape:
+    return StepShape(phase, bucket, LoRAShape(kinds, lanes, rows))
 
 
 def test_graphs_of_the_two_common_shapes_decode_then_prefill():
     model: ModelConfig = _Model()  # type: ignore[assignment]
     infos = [_info("a", QV), _info("b", ATTN), _info("c", dict(ATTN)), _info("d", {"o_proj": 64})]
-    decoder = _Graphs(captured={(1, ("decode", ("qkv", "o"), 32, 2))})
-    prefill = _Graphs(captured={(32, ("prefill", ("qkv",), 16))})
+    attn, qv = ("qkv", "o"), ("qkv",)
+    decoder = _Graphs([1, 2], captured={_shape(Phase.DECODE, 1, attn, 32, 1)})
+    prefill = _Graphs([16, 32], captured={_shape(Phase.PREFILL, 32, qv, 16, 16)})
     pending, wanted = plan_graphs(infos, model, decoder, prefill)
-    assert wanted == [(1, ("decode", ("qkv", "o"), 32, 2)), (2, ("decode", ("qkv", "o"), 32, 2)),
-                      (1, ("decode", ("qkv",), 16, 1)), (2, ("decode", ("qkv",), 16, 1)),
-                      (16, ("prefill", ("qkv", "o"), 32)), (32, ("prefill", ("qkv", "o"), 32)),
-                      (16, ("prefill", ("qkv",), 16)), (32, ("prefill", ("qkv",), 16))]
+    assert wanted == [_shape(Phase.DECODE, 1, attn, 32, 1), _shape(Phase.DECODE, 2, attn, 32, 1),
+                      _shape(Phase.DECODE, 2, attn, 32, 2), _shape(Phase.DECODE, 1, qv, 16, 1),
+                      _shape(Phase.DECODE, 2, qv, 16, 1), _shape(Phase.DECODE, 2, qv, 16, 2),
+                      _shape(Phase.PREFILL, 16, attn, 32, 16), _shape(Phase.PREFILL, 32, attn, 32, 16),
+                      _shape(Phase.PREFILL, 16, qv, 16, 16), _shape(Phase.PREFILL, 32, qv, 16, 16)]
     assert pending == [g for g in wanted if g not in decoder.captured | prefill.captured]
-    eager_prefill = _Graphs(use_graphs=False)  # prefill graphs off (CPU): decode graphs only
-    assert all(key[0] == "decode" for _, key in plan_graphs(infos, model, decoder, eager_prefill)[1])
+    eager_prefill = _Graphs([16, 32], use_graphs=False)  # prefill graphs off (CPU): decode graphs only
+    assert all(shape.phase is Phase.DECODE for shape in plan_graphs(infos, model, decoder, eager_prefill)[1])
     assert plan_graphs(infos, model, None, prefill) == ([], [])

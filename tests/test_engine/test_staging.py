@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import torch
 
 from kubelora.engine.adapters.pool import SlotView
-from kubelora.engine.adapters.staging import ShrinkStaging, stage_bucket
+from kubelora.engine.adapters.staging import ShrinkStaging
+from kubelora.engine.step.shape import stage_bucket
 
 LAYERS, IN_DIM, BASE = 2, 8, 5
 MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",)}
@@ -93,18 +94,15 @@ def test_a_new_placement_of_the_same_rows_is_copied_again():
 
 
 def test_graphs_captured_ahead_carry_the_staged_rows_of_their_steps():
-    from kubelora.engine.decode_inputs import DecodeInputs
-    from kubelora.engine.graph_runner import StaticDecoder
+    from kubelora.engine.step.shape import decode_buckets, plan_decode_shapes
 
-    inputs = DecodeInputs(max_seqs=64, max_blocks=2, block_size=16, pad_block=0, kind_slices={"qkv": 3, "o": 1},
-                          device=torch.device("cpu"), staged_kinds=("qkv", "o"))
     staging, _ = make({"qkv": 3072, "o": 1024})
-    decoder = StaticDecoder(None, inputs, "triton", use_graphs=False, staging=staging)
-    keys = {(bucket, key.rows): key.stage for bucket, key in decoder.lora_graph_keys(("qkv", "o"), 16, 32)}
+    buckets = decode_buckets(64)
+    keys = {(s.bucket, s.lora.rows): s.lora.stage for s in plan_decode_shapes(buckets, ("qkv", "o"), 16, 32, staging)}
     assert keys[(64, 2)] == (("qkv", 1536), ("o", 512))  # 64 sequences over the 32 adapters
     assert keys[(64, 1)] == (("qkv", 1536), ("o", 512))  # at most the 32 registered
     assert keys[(1, 1)] == (("qkv", 64), ("o", 64))
-    big = {(bucket, key.rows): key.stage for bucket, key in decoder.lora_graph_keys(("qkv",), 64, 64)}
+    big = {(s.bucket, s.lora.rows): s.lora.stage for s in plan_decode_shapes(buckets, ("qkv",), 64, 64, staging)}
     assert big[(64, 1)] == () and big[(16, 16)] == (("qkv", 192),)  # past the capacity: the shrink launches
 
 

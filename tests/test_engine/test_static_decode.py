@@ -7,8 +7,8 @@ import torch
 
 from kubelora.engine import LLM, SamplingParams
 from kubelora.engine import setup
-from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep, lora_key, max_tiles_for
-from kubelora.engine.graph_runner import decode_buckets
+from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep
+from kubelora.engine.step.shape import LoRAShape, Phase, StepShape, decode_buckets, max_tiles
 from kubelora.kernels.lora import TILE_HEAD
 
 # Adapters mixed with base rows, one adapter on more rows than a LoRA tile holds.
@@ -34,7 +34,7 @@ def test_fill_pads_rows_and_tiles():
                           device=torch.device("cpu"))
     slots = [0] * 18 + [-1, 1]  # slot 0 needs two tiles
     step = _step(20, slots, ranks=[4, 20])
-    key = lora_key(step)
+    key = step.shape(24).lora
     assert key.kinds == ("qkv",) and key.lanes == 32 and key.rows == 16
     inputs.fill(step, 24, key)
     assert inputs.token_ids(24)[20:].tolist() == [0] * 4
@@ -43,7 +43,7 @@ def test_fill_pads_rows_and_tiles():
     assert inputs.context_lens(24)[20:].tolist() == [1] * 4
     assert inputs.block_tables(24)[21].tolist() == [9] * 4
     lora = inputs.lora_step(24, key)
-    assert lora.tiles.shape == (max_tiles_for(24, 24), TILE_HEAD + 16)
+    assert lora.tiles.shape == (max_tiles(24, 24), TILE_HEAD + 16)
     tiles = lora.tiles.tolist()
     assert tiles[0][:3] == [0, 0, 16] and tiles[1][:3] == [0, 16, 2] and tiles[2][:3] == [1, 18, 1]
     assert tiles[2][TILE_HEAD] == 19
@@ -55,8 +55,8 @@ def test_fill_pads_rows_and_tiles():
 
 
 def test_no_adapter_means_the_base_graph():
-    assert lora_key(_step(3, [-1, -1, -1], ranks=[8])) is None
-    assert lora_key(_step(2, [0, 0], ranks=[0])) is None  # the adapter adapts no projection kind of the table
+    assert _step(3, [-1, -1, -1], ranks=[8]).shape(4) == StepShape(Phase.DECODE, 4, None)
+    assert _step(2, [0, 0], ranks=[0]).shape(2).lora is None  # the adapter adapts no projection kind of the table
 
 
 def _generate(llama, monkeypatch, is_static: bool):
@@ -159,11 +159,12 @@ def test_idle_capture_covers_the_registered_adapter_shapes(llama, monkeypatch):
         for name in ("r4-qv", "r8-all", "r16-all-rs"):  # r8-all and r16-all-rs: one shape (every kind, 16 lanes)
             llm.load_adapter(name, llama.adapters[name])
         pending = engine.pending_graphs()
-        shapes = {(key.kinds, key.lanes) for _, key in pending}
+        shapes = {(shape.lora.kinds, shape.lora.lanes) for shape in pending}
         assert shapes == {(("qkv", "o", "gate_up", "down"), 16), (("qkv",), 16)}
         decoder = engine._runner.decoder
-        assert {b for b, _ in pending} == set(decoder.buckets)
-        assert {key.rows for b, key in pending if b == 16} == {1, 2, 16}
+        assert {shape.bucket for shape in pending if shape.phase is Phase.DECODE} == set(decoder.buckets)
+        assert {shape.lora.rows for shape in pending if shape.bucket == 16 and shape.phase is Phase.DECODE} == {
+            1, 2, 16}
         cache = engine._runner.model.kv_cache
         pad = engine.num_kv_blocks
         before = [k[:pad].clone() for k in cache.key]
@@ -179,7 +180,6 @@ def test_idle_capture_covers_the_registered_adapter_shapes(llama, monkeypatch):
 def test_graphs_captured_ahead_stay_beside_the_lru(llama, monkeypatch):
     """Graphs captured for the adapters' shapes are not evicted by graphs captured on first use."""
     from kubelora.engine import graph_runner
-    from kubelora.engine.decode_inputs import LoRAKey
 
     monkeypatch.setattr(setup, "uses_static_decode", lambda config: True)
     monkeypatch.setattr(graph_runner, "MAX_LORA_GRAPHS", 2)
@@ -190,10 +190,13 @@ def test_graphs_captured_ahead_stay_beside_the_lru(llama, monkeypatch):
         decoder = llm.engine._runner.decoder
         ahead = set(decoder.pinned)
         assert ahead and not llm.engine.pending_graphs()
+        def shape(lanes: int) -> StepShape:
+            return StepShape(Phase.DECODE, 1, LoRAShape(("o",), lanes, 1))
+
         for lanes in (32, 48, 64):  # three more shapes, on first use: the LRU keeps two of them
-            decoder._graph(1, LoRAKey(("o",), lanes, 1))
-        assert all(decoder.has_graph(*graph) for graph in ahead) and not llm.engine.pending_graphs()
-        assert not decoder.has_graph(1, LoRAKey(("o",), 32, 1)) and decoder.has_graph(1, LoRAKey(("o",), 64, 1))
+            decoder._graph(shape(lanes))
+        assert all(decoder.has_graph(graph) for graph in ahead) and not llm.engine.pending_graphs()
+        assert not decoder.has_graph(shape(32)) and decoder.has_graph(shape(64))
     finally:
         llm.close()
 

@@ -9,8 +9,9 @@ import torch
 
 from kubelora.engine import LLM, SamplingParams
 from kubelora.engine import prefill_graph, setup
-from kubelora.engine.prefill_graph import StaticPrefill, prefill_buckets
-from kubelora.engine.prefill_inputs import PrefillInputs, PrefillKey, PrefillStep, prefill_key
+from kubelora.engine.prefill_graph import StaticPrefill
+from kubelora.engine.prefill_inputs import PrefillInputs, PrefillStep
+from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, prefill_buckets, prefill_shape
 from kubelora.kernels.lora import TILE_HEAD
 
 ADAPTERS = [None, "r4-qv", "r8-all", "r16-all-rs", "r32-attn"]
@@ -28,10 +29,14 @@ def _tables(rank: list[int]) -> dict:
     return {"qkv": ([[40, 0, 40]], [rank], [[0.5, 0.0, 0.5]]), "o": ([[0]], [[0]], [[0.0]])}
 
 
-def test_prefill_key_is_the_adapted_kinds_and_rank_lanes():
-    assert prefill_key(None) is None
-    assert prefill_key(_tables([0, 0, 0])) is None
-    assert prefill_key(_tables([20, 0, 20])) == PrefillKey(("qkv",), 32)
+def _lora(kinds: tuple[str, ...], lanes: int) -> LoRAShape:
+    return LoRAShape(kinds, lanes, TILE_M)
+
+
+def test_prefill_shape_is_the_adapted_kinds_and_rank_lanes():
+    assert prefill_shape(16, None).lora is None
+    assert prefill_shape(16, _tables([0, 0, 0])).lora is None
+    assert prefill_shape(32, _tables([20, 0, 20])).lora == _lora(("qkv",), 32)
 
 
 def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
@@ -39,7 +44,7 @@ def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
                            device=torch.device("cpu"))
     step = PrefillStep(token_ids=list(range(100, 120)), start_pos=5, block_table=(3, 6, 2, 5),
                        slot_tables=_tables([20, 0, 20]))
-    key = prefill_key(step.slot_tables)
+    key = step.shape(32).lora
     inputs.fill(step, 32, key)
     assert inputs.token_ids(32).tolist() == list(range(100, 120)) + [0] * 12
     assert inputs.positions(32).tolist() == list(range(5, 25)) + [0] * 12
@@ -59,7 +64,7 @@ def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
     assert proj["qkv"].rank.tolist() == [[20, 0, 20], [0, 0, 0]] and proj["qkv"].max_rank == (32, 32, 32)
     assert proj["qkv"].scale[0].tolist() == [0.5, 0.0, 0.5] and proj["o"].max_rank == (0,)
     step = PrefillStep(token_ids=[7] * 3, start_pos=0, block_table=(1,), slot_tables=_tables([4, 0, 4]))
-    inputs.fill(step, 32, prefill_key(step.slot_tables))
+    inputs.fill(step, 32, step.shape(32).lora)
     tiles = inputs.lora_step(32).tiles.tolist()
     assert tiles[0][:3] == [0, 0, 3] and tiles[1][:3] == [1, 0, 0]  # the second tile empty, on the rank-0 slot
 
@@ -166,20 +171,20 @@ def test_adapter_graphs_are_captured_when_idle_and_replayed(llama, monkeypatch):
     try:
         engine, prefill = llm.engine, llm.engine._runner.prefill
         assert prefill.num_captures == len(prefill.buckets)
-        pending = [graph for graph in engine.pending_graphs() if isinstance(graph[1], PrefillKey)]
-        shapes = {key for _, key in pending}  # the two most common: every kind at 16 lanes, and one more
-        assert len(shapes) == 2 and PrefillKey(("qkv", "o", "gate_up", "down"), 16) in shapes
-        assert {bucket for bucket, _ in pending} == set(prefill.buckets)
+        pending = [shape for shape in engine.pending_graphs() if shape.phase is Phase.PREFILL]
+        shapes = {shape.lora for shape in pending}  # the two most common: every kind at 16 lanes, and one more
+        assert len(shapes) == 2 and _lora(("qkv", "o", "gate_up", "down"), 16) in shapes
+        assert {shape.bucket for shape in pending} == set(prefill.buckets)
         monkeypatch.setattr(llm, "capture_graphs", lambda: None)  # as a server's first requests meet the engine
         before = [r.token_ids for r in _one_at_a_time(llm, PROMPTS, params)]
         assert calls == [len(PROMPTS[0])]  # the base prompt only: no adapter graph yet
         while engine.capture_pending_graphs(budget_s=0.0):
             pass
-        assert engine.pending_graphs() == [] and all(prefill.has_graph(*graph) for graph in pending)
+        assert engine.pending_graphs() == [] and all(prefill.has_graph(shape) for shape in pending)
         calls.clear()
         after = [r.token_ids for r in _one_at_a_time(llm, PROMPTS, params)]
-        keys = [None, PrefillKey(("qkv",), 16)] + [PrefillKey(("qkv", "o", "gate_up", "down"), 16)] * 2 + [
-            PrefillKey(("qkv", "o"), 32)]
+        keys = [None, _lora(("qkv",), 16)] + [_lora(("qkv", "o", "gate_up", "down"), 16)] * 2 + [
+            _lora(("qkv", "o"), 32)]
         assert calls == [len(p) for p, key in zip(PROMPTS, keys) if key is None or key in shapes]
         assert after == before
     finally:

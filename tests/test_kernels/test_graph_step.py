@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep, lora_key
+from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep
 from kubelora.kernels.lora import add_lora_torch, prepare_lora_proj, prepare_lora_step
 
 IN_DIM, WIDTHS = 64, [64, 32, 32]  # a GQA-shaped qkv: q 64 wide, k and v 32
@@ -43,7 +43,7 @@ def test_graph_step_matches_reference(triton_backend, device, slots, bucket):
                           device=torch.device(device))
     decode = DecodeStep(token_ids=[1] * num, positions=[0] * num, block_tables=[(0,)] * num, token_slots=slots,
                         slot_tables={"qkv": (row_start, ranks, scale)})
-    key = lora_key(decode)
+    key = decode.shape(bucket).lora
     inputs.fill(decode, bucket, key)
     got = y.clone()
     triton_backend.add_lora_triton(got, x, lora_a, lora_b, inputs.lora_projs(key)["qkv"], inputs.lora_step(bucket, key))

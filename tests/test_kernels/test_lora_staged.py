@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kubelora.engine.adapters.staging import StagedStep
-from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep, lora_key
+from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep
 from kubelora.kernels.lora import prepare_lora_proj
 from lora_problems import build_problem, check_y
 
@@ -80,7 +80,7 @@ def test_staged_expand_on_the_graph_layout(triton_backend, device):
     decode = DecodeStep(token_ids=[1] * 7, positions=[0] * 7, block_tables=[(0,)] * 7, token_slots=slots,
                         slot_tables={"qkv": (p.row_start, ranks, p.scale)},
                         staged=StagedStep(rows={"qkv": 96}, t_col={"qkv": t_col}))
-    key = lora_key(decode)
+    key = decode.shape(bucket).lora
     assert key.stage == (("qkv", 96),)
     inputs.fill(decode, bucket, key)
     proj = inputs.lora_projs(key)["qkv"]
@@ -98,6 +98,6 @@ def test_staged_expand_on_the_graph_layout(triton_backend, device):
 def test_unstaged_key_is_the_old_graph():
     decode = DecodeStep(token_ids=[1], positions=[0], block_tables=[(0,)], token_slots=[0],
                         slot_tables={"qkv": ([[0, 0, 0]], [[8, 8, 8]], [[1.0] * 3])})
-    assert lora_key(decode).stage == ()
+    assert decode.shape(1).lora.stage == ()
     proj = prepare_lora_proj([[0, 0, 0]], [[8, 8, 8]], [[1.0] * 3], "cpu")
     assert proj.t_col is None
