@@ -1,7 +1,9 @@
-"""Settings tables shared by the engine server and the router: one `Setting` row per flag and environment variable.
+"""Settings tables of the engine server, the router and the operator: one `Setting` row per flag and environment
+variable.
 
-Each entry point keeps its own table, env prefix and config dataclass; this module only turns a table into argparse
-flags and finds a setting's text (flag first, environment second). Stdlib only: the router must stay torch-free.
+Each entry point keeps its own table, env prefix and config dataclasses; this module only turns a table into
+argparse flags and finds a setting's value (flag first, environment second). Stdlib only: the router must stay
+torch-free.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ class Setting:
     default: object = None
     is_list: bool = False  # repeatable flag; comma-separated in the environment
     is_switch: bool = False  # --flag / --no-flag; true/false in the environment
-    env_prefix: str = ""  # each table binds its own prefix (KUBELORA_, KUBELORA_ROUTER_) with functools.partial
+    env_prefix: str = ""  # each table binds its own prefix (KUBELORA_, KUBELORA_ROUTER_, ...) with functools.partial
     config_field: str = ""  # the config field it fills, when its name differs from the flag's
+    aliases: tuple[str, ...] = ()  # short spellings of the flag (-n)
+    env_name: str = ""  # the variable's name after the prefix, when it is not the flag's (RESYNC_S)
 
     @property
     def dest(self) -> str:
@@ -32,7 +36,7 @@ class Setting:
 
     @property
     def env(self) -> str:
-        return self.env_prefix + self.dest.upper()
+        return self.env_prefix + (self.env_name or self.dest.upper())
 
 
 def parse_bool(text: str) -> bool:
@@ -53,17 +57,31 @@ def add_arguments(parser: argparse.ArgumentParser, settings: tuple[Setting, ...]
     for s in settings:
         help_text = f"{s.help} [env {s.env}]"
         if s.is_switch:
-            parser.add_argument(s.flag, dest=s.dest, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(s.flag, *s.aliases, dest=s.dest, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
             continue
         action = "append" if s.is_list else "store"
-        parser.add_argument(s.flag, dest=s.dest, type=s.parse if is_typed else None, action=action, default=None,
-                            help=help_text)
+        parser.add_argument(s.flag, *s.aliases, dest=s.dest, type=s.parse if is_typed else None, action=action,
+                            default=None, help=help_text)
 
 
 def env_text(s: Setting, environ: Mapping[str, str]) -> str | None:
     """The variable's text; None when it is unset or empty (the chart renders unset values as "")."""
     return environ.get(s.env) or None
+
+
+def env_value(s: Setting, environ: Mapping[str, str]) -> object:
+    """The variable parsed with `Setting.parse` (each comma-separated item for a list); None when it is unset or
+    empty. ValueError names the variable."""
+    text = env_text(s, environ)
+    if text is None or not text.strip():
+        return None
+    try:
+        if s.is_list:
+            return [s.parse(item.strip()) for item in text.split(",") if item.strip()]
+        return s.parse(text.strip())
+    except ValueError as exc:
+        raise ValueError(f"{s.env}: {exc}") from None
 
 
 def given_value(s: Setting, args: argparse.Namespace, environ: Mapping[str, str],

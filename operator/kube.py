@@ -1,23 +1,28 @@
-"""A small async Kubernetes API client (aiohttp, JSON dicts) for what the reconcile needs.
+"""The operator's Kubernetes API client besides kopf: async (aiohttp), JSON dicts in and out.
 
-Credentials come from the `kubernetes` package's loaders (in-cluster first, then kubeconfig), as kopf's
-own login does; requests carry plain dicts, so manifests from `build_*` go out unchanged.
+Everything the reconcile and the leader election write or read outside kopf's watches goes through `Kube`:
+server-side apply of the `build_*` manifests (unchanged dicts), gets, deletes, pods, Secrets, custom objects,
+status patches, events, and the election's Lease. Credentials come from kopf's own login helpers.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import datetime as dt
 import json
+import os
 import ssl
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+import kopf
 
 from kubelora.operator import names
 
-# kind -> (API path prefix, plural); every kind the operator applies or deletes.
+# kind -> (API path prefix, plural); every kind the operator applies, reads or deletes by name.
 KINDS = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Service": ("/api/v1", "services"),
@@ -27,8 +32,15 @@ KINDS = {
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "Secret": ("/api/v1", "secrets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
 }
 CUSTOM_PREFIX = f"/apis/{names.GROUP}/{names.VERSION}"
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def micro_time_now() -> str:
+    """Now as the API's MicroTime (RFC 3339, microseconds, UTC)."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class KubeError(Exception):
@@ -39,45 +51,46 @@ class KubeError(Exception):
 
 @dataclass(frozen=True)
 class KubeConnection:
-    server: str
-    ssl_context: ssl.SSLContext | bool
-    token: str | None
+    server: str  # https://host:port
+    ssl_context: ssl.SSLContext | bool  # False: plain HTTP or no verification
+    headers: dict[str, str]  # Authorization, when the credentials have one
 
 
 def load_connection() -> KubeConnection:
-    import kubernetes
-
-    try:
-        kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
-    config = kubernetes.client.Configuration.get_default_copy()
-    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
-    token = header.split(" ", 1)[-1] if header else None
-    if not config.verify_ssl:
-        return KubeConnection(config.host, False, token)
-    context = ssl.create_default_context(cafile=config.ssl_ca_cert)
-    if config.cert_file:
-        context.load_cert_chain(config.cert_file, config.key_file)
-    return KubeConnection(config.host, context, token)
+    """The pod's service account first, then the kubeconfig, through kopf's login helpers. In a pod the server is
+    the API service's address from KUBERNETES_SERVICE_HOST/PORT (as client-go's in-cluster config), so that no
+    cluster DNS is needed. Raises kopf.LoginError when neither is there."""
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings)
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+    if info is not None and host and port:
+        info = dataclasses.replace(info, server=f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}")
+    if info is None:
+        info = kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        raise kopf.LoginError("no Kubernetes credentials: neither a pod service account nor a kubeconfig")
+    return KubeConnection(info.server, info.as_ssl_context(), info.as_http_headers())
 
 
 class Kube:
-    def __init__(self, connection: KubeConnection, session: aiohttp.ClientSession) -> None:
+    """`timeout_s` bounds each request (the leader election's are shorter than a reconcile's)."""
+
+    def __init__(self, connection: KubeConnection, session: aiohttp.ClientSession,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._conn = connection
         self._session = session
-        self._headers = {"Authorization": f"Bearer {connection.token}"} if connection.token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def request(self, method: str, path: str, body: Any = None, *, params: dict | None = None,
                       content_type: str = "application/json") -> dict:
-        headers = {**self._headers, "Accept": "application/json"}
+        headers = {**self._conn.headers, "Accept": "application/json"}
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
             data = json.dumps(body)
         async with self._session.request(method, self._conn.server + path, data=data, params=params,
                                          headers=headers, ssl=self._conn.ssl_context,
-                                         timeout=aiohttp.ClientTimeout(total=30)) as response:
+                                         timeout=self._timeout) as response:
             text = await response.text()
             if response.status >= 400:
                 try:
@@ -112,6 +125,12 @@ class Kube:
                 return False
             raise
 
+    async def replace(self, manifest: dict) -> dict:
+        """PUT of the whole object; its metadata.resourceVersion makes a write in between a 409 KubeError."""
+        meta = manifest["metadata"]
+        return await self.request("PUT", self.object_path(manifest["kind"], meta["namespace"], meta["name"]),
+                                  manifest)
+
     async def delete(self, kind: str, namespace: str, name: str) -> bool:
         try:
             await self.request("DELETE", self.object_path(kind, namespace, name))
@@ -139,14 +158,9 @@ class Kube:
 
     async def read_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
         """The Secret's keys, decoded and stripped; None when there is no such Secret."""
-        import base64
-
-        try:
-            secret = await self.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{quote(name)}")
-        except KubeError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        secret = await self.get("Secret", namespace, name)
+        if secret is None:
+            return None
         return {key: base64.b64decode(value).decode().strip() for key, value in (secret.get("data") or {}).items()}
 
     async def list_custom(self, plural: str, namespace: str) -> list[dict]:
@@ -172,7 +186,7 @@ class Kube:
 
     async def create_event(self, involved: dict, event_type: str, reason: str, message: str) -> None:
         meta = involved["metadata"]
-        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        now = micro_time_now()
         event = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},

@@ -1,23 +1,45 @@
+from pathlib import Path
+
 import pytest
 
-from kubelora.operator import cli
-from kubelora.operator.settings import OperatorSettings
+from kubelora.operator import cli, settings
+from kubelora.operator.settings import (ELECTION_SETTINGS, OPERATOR_SETTINGS, SETTINGS, ElectionSettings,
+                                        OperatorSettings, RunSettings)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "operator.md"
+
+
+def _run_settings(argv: list[str]) -> RunSettings:
+    return settings.resolve_run(cli.build_parser().parse_args(argv))
 
 
 def test_flags_and_env(monkeypatch):
     monkeypatch.setenv("KUBELORA_OPERATOR_RESYNC_S", "2.5")
+    monkeypatch.setenv("KUBELORA_OPERATOR_NAMESPACES", "x, y")
+    monkeypatch.setenv("KUBELORA_OPERATOR_LIVENESS_PORT", "9000")
+    monkeypatch.setenv("KUBELORA_OPERATOR_VERBOSE", "true")
     args = cli.build_parser().parse_args(["--namespace", "a", "-n", "b", "--liveness", "8081"])
-    assert args.namespace == ["a", "b"] and args.liveness == 8081 and args.resync_seconds == 2.5
+    assert settings.resolve_operator(args).resync_s == 2.5
+    assert settings.resolve_run(args) == RunSettings(namespaces=("a", "b"), liveness_port=8081, is_verbose=True)
+    assert _run_settings([]).namespaces == ("x", "y")  # comma-separated in the environment
+    monkeypatch.delenv("KUBELORA_OPERATOR_NAMESPACES")
+    assert _run_settings(["-A"]).namespaces == ()
+    with pytest.raises(ValueError, match="--all-namespaces"):
+        _run_settings(["-A", "-n", "a"])
+    monkeypatch.setenv("KUBELORA_OPERATOR_RESYNC_S", "soon")
+    with pytest.raises(ValueError, match="KUBELORA_OPERATOR_RESYNC_S"):
+        cli.settings_from_env()
 
 
 def test_main_runs_kopf_with_the_parsed_settings(monkeypatch):
     seen = {}
-    monkeypatch.setattr(cli, "run", lambda settings, namespaces, port, verbose, election: seen.update(
-        settings=settings, namespaces=namespaces, port=port) or 0)
+    monkeypatch.setattr(cli, "run", lambda operator_settings, run_settings: seen.update(
+        settings=operator_settings, run=run_settings) or 0)
     assert cli.main(["--", "-n", "x", "--resync-seconds", "3", "--max-concurrent-calls", "2"]) == 0
-    assert seen == {"settings": OperatorSettings(resync_s=3, max_concurrent_calls=2), "namespaces": ["x"],
-                    "port": None}
+    assert seen == {"settings": OperatorSettings(resync_s=3, max_concurrent_calls=2),
+                    "run": RunSettings(namespaces=("x",))}
     assert cli.main(["--resync-seconds", "0"]) == 2
+    assert cli.main(["--metrics-port", "70000"]) == 2
 
 
 def test_metrics_port_from_flag_or_env_starts_the_server(monkeypatch):
@@ -28,6 +50,21 @@ def test_metrics_port_from_flag_or_env_starts_the_server(monkeypatch):
     assert cli.main(["--metrics-port", "9090"]) == 0 and served == [9090]
     monkeypatch.setenv("KUBELORA_OPERATOR_METRICS_PORT", "8080")
     assert cli.main([]) == 0 and served == [9090, 8080]
+
+
+def test_every_setting_is_documented_with_its_default():
+    """docs/operator.md's settings table has a row per flag, naming its variable; a default that a dataclass
+    holds is the one the row states."""
+    rows = {line.split("|")[1].split("`")[1].split()[0]: line for line in DOC.read_text().splitlines()
+            if line.startswith("| `--")}
+    missing = [s.flag for s in SETTINGS if s.flag not in rows or f"`{s.env}" not in rows[s.flag]]
+    assert not missing, f"undocumented settings: {missing}"
+    assert set(rows) == {s.flag for s in SETTINGS}, "docs/operator.md lists a flag the operator does not have"
+    defaults = {**{s.flag: getattr(OperatorSettings, s.field_name) for s in OPERATOR_SETTINGS},
+                **{s.flag: getattr(ElectionSettings, s.field_name) for s in ELECTION_SETTINGS
+                   if hasattr(ElectionSettings, s.field_name)}}
+    wrong = [flag for flag, default in defaults.items() if f"| `{default:g}` |" not in rows[flag]]
+    assert not wrong, f"defaults in docs/operator.md differ from the dataclasses' for {wrong}"
 
 
 def test_settings_validate_and_back_off():
@@ -61,6 +98,6 @@ def test_network_policy_settings_from_flags_and_env(monkeypatch):
     monkeypatch.setenv("KUBELORA_OPERATOR_NETWORK_POLICY", "false")
     assert not cli.settings_from_env().network_policy.is_enabled
     args = cli.build_parser().parse_args(["--network-policy"])
-    assert cli.settings_from_args(args).network_policy.is_enabled
+    assert settings.resolve_operator(args).network_policy.is_enabled
     monkeypatch.setenv("KUBELORA_OPERATOR_POD_LABELS", "nolabel")
     assert cli.main(["--resync-seconds", "3"]) == 2  # a bad label list is a settings error, not a crash

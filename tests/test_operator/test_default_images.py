@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kubelora.operator import cli
+from kubelora.operator import cli, settings
 from kubelora.operator.builders import build_pool_manifests
 from kubelora.operator.settings import VERSION, DefaultImages, OperatorSettings
 from kubelora.operator.specs import PoolSpec
@@ -58,7 +58,7 @@ def test_flags_and_env_set_the_default_images(monkeypatch):
     monkeypatch.setenv("KUBELORA_OPERATOR_ROUTER_IMAGE", "r/r:1")
     assert cli.settings_from_env().images == DefaultImages(engine="r/e:1", router="r/r:1")
     args = cli.build_parser().parse_args(["--engine-image", "f/e:2"])
-    assert cli.settings_from_args(args).images == DefaultImages(engine="f/e:2", router="r/r:1")
+    assert settings.resolve_operator(args).images == DefaultImages(engine="f/e:2", router="r/r:1")
 
 
 @pytest.mark.parametrize("bad", ["", "has space:1"])

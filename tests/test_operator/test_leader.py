@@ -1,6 +1,6 @@
-"""Leader election (operator/leader.py) with the kubernetes package's real client and election loop, against a small
-Lease API on loopback that keeps resourceVersions as the API server does (a stale replace is a 409 Conflict).
-Timings use the shortest the library allows: lease 3 s, renew deadline 2 s, retry 1 s."""
+"""Leader election (operator/leader.py) over the operator's own client (operator/kube.py), against a small Lease
+API on loopback that keeps resourceVersions as the API server does (a stale replace is a 409 Conflict).
+Timings: lease 3 s, renew deadline 2 s, retry 1 s."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ import threading
 import time
 import urllib.request
 
+import aiohttp
 import kopf
 import pytest
-from kubernetes import client
 
-from kubelora.operator import cli, handlers
-from kubelora.operator.leader import ElectionSettings, LeaderElector
+from kubelora.operator import cli, handlers, settings
+from kubelora.operator.kube import Kube, KubeConnection
+from kubelora.operator.leader import LeaderElector
 from kubelora.operator.metrics import METRICS
+from kubelora.operator.settings import ElectionSettings
 
 NS, LEASE = "ops", "kubelora-operator"
 PATH = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases"
@@ -98,11 +100,13 @@ def serve(store: LeaseStore):
 
 
 @pytest.fixture
-def api():
+async def api():
+    """The store, and a factory of electors on it (each with the request timeout cli.operate gives it)."""
     store = LeaseStore()
     server = serve(store)
-    config = client.Configuration(host=f"http://127.0.0.1:{server.server_address[1]}")
-    yield store, lambda: client.ApiClient(config)
+    connection = KubeConnection(f"http://127.0.0.1:{server.server_address[1]}", False, {})
+    async with aiohttp.ClientSession() as session:
+        yield store, connection, lambda identity: LeaderElector(election(identity), Kube(connection, session, 1.0))
     server.shutdown()
     server.server_close()
 
@@ -121,8 +125,8 @@ async def wait_until(check, timeout_s: float) -> float:
 
 
 async def test_one_leads_the_other_stands_by_and_release_hands_over(api):
-    store, api_client = api
-    a, b = LeaderElector(election("a"), api_client()), LeaderElector(election("b"), api_client())
+    store, _, elector = api
+    a, b = elector("a"), elector("b")
     a.start()
     await wait_until(a.leading.is_set, 3)
     b.start()
@@ -137,46 +141,50 @@ async def test_one_leads_the_other_stands_by_and_release_hands_over(api):
 
 
 async def test_a_dead_leaders_lease_is_taken_after_it_expires(api):
-    store, api_client = api
+    store, _, elector = api
     now = dt.datetime.now(dt.timezone.utc).isoformat()
     store.put({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-               "spec": {"holderIdentity": "dead", "leaseDurationSeconds": 3, "acquireTime": now, "renewTime": now}})
-    elector = LeaderElector(election("b"), api_client())
-    elector.start()
-    took_s = await wait_until(elector.leading.is_set, 8)
+               "spec": {"holderIdentity": "dead", "leaseDurationSeconds": 3, "acquireTime": now, "renewTime": now,
+                        "leaseTransitions": 4}})
+    b = elector("b")
+    b.start()
+    took_s = await wait_until(b.leading.is_set, 8)
     assert 3 <= took_s <= 3 + 2 * 1.0 + 0.5  # the lease, then at most two retry periods
-    assert store.holder() == "b"
-    await elector.release()
+    assert store.holder() == "b" and store.lease["spec"]["leaseTransitions"] == 5
+    await b.release()
     assert store.holder() is None
 
 
 async def test_a_standby_survives_an_unreachable_api_server(api):
-    store, api_client = api
+    store, _, elector = api
     store.is_dropping = True
-    elector = LeaderElector(election("b"), api_client())
-    elector.start()
+    b = elector("b")
+    b.start()
     await asyncio.sleep(3)
     store.is_dropping = False
-    await wait_until(elector.leading.is_set, 3)
+    await wait_until(b.leading.is_set, 3)
     assert store.holder() == "b"
-    await elector.release()
+    await b.release()
 
 
 async def test_a_leader_that_cannot_renew_steps_down_within_the_renew_deadline(api):
-    store, api_client = api
-    elector = LeaderElector(election("a"), api_client())
-    elector.start()
-    await wait_until(elector.leading.is_set, 3)
+    store, _, elector = api
+    a = elector("a")
+    a.start()
+    await wait_until(a.leading.is_set, 3)
+    renewals = store.version
+    await asyncio.sleep(2.5)
+    assert store.version >= renewals + 2 and store.holder() == "a"  # renewed every retry period
     store.is_failing = True
     failed_at = time.monotonic()
-    await wait_until(elector.lost.is_set, 5)
+    await wait_until(a.lost.is_set, 5)
     # the standby's earliest takeover is a lease (3 s) after the last renewal: the leader stopped before it
     assert time.monotonic() - failed_at < 3.0
 
 
 async def test_operate_runs_kopf_only_while_leading_and_releases_on_exit(api, monkeypatch):
-    store, api_client = api
-    monkeypatch.setattr("kubelora.operator.leader.load_api_client", api_client)
+    store, connection, _ = api
+    monkeypatch.setattr(cli, "load_connection", lambda: connection)
     now = dt.datetime.now(dt.timezone.utc).isoformat()
     store.put({"spec": {"holderIdentity": "other", "leaseDurationSeconds": 3, "acquireTime": now, "renewTime": now}})
     runs, leader_gauge = [], []
@@ -202,8 +210,8 @@ async def test_operate_runs_kopf_only_while_leading_and_releases_on_exit(api, mo
 async def test_the_lease_is_released_by_kopfs_cleanup_not_after_kopf_returns(api, monkeypatch):
     """kopf calls the cleanup handler once its daemons and watchers stopped, then may wait up to 5 s more for
     leftover tasks: the standby must get the Lease at the cleanup."""
-    store, api_client = api
-    monkeypatch.setattr("kubelora.operator.leader.load_api_client", api_client)
+    store, connection, _ = api
+    monkeypatch.setattr(cli, "load_connection", lambda: connection)
     memo = kopf.Memo()
     holders = []
 
@@ -231,29 +239,38 @@ async def test_operate_without_election_runs_kopf_directly():
     assert await cli.operate(operator, None, None) == 0 and runs == [1]
 
 
+def _election_from(argv: list[str]) -> ElectionSettings | None:
+    return settings.resolve_run(cli.build_parser().parse_args(argv)).election
+
+
 def test_election_settings_from_flags_and_env(monkeypatch):
     monkeypatch.setenv("POD_NAME", "op-7d9f-abcde")
     monkeypatch.setenv("POD_NAMESPACE", "kubelora-system")
     monkeypatch.setenv("KUBELORA_OPERATOR_LEADER_ELECT", "true")
-    settings = cli.election_from_args(cli.build_parser().parse_args([]))
-    assert settings.namespace == "kubelora-system" and settings.lease_name == "kubelora-operator"
-    assert settings.identity.startswith("op-7d9f-abcde_") and len(settings.identity) == len("op-7d9f-abcde_") + 8
-    assert (settings.lease_duration_s, settings.renew_deadline_s, settings.retry_period_s) == (10, 6.0, 1.0)
-    args = cli.build_parser().parse_args(["--leader-elect-lease", "x", "--leader-elect-identity", "me"])
-    assert cli.election_from_args(args).identity == "me"
+    election = _election_from([])
+    assert election.namespace == "kubelora-system" and election.lease_name == "kubelora-operator"
+    assert election.identity.startswith("op-7d9f-abcde_") and len(election.identity) == len("op-7d9f-abcde_") + 8
+    assert (election.lease_duration_s, election.renew_deadline_s, election.retry_period_s) == (10, 6.0, 1.0)
+    assert _election_from(["--leader-elect-lease", "x", "--leader-elect-identity", "me"]).identity == "me"
+    monkeypatch.setenv("KUBELORA_OPERATOR_LEADER_ELECT_RETRY_S", "2")
+    assert _election_from(["--leader-elect-renew-seconds", "3"]).retry_period_s == 2
+    assert _election_from(["--no-leader-elect"]) is None  # the flag wins over the variable
     monkeypatch.delenv("KUBELORA_OPERATOR_LEADER_ELECT")
-    assert cli.election_from_args(cli.build_parser().parse_args([])) is None
+    assert _election_from([]) is None
 
 
 def test_election_needs_a_namespace_and_sane_timings(monkeypatch):
     monkeypatch.delenv("POD_NAMESPACE", raising=False)
-    monkeypatch.setattr("kubelora.operator.leader.SERVICE_ACCOUNT_NAMESPACE", "/nonexistent")
+    monkeypatch.setattr(settings, "SERVICE_ACCOUNT_NAMESPACE", "/nonexistent")
     monkeypatch.setattr(cli, "run", lambda *args: pytest.fail("must not run"))
     assert cli.main(["--leader-elect"]) == 2
+    assert cli.main(["--leader-elect", "--leader-elect-namespace", "x", "--leader-elect-renew-seconds", "20"]) == 2
     with pytest.raises(ValueError, match="renew_deadline_s"):
         ElectionSettings(LEASE, NS, "a", lease_duration_s=10, renew_deadline_s=1.0, retry_period_s=1.0)
     with pytest.raises(ValueError, match="lease_duration_s"):
         ElectionSettings(LEASE, NS, "a", lease_duration_s=6, renew_deadline_s=6.0)
+    with pytest.raises(ValueError, match="retry_period_s"):
+        ElectionSettings(LEASE, NS, "a", retry_period_s=0)
     with pytest.raises(ValueError, match="identity"):
         ElectionSettings(LEASE, NS, "")
 
