@@ -50,6 +50,8 @@ def build_engine_args(pool: PoolSpec) -> list[str]:
         args += ["--adapter-s3-bucket", bucket]
     for endpoint in pool.adapter_s3_endpoints:
         args += ["--adapter-s3-endpoint", endpoint]
+    if pool.require_api_keys:
+        args.append("--require-api-keys")
     return args + list(engine.extra_args)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from kubelora.contract.load import S3_SECRET_KEYS, S3Access
 from kubelora.operator import names
+from kubelora.operator.api_keys import PoolKeys
 from kubelora.operator.engine_client import EngineError
 from kubelora.operator.memory import PodAdapter, Published, ReconcileMemory, Refusal, Retry
 from kubelora.operator.observe import Observation
@@ -51,6 +52,7 @@ class PoolView:
     tokens: Mapping[str, str | S3Access | None]
     observation: Observation
     stored: StoredPlacement | None = None  # read only while the memory holds no previous placement
+    keys: PoolKeys | None = None  # the pool's API keys (None: it requires none)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,15 @@ class EngineError(Exception):
 
 
 @dataclass(frozen=True)
+class ModelList:
+    """What an engine's admin list says: its adapters, its device adapter pool budget in bytes (None: it does not
+    say) and the fingerprint of the API key table it holds (None: none)."""
+    adapters: dict[str, ObservedAdapter]
+    budget: int | None = None
+    api_keys_fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
 class LoadResult:
     card: dict
     was_loaded: bool
@@ -56,15 +65,20 @@ class EngineClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def list_adapters(self, base_url: str) -> dict[str, ObservedAdapter]:
-        return (await self.list_models(base_url))[0]
+        return (await self.list_models(base_url)).adapters
 
-    async def list_models(self, base_url: str) -> tuple[dict[str, ObservedAdapter], int | None]:
-        """The pod's adapters, and its device adapter pool budget in bytes (None: the engine does not say)."""
+    async def list_models(self, base_url: str) -> ModelList:
         body, _ = await self._call_tagged("GET", f"{base_url}/v1/models", None)
         cards = body.get("data", [])
-        budget = next((c.get("adapter_pool_bytes") for c in cards if c.get("parent") is None), None)
+        base = next((c for c in cards if c.get("parent") is None), {})
+        budget, keys = base.get("adapter_pool_bytes"), base.get("api_keys") or {}
         adapters = {card["id"]: ObservedAdapter.from_card(card) for card in cards if card.get("parent") is not None}
-        return adapters, budget if isinstance(budget, int) and budget > 0 else None
+        return ModelList(adapters, budget if isinstance(budget, int) and budget > 0 else None,
+                         keys.get("fingerprint") if isinstance(keys.get("fingerprint"), str) else None)
+
+    async def put_api_keys(self, base_url: str, table: dict) -> None:
+        """Replace the engine's API key table (digests only; kubelora.contract.keys)."""
+        await self._call("PUT", f"{base_url}/v1/api_keys", {"apiKeys": table})
 
     async def wait_for_change(self, base_url: str, tag: str | None, wait_s: float) -> str | None:
         """The pod's adapter-set tag once it differs from `tag` (at once when `tag` is None), or after `wait_s`

@@ -17,6 +17,7 @@ import aiohttp
 import kopf
 
 from kubelora.operator import names
+from kubelora.operator.api_keys import watch_key_secrets
 from kubelora.operator.builders import (build_admin_token_secret, build_owner_reference, build_pool_manifests,
                                         build_router_manifest_keys)
 from kubelora.operator.conditions import build_status_patch, merge_conditions
@@ -114,6 +115,8 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
     wake = runtime.trigger_for(namespace, name)
     watchers = PodWatchers(lambda token: EngineClient(runtime.engine_session, token, runtime.settings.engine_timeout_s),
                            lambda: runtime.trigger(namespace, name))
+    key_watch = asyncio.create_task(watch_key_secrets(runtime.kube, namespace, name, lambda: reconciler.key_versions,
+                                                      lambda: runtime.trigger(namespace, name)))
     try:
         while not stopped:
             wake.clear()
@@ -131,6 +134,7 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
                 pass
             await gather_triggers(wake, runtime.settings.debounce_s, runtime.settings.max_gather_s)
     finally:
+        key_watch.cancel()
         runtime.forget(namespace, name)
         METRICS.forget_pool(namespace, name)
         await watchers.close()

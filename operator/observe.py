@@ -57,6 +57,7 @@ class Observation:
     adapters: dict[str, dict[str, ObservedAdapter]] = field(default_factory=dict)
     all_urls: dict[str, str] = field(default_factory=dict)  # every pod with an IP, ready or not
     budgets: dict[str, int] = field(default_factory=dict)  # observed pod -> device adapter pool bytes
+    key_fingerprints: dict[str, str | None] = field(default_factory=dict)  # observed pod -> its API key table's
     # Ready pods (per Kubernetes) whose engine refused the operator's token (401): they serve, but what they hold
     # cannot be read (a token rotation this operator did not see start, say after a restart)
     unauthorized: frozenset[str] = frozenset()
@@ -84,9 +85,10 @@ async def observe_pool(kube: Kube, client_for: Callable[[dict], EngineClient], n
         if isinstance(result, BaseException):
             raise result
         observation.urls[name] = pod_admin_url(pod)
-        observation.adapters[name], budget = result
-        if budget is not None:
-            observation.budgets[name] = budget
+        observation.adapters[name] = result.adapters
+        observation.key_fingerprints[name] = result.api_keys_fingerprint
+        if result.budget is not None:
+            observation.budgets[name] = result.budget
     observation.unauthorized = frozenset(unauthorized)
     return observation
 

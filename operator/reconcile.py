@@ -20,6 +20,7 @@ import aiohttp
 
 from kubelora.contract.load import S3Access
 from kubelora.operator import names
+from kubelora.operator.api_keys import PoolKeys, engines_to_push, list_key_secrets, read_pool_keys
 from kubelora.operator.builders import (build_admin_token_secret, build_owner_reference, build_placement_configmap,
                                         build_pool_manifests)
 from kubelora.operator.conditions import build_status_patch
@@ -38,6 +39,7 @@ from kubelora.operator.status import Failure
 from kubelora.operator.tokens import remember_tokens, token_for_pod
 
 log = logging.getLogger("kubelora.operator")
+KEY_RETRY_S = 1.0  # the next pass this soon after an engine did not take the API key table
 STATUS_WRITES_IN_FLIGHT = 8  # adapter status patches per pool at once (hundreds of adapters change together)
 
 
@@ -62,6 +64,10 @@ class PoolReconciler:
         self._healed_at = time.monotonic()  # on_pool_spec applied them just now (create, update or resume)
         self._is_token_new = False  # the admin token was recreated or rotated: re-apply now (the engines roll)
         self.next_pass_s: float | None = None  # the last pass asks for the next this soon (a router lags)
+        # The key Secrets' versions the last pass read (None: the pool requires no keys): the daemon's poll
+        # starts a pass when they change (api_keys.watch_key_secrets).
+        self.key_versions: frozenset[tuple[str, str]] | None = None
+        self._warned_secrets: frozenset[tuple[str, str]] = frozenset()  # (Secret, version) refused, event posted
 
     async def reconcile(self) -> None:
         body = await self._kube.get_custom(names.POOL_PLURAL, self.namespace, self.name)
@@ -76,12 +82,14 @@ class PoolReconciler:
         self.observed_urls = dict(view.observation.urls)
         self.observed_tokens = {url: clients.token(pod) for pod, url in view.observation.urls.items()}
         plan, self._memory = plan_pass(view, self._memory, time.time())
+        is_keys_behind = await self._push_keys(view, clients)  # before a placement routes to the pods
         results = await self._execute(plan, clients, view)
         publication = build_publication(view, plan, results, self._memory)
         await self._publish(pool, body, publication.placement)
         report = report_publication(view, plan, publication, await self._ask_routers(pool, publication))
         self._memory = report.memory  # only once the placement it records is written
-        self.next_pass_s = report.next_pass_s
+        self.next_pass_s = min(report.next_pass_s or KEY_RETRY_S, KEY_RETRY_S) if is_keys_behind else \
+            report.next_pass_s
         if self._on_released is not None and report.released:
             self._on_released(report.released)
         await self._patch_adapters(view.bodies, report)
@@ -120,11 +128,54 @@ class PoolReconciler:
         clients = _PodClients(self._session, self._tokens, token, self._settings.engine_timeout_s)
         observation = await observe_pool(self._kube, clients.for_pod, self.namespace, self.name)
         self._tokens = remember_tokens(self._tokens, token, observation.pods)
+        keys = await self._read_keys(pool, body)
         stored = None
         if self._memory.previous is None:  # the first pass: the published placement is the previous one
             stored = StoredPlacement.from_configmap(
                 await self._kube.get("ConfigMap", self.namespace, names.placement_configmap_name(self.name)))
-        return PoolView(body, pool, bodies, tokens, observation, stored), clients
+        return PoolView(body, pool, bodies, tokens, observation, stored, keys), clients
+
+    async def _read_keys(self, pool: PoolSpec, body: dict) -> PoolKeys | None:
+        """The pool's API key table from its key Secrets (None: the pool requires no keys); a refused Secret
+        gets one Warning event per version."""
+        if not pool.require_api_keys:
+            self.key_versions = None
+            return None
+        keys = read_pool_keys(True, await list_key_secrets(self._kube, self.namespace, self.name))
+        self.key_versions = keys.versions
+        versions = dict(keys.versions)
+        warned = set()
+        for refused in keys.refused:
+            mark = (refused.name, versions.get(refused.name, ""))
+            warned.add(mark)
+            if mark not in self._warned_secrets:
+                involved = {"apiVersion": "v1", "kind": "Secret",
+                            "metadata": {"name": refused.name, "namespace": self.namespace}}
+                await self._kube.create_event(involved, "Warning", refused.reason,
+                                              f"API key Secret refused for pool {self.name}: {refused.message}")
+        self._warned_secrets = frozenset(warned)
+        return keys
+
+    async def _push_keys(self, view: PoolView, clients: _PodClients) -> bool:
+        """Give each observed engine whose key table differs the pool's; True when a push failed (the next pass
+        comes sooner). A pool that requires no keys pushes nothing (its engines run without --require-api-keys)."""
+        if view.keys is None:
+            return False
+        table, observation = view.keys.table, view.observation
+        pods = {p["metadata"]["name"]: p for p in observation.pods}
+        stale = engines_to_push(table, {pod: observation.key_fingerprints.get(pod) for pod in observation.urls})
+        results = await asyncio.gather(*(clients.for_pod(pods[pod]).put_api_keys(observation.urls[pod],
+                                                                                  table.to_json())
+                                         for pod in stale), return_exceptions=True)
+        failed = False
+        for pod, result in zip(stale, results):
+            if isinstance(result, EngineError):
+                log.warning("pool %s/%s: pushing the API key table to %s failed: %s", self.namespace, self.name,
+                            pod, result)
+                failed = True
+            elif isinstance(result, BaseException):
+                raise result
+        return failed
 
     async def _source_tokens(self, bodies: Iterable[dict]) -> dict[str, str | S3Access | None]:
         """adapter -> what its spec.source.authSecretRef names: a url's token, an s3 url's key pair (None: the

@@ -114,6 +114,8 @@ def report_publication(view: PoolView, plan: PassPlan, publication: Publication,
                        capacity=view.pool.engine.max_cpu_loras, revision=publication.revision,
                        num_adapters=len(view.bodies), sizes=plan.sizes, routers=judgement.entries,
                        degraded=judgement.degraded)
+    if view.keys is not None:
+        pool["apiKeys"] = view.keys.status()
     released = frozenset(name for name, body in view.bodies.items() if body["metadata"].get("deletionTimestamp")
                          and not any(name in adapters_here for adapters_here in holdings.held.values()))
     memory = replace(memory, routers_behind=judgement.behind, router_revisions=judgement.revisions)
@@ -149,8 +151,11 @@ def placement_payload(view: PoolView, adapters: AdapterSet, placement: Placement
     unreadable = view.observation.unauthorized
     replicas = [{"pod": pod, "url": url, "ready": pod in view.observation.urls or pod in unreadable}
                 for pod, url in view.observation.all_urls.items()]
-    return {"pool": view.pool.name, "baseModel": view.pool.served_name,
-            "replicas": sorted(replicas, key=lambda r: r["pod"]), "adapters": held}
+    payload = {"pool": view.pool.name, "baseModel": view.pool.served_name,
+               "replicas": sorted(replicas, key=lambda r: r["pod"]), "adapters": held}
+    if view.keys is not None:  # digests only (kubelora.contract.keys)
+        payload["apiKeys"] = view.keys.table.to_json()
+    return payload
 
 
 def unreadable_holders(view: PoolView, memory: ReconcileMemory) -> dict[str, list[str]]:

@@ -93,6 +93,7 @@ class PoolSpec:
     admin_token: SecretRef | None = None
     is_admin_token_managed: bool = False
     allowed_client_namespaces: tuple[str, ...] = ()  # besides the pool's routers, these reach the serving port
+    require_api_keys: bool = False  # spec.apiKeys.required: tenants call with keys of the pool's key Secrets
     router: RouterSettings = RouterSettings()
     pod_labels: dict[str, str] = field(default_factory=dict)
     node_selector: dict[str, str] = field(default_factory=dict)
@@ -128,6 +129,7 @@ class PoolSpec:
                          SecretRef(names.admin_token_secret_name(meta["name"]), names.ADMIN_TOKEN_KEY)),
             is_admin_token_managed=not token,
             allowed_client_namespaces=tuple(spec.get("allowedClientNamespaces") or ()),
+            require_api_keys=bool((spec.get("apiKeys") or {}).get("required", False)),
             router=RouterSettings(is_enabled=router.get("enabled", False), replicas=router.get("replicas", 1),
                                   image=router.get("image") or None),
             pod_labels=dict(spec.get("podLabels") or {}), node_selector=dict(spec.get("nodeSelector") or {}),

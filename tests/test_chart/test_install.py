@@ -74,7 +74,8 @@ def test_install_runs_the_operator_and_uninstall_cleans_up(cluster, helm):
         assert _can(cluster, namespace, name, "create", "roles", namespace)
         assert _can(cluster, namespace, name, "get", "secrets", namespace)
         assert _can(cluster, namespace, name, "create", "secrets", namespace)  # a pool's admin token, once
-        assert not _can(cluster, namespace, name, "list", "secrets", namespace)
+        assert _can(cluster, namespace, name, "list", "secrets", namespace)  # tenant API key Secrets, by label
+        assert not _can(cluster, namespace, name, "list", "secrets", "default")
         assert not _can(cluster, namespace, name, "update", "secrets", namespace)
         assert not _can(cluster, namespace, name, "get", "secrets", "default")  # Secrets only where it watches
         assert _can(cluster, namespace, name, "create", "networkpolicies.networking.k8s.io", namespace)

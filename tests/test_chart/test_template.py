@@ -95,7 +95,7 @@ def test_cluster_wide_is_an_opt_in_that_never_binds_secrets_cluster_wide(render,
     assert rules(rendered, "rel-kubelora-pools") == {k: v for k, v in POOL_RULES.items() if k != ("", "secrets")}
     assert ("", "secrets") not in cluster_wide_grants(rendered) and ("apps", "deployments") in cluster_wide_grants(
         rendered)
-    assert rules(rendered, "rel-kubelora-secrets") == {("", "secrets"): {"get", "create"}}
+    assert rules(rendered, "rel-kubelora-secrets") == {("", "secrets"): {"get", "list", "create"}}
     for namespace in ("team-a", "team-b"):
         binding = rendered[("RoleBinding", "rel-kubelora-secrets", namespace)]
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -118,8 +118,9 @@ POOL_RULES = {
         ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings"))},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"}, ("events.k8s.io", "events"): {"create", "patch"},
-    # The pool's admin token Secret is created once; Secrets are never listed, watched, updated or deleted.
-    ("", "secrets"): {"get", "create"},
+    # The pool's admin token Secret is created once; tenant API key Secrets are listed by label; Secrets are
+    # never watched, updated or deleted.
+    ("", "secrets"): {"get", "list", "create"},
     ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},
 }
 
@@ -138,7 +139,7 @@ def test_rbac_is_least_privilege(render):
     assert pools[("", "configmaps")] == owned  # the router Role grants only get, by name
     assert pools[("", "pods")] == {"get", "list", "watch"}
     assert pools[("", "events")] == {"create", "patch"}
-    assert pools[("", "secrets")] == {"get", "create"}
+    assert pools[("", "secrets")] == {"get", "list", "create"}
     everything = {verb for verbs in pools.values() for verb in verbs}
     assert not everything & {"*", "escalate", "bind", "impersonate", "deletecollection"}
     assert not any("*" in key for key in pools)

@@ -100,7 +100,9 @@ def test_the_default_install_grants_nothing_outside_its_namespace(cluster, two_o
     for verb, resource in (("create", "deployments"), ("get", "secrets"), ("create", "secrets"),
                            ("patch", "lorapools.kubelora.io/status")):
         assert can_i(cluster, operator, verb, resource, namespace) == "yes", (verb, resource)
-    assert can_i(cluster, operator, "list", "secrets", namespace) == "no"
+    assert can_i(cluster, operator, "list", "secrets", namespace) == "yes"  # tenant API key Secrets, by label
+    assert can_i(cluster, operator, "list", "secrets", "kube-system") == "no"
+    assert can_i(cluster, operator, "watch", "secrets", namespace) == "no"
     assert can_i(cluster, operator, "list", "namespaces", None) == "yes"  # kopf's discovery, read-only
 
 
