@@ -86,13 +86,7 @@ class DecodeInputs(StaticInputs):
 
     def lora_step(self, bucket: int, key: LoRAShape) -> LoRAStep:
         """The graph's LoRAStep: fixed tile count for the bucket, every size from shapes (see module doc)."""
-        num_tiles = max_tiles(bucket, self.max_slots)
-        tiles = self._region(self.device_buf, "tiles", num_tiles * (TILE_HEAD + TILE_M))
-        return LoRAStep(token_slots=self._region(self.device_buf, "token_slots", bucket),
-                        num_slots=self.max_slots + 1, has_lora=True,
-                        sorted_tokens=self._region(self.device_buf, "sorted_tokens", bucket),
-                        tiles=tiles.view(num_tiles, TILE_HEAD + TILE_M), block_m=TILE_M, is_slot_tiles=False,
-                        num_lora_tokens=bucket, max_tile_count=key.rows)
+        return self._lora_step(bucket, max_tiles(bucket, self.max_slots), self.max_slots + 1, key.rows)
 
     def lora_projs(self, key: LoRAShape) -> dict[str, LoRAProj]:
         table_rows = self.max_slots + 1
@@ -129,39 +123,17 @@ class DecodeInputs(StaticInputs):
         for _ in self._host_bufs:
             self._take_turn()
             for name, value in (("token_ids", 0), ("positions", 0), ("context_lens", 1),
-                                ("slot_mapping", self.pad_slot), ("token_slots", -1),
-                                ("block_tables", self.pad_slot // self.block_size)):
+                                ("slot_mapping", self.pad_slot), ("block_tables", self.pad_slot // self.block_size)):
                 length = n * self.max_blocks if name == "block_tables" else n
                 self._put(name, [value] * length)
-            # LoRA regions: every tile empty, on the rank-0 pad slot.
-            self._put("sorted_tokens", [0] * n)
-            self._put("tiles", ([self.max_slots, 0, 0] + [0] * TILE_M) * self.num_tiles)
+            self._put_tiles([], self.max_slots, n, self.num_tiles)  # every tile empty, on the rank-0 pad slot
             self._clear_slot_tables(self.kind_slices, self.max_slots + 1)
             for kind in self.staged_kinds:
                 self._put(f"{kind}.t_col", [0] * ((self.max_slots + 1) * self.kind_slices[kind]))
         self.device_buf.copy_(self.host_buf)
 
     def _fill_lora(self, step: DecodeStep, bucket: int) -> None:
-        num = len(step.token_slots)
-        pad_slot = self.max_slots  # rank 0 in every slice: tiles of it move no bytes
-        self._put("token_slots", step.token_slots + [-1] * (bucket - num))
-        by_slot: dict[int, list[int]] = {}
-        for token, slot in enumerate(step.token_slots):
-            if slot >= 0:
-                by_slot.setdefault(slot, []).append(token)
-        order, rows = [], []
-        for slot in sorted(by_slot):
-            tokens = by_slot[slot]
-            for first in range(0, len(tokens), TILE_M):
-                part = tokens[first : first + TILE_M]
-                rows += [slot, len(order) + first, len(part), *part, *[0] * (TILE_M - len(part))]
-            order += tokens
-        num_tiles = max_tiles(bucket, self.max_slots)
-        width = TILE_HEAD + TILE_M
-        assert len(rows) <= num_tiles * width
-        rows += ([pad_slot, 0, 0] + [0] * TILE_M) * (num_tiles - len(rows) // width)
-        self._put("sorted_tokens", order + [0] * (bucket - len(order)))
-        self._put("tiles", rows)
+        self._put_tiles(step.token_slots, self.max_slots, bucket, max_tiles(bucket, self.max_slots))
         table_rows = self.max_slots + 1
         self._put_slot_tables(step.slot_tables, self.kind_slices, table_rows)
         if step.staged is not None:

@@ -82,12 +82,7 @@ class PrefillInputs(StaticInputs):
 
     def lora_step(self, bucket: int) -> LoRAStep:
         """Fixed tile count for the bucket; every size from shapes (the kernels read each tile's count)."""
-        num_tiles = bucket // TILE_M
-        tiles = self._region(self.device_buf, "tiles", num_tiles * (TILE_HEAD + TILE_M))
-        return LoRAStep(token_slots=self._region(self.device_buf, "token_slots", bucket), num_slots=TABLE_ROWS,
-                        has_lora=True, sorted_tokens=self._region(self.device_buf, "sorted_tokens", bucket),
-                        tiles=tiles.view(num_tiles, TILE_HEAD + TILE_M), block_m=TILE_M, is_slot_tiles=False,
-                        num_lora_tokens=bucket, max_tile_count=TILE_M)
+        return self._lora_step(bucket, bucket // TILE_M, TABLE_ROWS, TILE_M)
 
     def lora_projs(self, key: LoRAShape) -> dict[str, LoRAProj]:
         return self._slot_projs(self.kind_slices, TABLE_ROWS, key.kinds, key.lanes)
@@ -121,22 +116,14 @@ class PrefillInputs(StaticInputs):
         for _ in self._host_bufs:
             self._take_turn()
             for name, values in (("token_ids", [0] * n), ("positions", [0] * n), ("slot_mapping", [self.pad_slot] * n),
-                                 ("token_slots", [-1] * n), ("sorted_tokens", [0] * n),
-                                 ("tiles", ([1, 0, 0] + [0] * TILE_M) * (n // TILE_M)), ("query_start_loc", [0, 1]),
-                                 ("seq_lens", [1]), ("context_lens", [1]), ("last_row", [0]),
-                                 ("block_table", [self.pad_slot // self.block_size] * self.max_blocks)):
+                                 ("query_start_loc", [0, 1]), ("seq_lens", [1]), ("context_lens", [1]),
+                                 ("last_row", [0]), ("block_table", [self.pad_slot // self.block_size] * self.max_blocks)):
                 self._put(name, values)
+            self._put_tiles([], 1, n, n // TILE_M)
             self._clear_slot_tables(self.kind_slices, TABLE_ROWS)
         self.device_buf.copy_(self.host_buf)
 
     def _fill_lora(self, num: int, bucket: int, slot_tables: dict[str, tuple[list, list, list]]) -> None:
         """Every chunk token on slot 0, cut into tiles of TILE_M; the bucket's other tiles empty on slot 1."""
-        self._put("token_slots", [0] * num + [-1] * (bucket - num))
-        self._put("sorted_tokens", list(range(num)) + [0] * (bucket - num))
-        rows = []
-        for first in range(0, bucket, TILE_M):
-            count = max(0, min(TILE_M, num - first))
-            tokens = list(range(first, first + count)) + [0] * (TILE_M - count)
-            rows += [0, first, count, *tokens] if count else [1, 0, 0, *tokens]
-        self._put("tiles", rows)
+        self._put_tiles([0] * num, 1, bucket, bucket // TILE_M)
         self._put_slot_tables(slot_tables, self.kind_slices, TABLE_ROWS)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kubelora.kernels.lora import LoRAProj
+from kubelora.engine.step.shape import TILE_M
+from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep, sort_by_slot, tile_table
 
 
 def table_regions(kind_slices: dict[str, int], table_rows: int) -> list[tuple[str, int]]:
@@ -65,6 +66,24 @@ class StaticInputs:
         self.device_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
         if self._copied[self._turn] is not None:
             self._copied[self._turn].record()
+
+    def _put_tiles(self, token_slots: list[int], num_slots: int, bucket: int, num_tiles: int) -> None:
+        """The step's token -> slot map padded to bucket (-1), its LoRA tokens grouped by slot and their tile table
+        (kernels/lora.py, the eager steps' builder): num_tiles tiles of TILE_M, those past the step's empty and on
+        slot num_slots, whose table row is rank 0."""
+        order, counts = sort_by_slot(token_slots, num_slots)
+        self._put("token_slots", list(token_slots) + [-1] * (bucket - len(token_slots)))
+        self._put("sorted_tokens", np.concatenate([order, np.zeros(bucket - order.size, dtype=np.int64)]))
+        self._put("tiles", tile_table(counts, order, TILE_M, num_tiles=num_tiles).reshape(-1))
+
+    def _lora_step(self, bucket: int, num_tiles: int, num_slots: int, rows: int) -> LoRAStep:
+        """The LoRAStep over the tile regions: num_tiles tiles of TILE_M for a bucket of tokens, tiles reading at
+        most `rows` tokens each (LoRAShape.rows); sizes from shapes only, so a graph replays it."""
+        tiles = self._region(self.device_buf, "tiles", num_tiles * (TILE_HEAD + TILE_M))
+        return LoRAStep(token_slots=self._region(self.device_buf, "token_slots", bucket), num_slots=num_slots,
+                        has_lora=True, sorted_tokens=self._region(self.device_buf, "sorted_tokens", bucket),
+                        tiles=tiles.view(num_tiles, TILE_HEAD + TILE_M), block_m=TILE_M, is_slot_tiles=False,
+                        num_lora_tokens=bucket, max_tile_count=rows)
 
     def _put_slot_tables(self, slot_tables: dict[str, tuple[list, list, list]], kind_slices: dict[str, int],
                          table_rows: int) -> None:

@@ -87,15 +87,29 @@ def _tile_height(counts: list[int], tile_heights: tuple[int, ...], max_tiles: in
     return tile_heights[-1]
 
 
-def _tile_rows(counts: np.ndarray, order: np.ndarray, block_m: int, is_slot_tiles: bool) -> np.ndarray:
+def sort_by_slot(token_slots: Sequence[int] | np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, counts): the LoRA tokens' ids grouped by slot, stable, base tokens (-1) left out; tokens per slot
+    [num_slots]."""
+    slots = np.asarray(token_slots, dtype=np.int64).reshape(-1)
+    is_lora = slots >= 0
+    # Stable sort by slot with the no-adapter tokens (key num_slots) last, then cut them off.
+    order = np.argsort(np.where(is_lora, slots, num_slots), kind="stable")
+    counts = np.bincount(slots[is_lora], minlength=num_slots)
+    return order[: int(counts.sum())], counts
+
+
+def tile_table(counts: np.ndarray, order: np.ndarray, block_m: int, is_slot_tiles: bool = False,
+               num_tiles: int | None = None) -> np.ndarray:
     """[num_tiles, TILE_HEAD + block_m] int64: each slot's group cut into tiles of at most block_m tokens, in slot
-    order (a slot without tokens keeps one empty tile when is_slot_tiles); token ids past a tile's count are 0."""
-    num_tiles = -(-counts // block_m)
+    order (a slot without tokens keeps one empty tile when is_slot_tiles); token ids past a tile's count are 0.
+    num_tiles: a fixed tile count (static steps), the tiles past the step's empty and on slot counts.size, which
+    the static layouts keep at rank 0 everywhere so those tiles move no bytes."""
+    tiles_per_slot = -(-counts // block_m)
     if is_slot_tiles:
-        num_tiles = np.maximum(num_tiles, 1)
-    tile_slot = np.repeat(np.arange(counts.size), num_tiles)
+        tiles_per_slot = np.maximum(tiles_per_slot, 1)
+    tile_slot = np.repeat(np.arange(counts.size), tiles_per_slot)
     group_start = np.cumsum(counts) - counts  # each slot's first position in order
-    first_tile = np.cumsum(num_tiles) - num_tiles
+    first_tile = np.cumsum(tiles_per_slot) - tiles_per_slot
     tile_first = (np.arange(tile_slot.size) - first_tile[tile_slot]) * block_m  # within the slot's group
     tile_start = group_start[tile_slot] + tile_first  # the tile's first position in order
     tile_count = np.minimum(block_m, counts[tile_slot] - tile_first)
@@ -103,7 +117,13 @@ def _tile_rows(counts: np.ndarray, order: np.ndarray, block_m: int, is_slot_tile
     is_token = lanes[None, :] < tile_count[:, None]
     tokens = np.where(is_token, order[np.where(is_token, tile_start[:, None] + lanes[None, :], 0)], 0)
     head = np.stack([tile_slot, tile_start, tile_count], axis=1)
-    return np.concatenate([head, tokens], axis=1).astype(np.int64)
+    rows = np.concatenate([head, tokens], axis=1).astype(np.int64)
+    if num_tiles is None:
+        return rows
+    assert rows.shape[0] <= num_tiles, (rows.shape[0], num_tiles)
+    pad = np.zeros((num_tiles - rows.shape[0], TILE_HEAD + block_m), dtype=np.int64)
+    pad[:, 0] = counts.size
+    return np.concatenate([rows, pad])
 
 
 def prepare_lora_step(
@@ -121,16 +141,12 @@ def prepare_lora_step(
     a height may make; the benchmark varies them.
     """
     slots = np.asarray(token_slots, dtype=np.int64).reshape(-1)
-    has_slot = slots >= 0
-    # Stable sort by slot with the no-adapter tokens (key num_slots) last, then cut them off.
-    order = np.argsort(np.where(has_slot, slots, num_slots), kind="stable")
-    counts = np.bincount(slots[has_slot], minlength=num_slots)
-    num_lora_tokens = int(counts.sum())
-    order = order[:num_lora_tokens]
+    order, counts = sort_by_slot(slots, num_slots)
+    num_lora_tokens = order.size
     counts_list = counts.tolist() if num_lora_tokens else []
     block_m = _tile_height(counts_list, tile_heights, max_tiles)
     is_slot_tiles = bool(counts_list) and max(counts_list) <= block_m
-    tiles = _tile_rows(counts if num_lora_tokens else counts[:0], order, block_m, is_slot_tiles)
+    tiles = tile_table(counts if num_lora_tokens else counts[:0], order, block_m, is_slot_tiles)
     packed = torch.from_numpy(np.concatenate([slots, order, tiles.reshape(-1)])).to(device)
     num_tokens = slots.size
     return LoRAStep(
