@@ -51,16 +51,16 @@ class LeaderElector:
             await asyncio.sleep(period)
         self.leading.set()
         while True:  # renew every period; stop once no renewal succeeded for renew_deadline_s
-            left = self._renewed_at + self.settings.renew_deadline_s - time.monotonic()
-            if left > 0:
-                await asyncio.sleep(min(period, left))
-                left = self._renewed_at + self.settings.renew_deadline_s - time.monotonic()
-            if left <= 0:
+            await asyncio.sleep(min(period, self._time_to_deadline()))
+            if self._time_to_deadline() <= 0:
                 log.error("Lease %s/%s not renewed for %.1fs: stepping down", self.settings.namespace,
                           self.settings.lease_name, self.settings.renew_deadline_s)
                 self.lost.set()
                 return
-            await self._attempt(min(period, left))
+            await self._attempt(min(period, self._time_to_deadline()))
+
+    def _time_to_deadline(self) -> float:
+        return self._renewed_at + self.settings.renew_deadline_s - time.monotonic()
 
     async def _attempt(self, timeout_s: float) -> bool:
         try:
