@@ -6,7 +6,9 @@ clients can tell e.g. adapter_rank_too_large from adapter_shape_mismatch. Adapte
 adapter_source_error) add `retryable`: true when the same load may succeed later unchanged (a source not there
 yet, a network failure, HTTP 404/5xx), false when it fails the same way until the request or the files change
 (corrupt files, shape or rank mismatch, a refused path or host); the operator retries only the former. No tracebacks leave the process: any
-other exception is a bug, answered 500 with its traceback in the log only. The server and the router both use it.
+other exception is a bug, answered 500 with its traceback in the log only. `connection_error` is the body for what
+never reaches the middleware (a request aiohttp's parser refuses; contract/aio_serve.py). The server and the router
+both use it.
 """
 
 from __future__ import annotations
@@ -90,6 +92,13 @@ INTERNAL_ERROR = HttpError(500, "server_error", "internal server error; see the 
 HANDLER_ARGS = {"auto_decompress": False}
 # aiohttp's own errors (no route, wrong method, body too large) by status.
 _AIOHTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large"}
+# aiohttp's parser limits (RequestHandler's defaults, which no app here changes).
+MAX_LINE_BYTES = 8190
+MAX_HEADERS = 128
+MALFORMED_REQUEST = HttpError(400, "invalid_request_error", "malformed HTTP request: its request line, a header or "
+                              "the body's framing could not be parsed (a control character, a line over "
+                              f"{MAX_LINE_BYTES} bytes, over {MAX_HEADERS} headers, a bad chunk size)",
+                              code="malformed_request")
 
 
 def to_http(exc: BaseException) -> HttpError | None:
@@ -102,6 +111,16 @@ def to_http(exc: BaseException) -> HttpError | None:
     is_load_error = isinstance(exc, (AdapterError, AdapterSourceError))
     return HttpError(rule.status, rule.type, exc.message, param, exc.code or rule.code or exc.type, headers,
                      is_retryable=exc.is_transient if is_load_error else None)
+
+
+def connection_error(status: int) -> HttpError:
+    """The answer aiohttp's connection handler gives outside every middleware: a request its parser refused
+    (4xx), a handler timeout or a failure past the error middleware (5xx). A fixed text, because the parser's
+    own quotes the offending bytes, which may be an API key in a malformed `Authorization` header."""
+    if status < 500:
+        return MALFORMED_REQUEST if status == 400 else HttpError(status, "invalid_request_error",
+                                                                 "malformed HTTP request", code="malformed_request")
+    return INTERNAL_ERROR if status == 500 else HttpError(status, "server_error", "the server could not answer")
 
 
 def error_response(error: HttpError) -> web.Response:

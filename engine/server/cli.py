@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from kubelora.contract.aio_serve import SHUTDOWN_TIMEOUT_S, run_app
+from kubelora.contract.aio_serve import app_runner, run_app
 from kubelora.contract.logs import install_json_handler, log_event
 from kubelora.engine.server import config as server_config
 from kubelora.engine.server.app import ADMIN_APP, LIFECYCLE, build_app
@@ -68,7 +68,7 @@ async def serve(app: web.Application, host: str, port: int, stop: asyncio.Event 
     listens first and closes last, so the operator never sees a serving engine it cannot manage.
     """
     lifecycle = app[LIFECYCLE]
-    admin = web.AppRunner(app[ADMIN_APP], handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    admin = app_runner(app[ADMIN_APP])
     await admin.setup()
     try:
         await web.TCPSite(admin, host, admin_port).start()

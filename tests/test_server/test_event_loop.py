@@ -10,15 +10,12 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from ..live_http import HealthProbe, post_json
 
 BIG_BYTES = 15 << 20  # under the 16 MiB body limit
 MAX_HEALTH_S = 0.1
@@ -27,58 +24,6 @@ MAX_HEALTH_S = 0.1
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _post(url: str, body: bytes) -> tuple[int, dict, float]:
-    started = time.monotonic()
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            status, payload = response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        status, payload = exc.code, exc.read()
-    return status, json.loads(payload), time.monotonic() - started
-
-
-# Polls /health every 10 ms until stdin closes, then prints every latency: in its own process, so that what it
-# measures is the server, not the GIL of the process that also runs the test's clients.
-PROBE = """
-import json, sys, threading, time, urllib.request
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-latencies = []
-while not stop.is_set():
-    started = time.monotonic()
-    with urllib.request.urlopen(sys.argv[1] + "/health", timeout=60) as response:
-        assert response.status == 200
-    latencies.append(time.monotonic() - started)
-    time.sleep(0.01)
-print(json.dumps(latencies))
-"""
-
-
-class HealthProbe:
-    """`/health` polled from another process while the block runs; `worst_s` is the slowest answer."""
-
-    def __init__(self, url: str) -> None:
-        self._url = url
-        self.latencies: list[float] = []
-
-    def __enter__(self) -> HealthProbe:
-        self._process = subprocess.Popen([sys.executable, "-c", PROBE, self._url], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)  # the interpreter starts and the first probes go out
-        return self
-
-    def __exit__(self, *exc) -> None:
-        time.sleep(0.1)
-        out, _ = self._process.communicate("", timeout=60)
-        self.latencies = json.loads(out)
-
-    @property
-    def worst_s(self) -> float:
-        assert len(self.latencies) >= 5, self.latencies
-        return max(self.latencies)
 
 
 def assert_health_holds(url: str, action: Callable[[], None], attempts: int = 2) -> None:
@@ -119,7 +64,7 @@ def test_huge_prompt_refused_while_health_answers(live_server, kind):
 
     def three_at_once() -> None:
         with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(lambda _: _post(server.url + path, body), range(3)))
+            results = list(pool.map(lambda _: post_json(server.url + path, body), range(3)))
         for status, answer, seconds in results:
             # Text is refused by its length in characters, before tokenizing.
             assert status == 413 and answer["error"]["type"] == "prompt_too_long", answer
@@ -145,7 +90,7 @@ def test_bodies_of_millions_of_values_are_refused_while_health_answers(live_serv
 
     def three_at_once() -> None:
         with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(lambda _: _post(server.url + "/v1/completions", body), range(3)))
+            results = list(pool.map(lambda _: post_json(server.url + "/v1/completions", body), range(3)))
         for status, answer, seconds in results:
             assert status == 400 and answer["error"]["code"] == "out_of_range", answer
             assert seconds < 5
@@ -161,7 +106,7 @@ def test_millions_of_token_ids_are_refused_and_the_server_keeps_serving(live_ser
     base = server.serving.model_name
     body = _big_bodies(base)["completion-token-ids"]
     with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda _: _post(server.url + "/v1/completions", body), range(3)))
+        results = list(pool.map(lambda _: post_json(server.url + "/v1/completions", body), range(3)))
     for status, answer, seconds in results:
         assert status == 413 and answer["error"]["type"] == "prompt_too_long", answer
         assert "5242880 tokens" in answer["error"]["message"] and seconds < 30
@@ -172,13 +117,13 @@ def test_millions_of_token_ids_are_refused_and_the_server_keeps_serving(live_ser
 def test_huge_prompts_leave_no_memory_behind(live_server):
     server = live_server()
     bodies = _big_bodies(server.serving.model_name)
-    _post(server.url + "/v1/completions", bodies["completion"])  # first-use allocations out of the way
+    post_json(server.url + "/v1/completions", bodies["completion"])  # first-use allocations out of the way
     gc.collect()
     before = _rss_bytes()
     for _ in range(3):
         for kind, body in bodies.items():
             path = "/v1/chat/completions" if kind.startswith("chat") else "/v1/completions"
-            assert _post(server.url + path, body)[0] == 413
+            assert post_json(server.url + path, body)[0] == 413
     gc.collect()
     assert _rss_bytes() - before < 200 << 20, f"{(_rss_bytes() - before) >> 20} MiB more resident"
 
@@ -191,7 +136,7 @@ def test_prompt_under_the_bound_is_tokenized_off_the_loop(live_server):
     body = json.dumps({"model": server.serving.model_name, "prompt": "x" * max_chars}).encode()
 
     def one() -> None:
-        status, answer, _ = _post(server.url + "/v1/completions", body)
+        status, answer, _ = post_json(server.url + "/v1/completions", body)
         assert status == 413 and "tokens" in answer["error"]["message"], answer
 
     assert_health_holds(server.url, one)

@@ -13,13 +13,9 @@ from __future__ import annotations
 import collections
 import collections.abc
 import json
-import subprocess
-import sys
 import time
 import types
 import typing
-import urllib.error
-import urllib.request
 
 import typing_extensions
 from hypothesis import HealthCheck, Phase, given, settings
@@ -28,6 +24,8 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
 from kubelora.engine.structured.compile_pool import CompileLimits
+
+from ..live_http import HealthProbe, post
 
 FUZZ_SECONDS = 60.0
 MAX_EXAMPLES = 5000
@@ -156,40 +154,14 @@ def requests(draw, model: str) -> tuple[str, dict]:
     return ("/v1/chat/completions" if is_chat else "/v1/completions"), _short(drawn)
 
 
-def _send(url: str, body: bytes) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-PROBE = """
-import json, sys, threading, time, urllib.request
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-latencies = []
-while not stop.is_set():
-    started = time.monotonic()
-    with urllib.request.urlopen(sys.argv[1] + "/health", timeout=30) as response:
-        assert response.status == 200
-    latencies.append(time.monotonic() - started)
-    time.sleep(0.05)
-print(json.dumps(latencies))
-"""
-
-
 def test_fuzzed_requests_never_5xx_nor_stall_the_server(live_server, monkeypatch):
     server = live_server()
     monkeypatch.setattr(server.serving.engine.grammars.pool, "limits", CompileLimits(timeout_s=1.0))
     model = server.serving.model_name
     victim = json.dumps({"model": model, "prompt": "The victim asks", "max_tokens": 8, "temperature": 0}).encode()
-    status, answer = _send(server.url + "/v1/completions", victim)
+    status, answer, _ = post(server.url + "/v1/completions", victim)
     assert status == 200, answer
     expected = json.loads(answer)["choices"][0]["text"]
-    probe = subprocess.Popen([sys.executable, "-c", PROBE, server.url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
     deadline = time.monotonic() + FUZZ_SECONDS
     statuses: collections.Counter = collections.Counter()
 
@@ -200,22 +172,19 @@ def test_fuzzed_requests_never_5xx_nor_stall_the_server(live_server, monkeypatch
         if time.monotonic() > deadline:
             return
         path, body = drawn
-        status, answer = _send(server.url + path, json.dumps(body).encode())
+        status, answer, _ = post(server.url + path, json.dumps(body).encode())
         statuses[status] += 1
         assert status < 500, (path, body, answer[:2000])
         assert b"server_error" not in answer, (path, body, answer[:2000])
         assert server.serving.engine.failure is None and server.serving.engine.is_running
         if statuses.total() % 25 == 0:
-            assert json.loads(_send(server.url + "/v1/completions", victim)[1])["choices"][0]["text"] == expected
+            assert json.loads(post(server.url + "/v1/completions", victim)[1])["choices"][0]["text"] == expected
 
-    try:
+    with HealthProbe(server.url, interval_s=0.05, min_probes=20) as probe:
         one()
-    finally:
-        out, _ = probe.communicate("", timeout=60)
-    latencies = json.loads(out)
     # Most drawn requests are refused somewhere (a drawn temperature of 1e300); a tenth must be served, or the run
     # would test parsing only.
     assert statuses.total() >= 200 and statuses[200] >= statuses.total() // 10, statuses
-    assert len(latencies) >= 20 and max(latencies) < MAX_HEALTH_S, sorted(latencies)[-5:]
-    status, answer = _send(server.url + "/v1/completions", victim)
+    assert probe.worst_s < MAX_HEALTH_S, sorted(probe.latencies)[-5:]
+    status, answer, _ = post(server.url + "/v1/completions", victim)
     assert status == 200 and json.loads(answer)["choices"][0]["text"] == expected
