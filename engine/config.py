@@ -29,7 +29,7 @@ class EngineConfig:
       its room before its requests pause (KV cache kept) so waiting adapters take turns (engine/scheduler.py).
     - enforce_eager: run every step eagerly (no CUDA graphs; vLLM's name). CUDA graphs are only used on CUDA.
     - use_gemv: one-token steps on CUDA run their projections as the Triton GEMV (kernels/gemv.py); False: cuBLAS.
-    - use_prefill_graphs: a lone sequence's short prefill chunk replays a CUDA graph (engine/prefill_graph.py).
+    - use_prefill_graphs: a lone sequence's short prefill chunk replays a CUDA graph (engine/step/static.py).
     - use_staged_shrink: LoRA decode steps on the static path with the Triton backend compute their shrink in the
       base matmul (engine/adapters/staging.py).
     - blas_library: the library PyTorch's CUDA matmuls use, "cublaslt" or "cublas" (engine/setup.py: configure_blas).

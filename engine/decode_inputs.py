@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kubelora.engine.model.attention import DecodeMetadata
+from kubelora.engine.model.llama import ForwardContext
 from kubelora.engine.static_inputs import StaticInputs, table_regions
-from kubelora.engine.step.shape import TILE_M, LoRAShape, StepShape, decode_shape, max_tiles
+from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, StepShape, decode_buckets, decode_shape, max_tiles
 from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
 
 if TYPE_CHECKING:
@@ -41,12 +43,21 @@ class DecodeStep:
     slot_tables: dict[str, tuple[list, list, list]]  # kind -> (row_start, rank, scale) per slot and slice
     staged: StagedStep | None = None  # the staged shrinks' rows and columns (None: none, or past the capacity)
 
+    @property
+    def num_logits(self) -> int:
+        return len(self.token_ids)
+
     def shape(self, bucket: int) -> StepShape:
         return decode_shape(bucket, self.token_slots, self.slot_tables,
                             self.staged.rows if self.staged is not None else None)
 
 
 class DecodeInputs(StaticInputs):
+    phase = Phase.DECODE
+    # A decode step's LoRA shapes are many (tile rows, staged rows) and each replays for many steps: a missing
+    # graph is captured on the step's first use rather than run eagerly.
+    is_captured_on_first_use = True
+
     def __init__(self, max_seqs: int, max_blocks: int, block_size: int, pad_block: int,
                  kind_slices: dict[str, int], device: torch.device, staged_kinds: tuple[str, ...] = ()) -> None:
         self.max_seqs = max_seqs
@@ -57,6 +68,7 @@ class DecodeInputs(StaticInputs):
         self.num_tiles = max_tiles(max_seqs, self.max_slots)
         self.kind_slices = dict(kind_slices)
         self.staged_kinds = tuple(staged_kinds)
+        self.buckets = decode_buckets(max_seqs)
         super().__init__(self._layout(), device)
 
     def _layout(self) -> list[tuple[str, int]]:
@@ -84,6 +96,17 @@ class DecodeInputs(StaticInputs):
     def block_tables(self, bucket: int) -> torch.Tensor:
         return self._region(self.device_buf, "block_tables", bucket * self.max_blocks).view(bucket, self.max_blocks)
 
+    def context(self, shape: StepShape, lora_backend: str) -> ForwardContext:
+        bucket = shape.bucket
+        attention = DecodeMetadata(slot_mapping=self.slot_mapping(bucket), block_tables=self.block_tables(bucket),
+                                   context_lens=self.context_lens(bucket))
+        return ForwardContext(attention=attention, positions=self.positions(bucket),
+                              lora=self.lora_context(shape, lora_backend))
+
+    def logits_rows(self) -> None:
+        """Every row's logits (padding rows' too: sampling reads the step's first rows only)."""
+        return None
+
     def lora_step(self, bucket: int, key: LoRAShape) -> LoRAStep:
         """The graph's LoRAStep: fixed tile count for the bucket, every size from shapes (see module doc)."""
         return self._lora_step(bucket, max_tiles(bucket, self.max_slots), self.max_slots + 1, key.rows)
@@ -96,9 +119,9 @@ class DecodeInputs(StaticInputs):
 
     # ---- host side, once per step ----
 
-    def fill(self, step: DecodeStep, bucket: int, key: LoRAShape | None) -> None:
-        """Write one step into the host buffer (padding rows up to bucket) and copy it to the device."""
-        num = len(step.token_ids)
+    def fill(self, step: DecodeStep, shape: StepShape) -> None:
+        """Write one step into the host buffer (padding rows up to its bucket) and copy it to the device."""
+        num, bucket = len(step.token_ids), shape.bucket
         assert 0 < num <= bucket <= self.max_seqs
         self._take_turn()
         pad = bucket - num
@@ -113,7 +136,7 @@ class DecodeInputs(StaticInputs):
         tables[:] = self.pad_slot // bs
         for row, table in enumerate(step.block_tables):
             tables[row, : len(table)] = table
-        if key is not None:
+        if shape.lora is not None:
             self._fill_lora(step, bucket)
         self._copy(first + bucket * self.max_blocks)
 

@@ -51,7 +51,7 @@ from kubelora.engine.sampling_batch import token_bitmask
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from kubelora.engine.sequence import Sequence, SequenceStatus
-from kubelora.engine.step.shape import Phase, StepShape
+from kubelora.engine.step.shape import StepShape
 from kubelora.engine.structured.compiler import GrammarCompiler
 from kubelora.engine.structured.matcher import Advance, advance, new_matcher
 from kubelora.engine import setup
@@ -157,12 +157,9 @@ class LLMEngine:
             log.info("warmed up the eager forward in %.1f s", seconds)
             self.startup_seconds["warm_up"] = seconds
         if setup.uses_static_decode(self.config):
-            runner.decoder = setup.build_static_decoder(self.config, model, self.max_model_len, self.num_kv_blocks,
-                                                        lora_backend, staging=self._staging)
-            runner.prefill = setup.build_static_prefill(self.config, model, self.max_model_len, self.num_kv_blocks,
-                                                        lora_backend)
-            self.startup_seconds["capture"] = runner.decoder.capture_seconds + (
-                runner.prefill.capture_seconds if runner.prefill is not None else 0.0)
+            runner.static = setup.build_static_steps(self.config, model, self.max_model_len, self.num_kv_blocks,
+                                                     lora_backend, staging=self._staging)
+            self.startup_seconds["capture"] = runner.static.graphs.capture_seconds
         return runner
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -452,8 +449,8 @@ class LLMEngine:
             return []
         return plan_warm_ups(self.adapters.list(), self._warmed_shapes)
 
-    def _graph_plan(self) -> tuple[list, list]:
-        return plan_graphs(self.adapters.list(), self.model_config, self._runner.decoder, self._runner.prefill)
+    def _graph_plan(self) -> tuple[list[StepShape], list[StepShape]]:
+        return plan_graphs(self.adapters.list(), self.model_config, self._runner.static)
 
     def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:
         """Prefetch registered adapters into free pool rows, warm up pending adapter shapes' prefill kernels, then
@@ -477,14 +474,10 @@ class LLMEngine:
             if time.perf_counter() - started >= budget_s:
                 return True
         pending, wanted = self._graph_plan()
-        decoder, prefill = self._runner.decoder, self._runner.prefill
-        if decoder is not None:  # shapes no longer common: their decode graphs go back to the LRU
-            decoder.pinned &= frozenset(wanted)
-        if prefill is not None:  # and their prefill graphs go
-            prefill.keep(set(wanted))
+        if self._runner.static is not None:  # shapes no longer common: their graphs go back to the LRU
+            self._runner.static.graphs.keep(wanted)
         while pending and not self._has_work():
-            shape = pending.pop()
-            (prefill if shape.phase is Phase.PREFILL else decoder).capture_idle(shape)
+            self._runner.static.capture_idle(pending.pop())
             if time.perf_counter() - started >= budget_s:
                 break
         return bool(pending)

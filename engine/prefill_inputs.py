@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from kubelora.engine.model.attention import PrefillMetadata
+from kubelora.engine.model.llama import ForwardContext
 from kubelora.engine.static_inputs import StaticInputs, table_regions
-from kubelora.engine.step.shape import TILE_M, LoRAShape, StepShape, prefill_shape
+from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, StepShape, prefill_buckets, prefill_shape
 from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
 
 TABLE_ROWS = 2  # slot 0: the chunk's adapter; slot 1: rank 0 everywhere (empty tiles)
@@ -39,11 +40,16 @@ class PrefillStep:
     block_table: tuple[int, ...]
     slot_tables: dict[str, tuple[list, list, list]] | None  # kind -> (row_start, rank, scale) of one slot; None: base
 
+    num_logits = 1  # the chunk's last token's
+
     def shape(self, bucket: int) -> StepShape:
         return prefill_shape(bucket, self.slot_tables)
 
 
 class PrefillInputs(StaticInputs):
+    phase = Phase.PREFILL
+    is_captured_on_first_use = False  # a chunk without its graph runs on the eager path (engine/step/static.py)
+
     def __init__(self, max_tokens: int, max_blocks: int, block_size: int, pad_block: int,
                  kind_slices: dict[str, int], device: torch.device) -> None:
         if max_tokens % TILE_M:
@@ -53,6 +59,7 @@ class PrefillInputs(StaticInputs):
         self.block_size = block_size
         self.pad_slot = pad_block * block_size
         self.kind_slices = dict(kind_slices)
+        self.buckets = prefill_buckets(max_tokens)
         n = max_tokens
         layout = [("token_ids", n), ("positions", n), ("slot_mapping", n), ("token_slots", n), ("sorted_tokens", n),
                   ("tiles", n // TILE_M * (TILE_HEAD + TILE_M)), ("query_start_loc", 2), ("seq_lens", 1),
@@ -68,8 +75,13 @@ class PrefillInputs(StaticInputs):
     def positions(self, bucket: int) -> torch.Tensor:
         return self._region(self.device_buf, "positions", bucket)
 
-    def last_row(self) -> torch.Tensor:
+    def logits_rows(self) -> torch.Tensor:
+        """[1] int64: the chunk's last row, the one whose logits are computed."""
         return self._region(self.device_buf, "last_row", 1)
+
+    def context(self, shape: StepShape, lora_backend: str) -> ForwardContext:
+        return ForwardContext(attention=self.attention(shape.bucket), positions=self.positions(shape.bucket),
+                              lora=self.lora_context(shape, lora_backend))
 
     def attention(self, bucket: int) -> PrefillMetadata:
         def view(name: str, length: int) -> torch.Tensor:
@@ -80,18 +92,18 @@ class PrefillInputs(StaticInputs):
                                query_start_loc=view("query_start_loc", 2), seq_lens=view("seq_lens", 1),
                                context_lens=view("context_lens", 1), max_query_len=bucket, is_padded=True)
 
-    def lora_step(self, bucket: int) -> LoRAStep:
+    def lora_step(self, bucket: int, key: LoRAShape) -> LoRAStep:
         """Fixed tile count for the bucket; every size from shapes (the kernels read each tile's count)."""
-        return self._lora_step(bucket, bucket // TILE_M, TABLE_ROWS, TILE_M)
+        return self._lora_step(bucket, bucket // TILE_M, TABLE_ROWS, key.rows)
 
     def lora_projs(self, key: LoRAShape) -> dict[str, LoRAProj]:
         return self._slot_projs(self.kind_slices, TABLE_ROWS, key.kinds, key.lanes)
 
     # ---- host side, once per step ----
 
-    def fill(self, step: PrefillStep, bucket: int, key: LoRAShape | None) -> None:
-        """Write one chunk into the host buffer (padding up to bucket) and copy it to the device."""
-        num = len(step.token_ids)
+    def fill(self, step: PrefillStep, shape: StepShape) -> None:
+        """Write one chunk into the host buffer (padding up to its bucket) and copy it to the device."""
+        num, bucket = len(step.token_ids), shape.bucket
         assert 0 < num <= bucket <= self.max_tokens and bucket % TILE_M == 0
         self._take_turn()
         pad = bucket - num
@@ -106,7 +118,7 @@ class PrefillInputs(StaticInputs):
         self._put("context_lens", [start + num])
         self._put("last_row", [num - 1])
         self._put("block_table", list(table) + [self.pad_slot // bs] * (self.max_blocks - len(table)))
-        if key is not None:
+        if shape.lora is not None:
             self._fill_lora(num, bucket, step.slot_tables)
         self._copy(self.size)
 

@@ -5,7 +5,7 @@
 the previous step is read back on the host while the device runs this step's forward pass. A batch may feed
 tokens that the previous launched step sampled and the host has not read yet (`PENDING_TOKEN`,
 engine/engine.py): they are copied on the device from that step's ids. Decode steps and one sequence's short
-prefill chunks run from static buffers (CUDA graphs: engine/graph_runner.py, engine/prefill_graph.py); the
+prefill chunks run from static layouts (engine/step/static.py: CUDA graphs, or the same inputs eagerly); the
 rest run eagerly from `prepare_inputs`.
 """
 
@@ -19,16 +19,16 @@ import torch
 
 from kubelora.engine.adapters.pool import SlotView
 from kubelora.engine.decode_inputs import DecodeStep
-from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import prepare_attention, prepare_decode_attention, prepare_prefill_attention
 from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
-from kubelora.engine.prefill_graph import StaticPrefill
 from kubelora.engine.prefill_inputs import PrefillStep
 from kubelora.engine.sampler import SampledStep, TokenLogprobs, keep_top, prompt_logprobs, sample_on_device
 from kubelora.engine.sampling_batch import prepare_sampling
 from kubelora.engine.scheduler import Batch
 from kubelora.engine.sequence import PENDING_TOKEN
+from kubelora.engine.step.shape import Phase, StepShape
+from kubelora.engine.step.static import StaticSteps
 from kubelora.kernels.lora import prepare_lora_projs, prepare_lora_step
 
 
@@ -84,7 +84,7 @@ class ForwardStep:
 
     batch: Batch
     logits: torch.Tensor  # [rows, vocab] float32 on the device
-    plan: LogitsPlan | None  # None: a static decode step (a row per chunk, each sampled)
+    plan: LogitsPlan | None  # None: a decode step's (a row per chunk, each sampled)
 
 
 @dataclass(frozen=True)
@@ -95,12 +95,10 @@ class LogitsPlan:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, config: RunnerConfig, decoder: StaticDecoder | None = None,
-                 prefill: StaticPrefill | None = None) -> None:
+    def __init__(self, model: DecoderModel, config: RunnerConfig, static: StaticSteps | None = None) -> None:
         self.model = model
         self.config = config
-        self.decoder = decoder  # decode steps from static buffers (CUDA graphs); None: every step eager
-        self.prefill = prefill  # one sequence's short prefill chunks likewise; None: eager
+        self.static = static  # decode steps and short prefill chunks from static layouts; None: every step eager
 
     def execute(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step (forward, then sampling); `previous`: the launched step whose ids the batch's pending
@@ -111,11 +109,12 @@ class ModelRunner:
         """Queue the forward pass only: sampling inputs (grammar masks, penalties) may still wait for the host
         to read `previous` back."""
         pending = _pending_tokens(batch, previous)
-        if self.decoder is not None and self._is_static_decode(batch):
-            return ForwardStep(batch, self._forward_static(batch, pending), None)
-        prefill = self._static_prefill(batch) if self.prefill is not None else None
-        if prefill is not None:
-            return ForwardStep(batch, self.prefill.run(prefill, pending), _one_row_plan(batch.chunks[0].is_sampled))
+        static = self._static_step(batch) if self.static is not None else None
+        if static is not None:
+            step, shape = static
+            logits = self.static.run(step, shape, pending)
+            plan = None if shape.phase is Phase.DECODE else _one_row_plan(batch.chunks[0].is_sampled)
+            return ForwardStep(batch, logits, plan)
         token_ids, ctx = self.prepare_inputs(batch)
         if pending is not None:
             rows, sources, tokens = pending
@@ -142,41 +141,47 @@ class ModelRunner:
                             logits=_chunk_logits(batch, logits, plan),
                             prompt_logprobs=_prompt_logprobs(batch, logits, plan))
 
-    def _is_static_decode(self, batch: Batch) -> bool:
-        """One sampled token per sequence, no logits kept, and a bucket that holds the batch."""
-        return (self.decoder.bucket_for(len(batch.chunks)) is not None
-                and all(len(c.token_ids) == 1 and c.is_sampled and not c.seq.params.return_logits
-                        for c in batch.chunks))
+    def _static_step(self, batch: Batch) -> tuple[DecodeStep | PrefillStep, StepShape] | None:
+        """The batch as a static step and its shape, where a layout holds it and its graph runs; else None."""
+        step = self._decode_step(batch)
+        if step is None:
+            step = self._prefill_step(batch)
+        if step is None:
+            return None
+        phase = Phase.DECODE if isinstance(step, DecodeStep) else Phase.PREFILL
+        shape = step.shape(self.static.bucket_for(phase, len(step.token_ids)))
+        return (step, shape) if self.static.is_ready(shape) else None
 
-    def _static_prefill(self, batch: Batch) -> PrefillStep | None:
-        """The batch as a static prefill chunk: one sequence's chunk of several tokens that a bucket holds, with
-        only its last token's logits wanted, and its graph captured; else None (the eager path)."""
+    def _decode_step(self, batch: Batch) -> DecodeStep | None:
+        """One sampled token per sequence, no logits kept, and a bucket that holds the batch."""
+        chunks = batch.chunks
+        if (self.static.bucket_for(Phase.DECODE, len(chunks)) is None
+                or not all(len(c.token_ids) == 1 and c.is_sampled and not c.seq.params.return_logits for c in chunks)):
+            return None
+        tables, staged = {}, None
+        if batch.slots:
+            tables = self._slot_tables(batch.slots)
+            if self.static.staging is not None:  # the step's A rows beside the base weights (None: too many)
+                staged = self.static.staging.stage(batch.slots)
+        return DecodeStep(token_ids=[max(c.token_ids[0], 0) for c in chunks], positions=[c.start_pos for c in chunks],
+                          block_tables=[c.block_table for c in chunks], token_slots=[c.slot for c in chunks],
+                          slot_tables=tables, staged=staged)
+
+    def _prefill_step(self, batch: Batch) -> PrefillStep | None:
+        """One sequence's chunk of several tokens that a bucket holds, with only its last token's logits wanted."""
         if len(batch.chunks) != 1:
             return None
         chunk = batch.chunks[0]
         num = len(chunk.token_ids)
-        bucket = self.prefill.bucket_for(num)
-        if num < 2 or bucket is None or chunk.seq.params.return_logits or _num_prompt_targets(chunk):
+        if (num < 2 or self.static.bucket_for(Phase.PREFILL, num) is None or chunk.seq.params.return_logits
+                or _num_prompt_targets(chunk)):
             return None
-        tables = None
-        if chunk.slot >= 0:
-            slot = batch.slots[chunk.slot : chunk.slot + 1]
-            tables = {kind: _kind_tables(slot, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
-        step = PrefillStep(token_ids=[max(t, 0) for t in chunk.token_ids], start_pos=chunk.start_pos,
+        tables = self._slot_tables(batch.slots[chunk.slot : chunk.slot + 1]) if chunk.slot >= 0 else None
+        return PrefillStep(token_ids=[max(t, 0) for t in chunk.token_ids], start_pos=chunk.start_pos,
                            block_table=tuple(chunk.block_table), slot_tables=tables)
-        return step if self.prefill.is_ready(step.shape(bucket)) else None
 
-    def _forward_static(self, batch: Batch, pending) -> torch.Tensor:
-        chunks = batch.chunks
-        tables, staged = {}, None
-        if batch.slots:
-            tables = {kind: _kind_tables(batch.slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
-            if self.decoder.staging is not None:  # the step's A rows beside the base weights (None: too many)
-                staged = self.decoder.staging.stage(batch.slots)
-        step = DecodeStep(token_ids=[max(c.token_ids[0], 0) for c in chunks], positions=[c.start_pos for c in chunks],
-                          block_tables=[c.block_table for c in chunks], token_slots=[c.slot for c in chunks],
-                          slot_tables=tables, staged=staged)
-        return self.decoder.run(step, pending)  # a view of the graph's static output: sampling only reads it
+    def _slot_tables(self, slots: tuple[SlotView, ...]) -> dict[str, tuple[list, list, list]]:
+        return {kind: _kind_tables(slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
 
     def _sampling_batch(self, seqs: list, device: torch.device):
         return prepare_sampling(seqs, self.model.config.vocab_size, device, self.config.eos_token_ids)
@@ -214,8 +219,7 @@ class ModelRunner:
         # Each chunk's slot repeated over its tokens, without a Python loop over a prefill's thousands of tokens.
         token_slots = np.repeat([c.slot for c in batch.chunks], [len(c.token_ids) for c in batch.chunks])
         step = prepare_lora_step(token_slots, len(batch.slots), self.config.device)
-        tables = {kind: _kind_tables(batch.slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
-        proj = prepare_lora_projs(tables, self.config.device)  # every kind in one host->device copy
+        proj = prepare_lora_projs(self._slot_tables(batch.slots), self.config.device)  # one host->device copy
         return LoRAContext(step=step, proj=proj, backend=self.config.lora_backend)
 
 def _pending_tokens(batch: Batch, previous: LaunchedStep | None):

@@ -11,13 +11,12 @@ from kubelora.engine.adapters.pool import DeviceLoRAPool
 from kubelora.engine.adapters.staging import ROWS_PER_SLICE, STAGED_KINDS, ShrinkStaging
 from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
 from kubelora.engine.decode_inputs import DecodeInputs
-from kubelora.engine.graph_runner import StaticDecoder
 from kubelora.engine.model.attention import KVCache
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.model.llama import DecoderModel
-from kubelora.engine.prefill_graph import StaticPrefill
 from kubelora.engine.prefill_inputs import PrefillInputs
 from kubelora.engine.step.shape import prefill_buckets
+from kubelora.engine.step.static import StaticSteps
 
 log = logging.getLogger(__name__)
 CPU_KV_CAP_BYTES = 4 << 30
@@ -129,49 +128,36 @@ def staged_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) ->
     return {kind: per_module * len(model.kind_modules(kind)) for kind in STAGED_KINDS}
 
 
-def build_static_decoder(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
-                         lora_backend: str, use_graphs: bool | None = None,
-                         staging: ShrinkStaging | None = None) -> StaticDecoder:
-    """The static decode path; on CUDA captures the base-model graph of every bucket now."""
+def build_static_steps(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
+                       lora_backend: str, use_graphs: bool | None = None,
+                       staging: ShrinkStaging | None = None) -> StaticSteps:
+    """Decode steps, and short prefill chunks unless use_prefill_graphs is off, from static layouts; with graphs
+    (by default on CUDA) every bucket's base-model graph is captured now."""
     device = torch.device(config.device)
-    inputs = DecodeInputs(max_seqs=config.max_num_seqs, max_blocks=math.ceil(max_model_len / config.kv_block_size),
-                          block_size=config.kv_block_size, pad_block=pad_block, kind_slices=_kind_slices(model),
-                          device=device, staged_kinds=tuple(staging.modules) if staging is not None else ())
+    max_blocks = math.ceil(max_model_len / config.kv_block_size)
+    kind_slices = {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}  # LoRA slot tables' width
+    layouts = [DecodeInputs(max_seqs=config.max_num_seqs, max_blocks=max_blocks, block_size=config.kv_block_size,
+                            pad_block=pad_block, kind_slices=kind_slices, device=device,
+                            staged_kinds=tuple(staging.modules) if staging is not None else ())]
+    if config.use_prefill_graphs:
+        layouts.append(PrefillInputs(max_tokens=prefill_buckets(config.max_num_batched_tokens)[-1],
+                                     max_blocks=max_blocks, block_size=config.kv_block_size, pad_block=pad_block,
+                                     kind_slices=kind_slices, device=device))
     use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-    decoder = StaticDecoder(model, inputs, lora_backend, use_graphs=use_graphs, staging=staging)
+    steps = StaticSteps(model, layouts, lora_backend, use_graphs=use_graphs, staging=staging)
     if use_graphs:
-        _capture_base(decoder, device, "decode")
-    return decoder
+        _capture_base(steps, device)
+    return steps
 
 
-def build_static_prefill(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
-                         lora_backend: str, use_graphs: bool | None = None) -> StaticPrefill | None:
-    """The static prefill path (None when use_prefill_graphs is off); on CUDA captures every bucket's base graph now."""
-    if not config.use_prefill_graphs:
-        return None
-    device = torch.device(config.device)
-    inputs = PrefillInputs(max_tokens=prefill_buckets(config.max_num_batched_tokens)[-1],
-                           max_blocks=math.ceil(max_model_len / config.kv_block_size), block_size=config.kv_block_size,
-                           pad_block=pad_block, kind_slices=_kind_slices(model), device=device)
-    use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-    prefill = StaticPrefill(model, inputs, lora_backend, use_graphs=use_graphs)
-    if use_graphs:
-        _capture_base(prefill, device, "prefill")
-    return prefill
-
-
-def _kind_slices(model: DecoderModel) -> dict[str, int]:
-    """Output slices of each projection kind (q/k/v: 3): the static inputs' LoRA slot tables are that wide."""
-    return {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}
-
-
-def _capture_base(graphs: StaticDecoder | StaticPrefill, device: torch.device, what: str) -> None:
+def _capture_base(steps: StaticSteps, device: torch.device) -> None:
     """Capture the base-model graph of every bucket now (start-up, not a request), its time and memory logged."""
     free_before = torch.cuda.mem_get_info(device)[0]
-    graphs.capture_base()
+    steps.capture_base()
     used = free_before - torch.cuda.mem_get_info(device)[0]
-    log.info("captured %d base %s graphs (buckets %s) in %.1f s, %.2f GiB of device memory", graphs.num_captures,
-             what, graphs.buckets, graphs.capture_seconds, used / (1 << 30))
+    buckets = {phase.value: layout.buckets for phase, layout in steps.layouts.items()}
+    log.info("captured %d base graphs (buckets %s) in %.1f s, %.2f GiB of device memory", steps.graphs.num_captures,
+             buckets, steps.graphs.capture_seconds, used / (1 << 30))
 
 
 def configure_blas(device: torch.device, name: str) -> str | None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kubelora.engine.step.shape import TILE_M
+from kubelora.engine.model.llama import LoRAContext
+from kubelora.engine.step.shape import TILE_M, StepShape
 from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep, sort_by_slot, tile_table
 
 
@@ -75,6 +76,13 @@ class StaticInputs:
         self._put("token_slots", list(token_slots) + [-1] * (bucket - len(token_slots)))
         self._put("sorted_tokens", np.concatenate([order, np.zeros(bucket - order.size, dtype=np.int64)]))
         self._put("tiles", tile_table(counts, order, TILE_M, num_tiles=num_tiles).reshape(-1))
+
+    def lora_context(self, shape: StepShape, lora_backend: str) -> LoRAContext | None:
+        """The LoRA half of a step's ForwardContext, over the layout's regions (None: the base graph's)."""
+        if shape.lora is None:
+            return None
+        return LoRAContext(step=self.lora_step(shape.bucket, shape.lora), proj=self.lora_projs(shape.lora),
+                           backend=lora_backend, stage=dict(shape.lora.stage))
 
     def _lora_step(self, bucket: int, num_tiles: int, num_slots: int, rows: int) -> LoRAStep:
         """The LoRAStep over the tile regions: num_tiles tiles of TILE_M for a bucket of tokens, tiles reading at

@@ -129,3 +129,40 @@ def build_sampling_batch(logits: torch.Tensor, params: list, generators=None, ou
 @pytest.fixture(scope="session")
 def sampling_batch():
     return build_sampling_batch
+
+
+class _Replay:
+    """A stand-in for a CUDA graph on CPU: replay reruns the captured forward into the same static output."""
+
+    def __init__(self, forward, output: torch.Tensor) -> None:
+        self.forward, self.output = forward, output
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        self.output.copy_(self.forward())
+
+
+def _fake_capture(device, pool, forward):
+    output = forward()
+    return _Replay(forward, output), output, 0.0
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Static steps on CPU as on CUDA: graphs stood in for by `_Replay`, the base ones captured at start-up, the
+    rest on first use (decode) or while idle; engines built after this run the static path with graphs on."""
+    from kubelora.engine import setup
+    from kubelora.engine.step import graphs
+
+    monkeypatch.setattr(setup, "uses_static_decode", lambda config: True)
+    monkeypatch.setattr(graphs, "capture_graph", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    build = setup.build_static_steps
+
+    def build_graphed(*args, **kwargs):
+        steps = build(*args, **kwargs)
+        steps.use_graphs = True
+        steps.capture_base()  # what build_static_steps does on CUDA (where it measures the device memory too)
+        return steps
+
+    monkeypatch.setattr(setup, "build_static_steps", build_graphed)

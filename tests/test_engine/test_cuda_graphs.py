@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kubelora.engine import LLM, SamplingParams
+from kubelora.engine.step.shape import Phase
 
 pytestmark = pytest.mark.gpu
 # Base rows between adapters, and one adapter on more rows than a LoRA tile (16) holds.
@@ -19,11 +20,11 @@ def _generate(material, prompts, dtype: str, enforce_eager: bool, adapters=BATCH
     for name, path in material.adapters.items():
         llm.load_adapter(name, path)
     try:
-        decoder = llm.engine._runner.decoder
-        assert (decoder is None) == enforce_eager
+        static = llm.engine._runner.static
+        assert (static is None) == enforce_eager
         results = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
                                adapters=adapters)
-        return [r.token_ids for r in results], decoder
+        return [r.token_ids for r in results], static
     finally:
         llm.close()
 
@@ -36,8 +37,9 @@ def _prompts(prompt_ids, count: int):
 def test_graphs_give_the_eager_tokens_float32(material, prompt_ids):
     prompts = _prompts(prompt_ids, len(BATCH))
     eager, _ = _generate(material, prompts, "float32", enforce_eager=True)
-    graphs, decoder = _generate(material, prompts, "float32", enforce_eager=False)
-    assert decoder.num_captures > len(decoder.buckets)  # base graphs at start-up, LoRA graphs on first use
+    graphs, static = _generate(material, prompts, "float32", enforce_eager=False)
+    num_base = len(static.buckets(Phase.DECODE)) + len(static.buckets(Phase.PREFILL))
+    assert static.graphs.num_captures > num_base  # base graphs at start-up, LoRA graphs while idle or on first use
     assert graphs == eager
 
 
@@ -74,21 +76,28 @@ def test_prefill_graphs_give_the_eager_prefill_tokens(llama, prompt_ids, monkeyp
     with the prefill graphs as with eager prefills (use_prefill_graphs=False); each request's one prefill
     replayed a graph (generate captures the adapters' graphs first). Counted per request: start-up's own warm-up
     requests (engine/warmup.py) replay the base graph too, before any request of the test."""
-    from kubelora.engine import graph_plan, prefill_graph
+    from kubelora.engine import graph_plan
+    from kubelora.engine.step.static import StaticSteps
 
     monkeypatch.setattr(graph_plan, "MAX_GRAPH_SHAPES", 3)  # graphs for each of the adapters' three shapes
     names = [None, "r4-qv", "r8-all", "r16-all-rs", "r32-attn"]
     prompts = [prompt_ids(i, n) for i, n in enumerate((5, 17, 40, 100, 300))]
     results, runs = {}, []
-    run = prefill_graph.StaticPrefill.run
-    monkeypatch.setattr(prefill_graph.StaticPrefill, "run", lambda self, *a: runs.append(1) or run(self, *a))
+    run = StaticSteps.run
+
+    def counted(self, step, shape, pending=None):
+        if shape.phase is Phase.PREFILL:
+            runs.append(1)
+        return run(self, step, shape, pending)
+
+    monkeypatch.setattr(StaticSteps, "run", counted)
     for enabled in ("0", "1"):
         llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_num_seqs=32, device="cuda", dtype=dtype,
                   use_prefill_graphs=enabled == "1")
         for name in names[1:]:
             llm.load_adapter(name, llama.adapters[name])
         try:
-            assert (llm.engine._runner.prefill is None) == (enabled == "0")
+            assert (Phase.PREFILL in llm.engine._runner.static.layouts) == (enabled == "1")
             params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
             results[enabled] = []
             for prompt, name in zip(prompts, names):

@@ -41,12 +41,15 @@ def test_warm_ups_are_the_common_rank_sets_not_yet_run():
     assert len(plan_warm_ups(many, set())) == MAX_WARM_SHAPES
 
 
-class _Graphs:
-    """A decoder or prefill stand-in: its buckets, some shapes captured."""
+class _Static:
+    """A StaticSteps stand-in: its buckets per phase, some shapes captured."""
 
-    def __init__(self, buckets, captured=(), use_graphs: bool = True) -> None:
-        self.buckets, self.captured, self.use_graphs = buckets, set(captured), use_graphs
+    def __init__(self, buckets: dict, captured=(), use_graphs: bool = True) -> None:
+        self._buckets, self.captured, self.use_graphs = buckets, set(captured), use_graphs
         self.staging = None
+
+    def buckets(self, phase):
+        return self._buckets.get(phase, [])
 
     def has_graph(self, shape) -> bool:
         return shape in self.captured
@@ -60,15 +63,16 @@ def test_graphs_of_the_two_common_shapes_decode_then_prefill():
     model: ModelConfig = _Model()  # type: ignore[assignment]
     infos = [_info("a", QV), _info("b", ATTN), _info("c", dict(ATTN)), _info("d", {"o_proj": 64})]
     attn, qv = ("qkv", "o"), ("qkv",)
-    decoder = _Graphs([1, 2], captured={_shape(Phase.DECODE, 1, attn, 32, 1)})
-    prefill = _Graphs([16, 32], captured={_shape(Phase.PREFILL, 32, qv, 16, 16)})
-    pending, wanted = plan_graphs(infos, model, decoder, prefill)
+    captured = {_shape(Phase.DECODE, 1, attn, 32, 1), _shape(Phase.PREFILL, 32, qv, 16, 16)}
+    static = _Static({Phase.DECODE: [1, 2], Phase.PREFILL: [16, 32]}, captured)
+    pending, wanted = plan_graphs(infos, model, static)
     assert wanted == [_shape(Phase.DECODE, 1, attn, 32, 1), _shape(Phase.DECODE, 2, attn, 32, 1),
                       _shape(Phase.DECODE, 2, attn, 32, 2), _shape(Phase.DECODE, 1, qv, 16, 1),
                       _shape(Phase.DECODE, 2, qv, 16, 1), _shape(Phase.DECODE, 2, qv, 16, 2),
                       _shape(Phase.PREFILL, 16, attn, 32, 16), _shape(Phase.PREFILL, 32, attn, 32, 16),
                       _shape(Phase.PREFILL, 16, qv, 16, 16), _shape(Phase.PREFILL, 32, qv, 16, 16)]
-    assert pending == [g for g in wanted if g not in decoder.captured | prefill.captured]
-    eager_prefill = _Graphs([16, 32], use_graphs=False)  # prefill graphs off (CPU): decode graphs only
-    assert all(shape.phase is Phase.DECODE for shape in plan_graphs(infos, model, decoder, eager_prefill)[1])
-    assert plan_graphs(infos, model, None, prefill) == ([], [])
+    assert pending == [g for g in wanted if g not in captured]
+    no_prefill = _Static({Phase.DECODE: [1, 2]})  # use_prefill_graphs off: decode graphs only
+    assert all(shape.phase is Phase.DECODE for shape in plan_graphs(infos, model, no_prefill)[1])
+    assert plan_graphs(infos, model, _Static({Phase.DECODE: [1, 2]}, use_graphs=False)) == ([], [])
+    assert plan_graphs(infos, model, None) == ([], [])

@@ -36,7 +36,7 @@ def test_fill_pads_rows_and_tiles():
     step = _step(20, slots, ranks=[4, 20])
     key = step.shape(24).lora
     assert key.kinds == ("qkv",) and key.lanes == 32 and key.rows == 16
-    inputs.fill(step, 24, key)
+    inputs.fill(step, step.shape(24))
     assert inputs.token_ids(24)[20:].tolist() == [0] * 4
     assert inputs.slot_mapping(24)[:2].tolist() == [0 * 4 + 3, 7 * 4 + 0]  # position 3: first block; 4: second
     assert inputs.slot_mapping(24)[20:].tolist() == [36] * 4  # the pad block's first slot
@@ -65,7 +65,7 @@ def _generate(llama, monkeypatch, is_static: bool):
     for name, path in llama.adapters.items():
         llm.load_adapter(name, path)
     try:
-        assert (llm.engine._runner.decoder is not None) == is_static
+        assert (llm.engine._runner.static is not None) == is_static
         prompts = [[1] + [(13 + 7 * i + 5 * j) % 480 + 10 for j in range(3 + i % 5)] for i in range(len(BATCH))]
         return llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), adapters=BATCH)
     finally:
@@ -148,10 +148,9 @@ def test_pool_budget_defaults(llama):
     assert setup.pool_rows(config, model, torch.float32, cpu) == 10
 
 
-def test_idle_capture_covers_the_registered_adapter_shapes(llama, monkeypatch):
+def test_idle_capture_covers_the_registered_adapter_shapes(llama, cpu_graphs):
     """The idle engine lists the graphs steps over its adapters' two most common shapes need, captures them
     between steps over padding rows (the KV cache outside the pad block stays as it was), then lists none."""
-    monkeypatch.setattr(setup, "uses_static_decode", lambda config: True)
     llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=16)
     try:
         engine = llm.engine
@@ -161,8 +160,8 @@ def test_idle_capture_covers_the_registered_adapter_shapes(llama, monkeypatch):
         pending = engine.pending_graphs()
         shapes = {(shape.lora.kinds, shape.lora.lanes) for shape in pending}
         assert shapes == {(("qkv", "o", "gate_up", "down"), 16), (("qkv",), 16)}
-        decoder = engine._runner.decoder
-        assert {shape.bucket for shape in pending if shape.phase is Phase.DECODE} == set(decoder.buckets)
+        static = engine._runner.static
+        assert {shape.bucket for shape in pending if shape.phase is Phase.DECODE} == set(static.buckets(Phase.DECODE))
         assert {shape.lora.rows for shape in pending if shape.bucket == 16 and shape.phase is Phase.DECODE} == {
             1, 2, 16}
         cache = engine._runner.model.kv_cache
@@ -177,26 +176,26 @@ def test_idle_capture_covers_the_registered_adapter_shapes(llama, monkeypatch):
         llm.close()
 
 
-def test_graphs_captured_ahead_stay_beside_the_lru(llama, monkeypatch):
+def test_graphs_captured_ahead_stay_beside_the_lru(llama, monkeypatch, cpu_graphs):
     """Graphs captured for the adapters' shapes are not evicted by graphs captured on first use."""
-    from kubelora.engine import graph_runner
+    from kubelora.engine.step import graphs
 
-    monkeypatch.setattr(setup, "uses_static_decode", lambda config: True)
-    monkeypatch.setattr(graph_runner, "MAX_LORA_GRAPHS", 2)
+    monkeypatch.setattr(graphs, "MAX_LORA_GRAPHS", 2)
     llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=4)
     try:
         llm.load_adapter("r4-qv", llama.adapters["r4-qv"])
         llm.capture_graphs()
-        decoder = llm.engine._runner.decoder
-        ahead = set(decoder.pinned)
+        cache = llm.engine._runner.static.graphs
+        ahead = set(cache.pinned)
         assert ahead and not llm.engine.pending_graphs()
+
         def shape(lanes: int) -> StepShape:
             return StepShape(Phase.DECODE, 1, LoRAShape(("o",), lanes, 1))
 
         for lanes in (32, 48, 64):  # three more shapes, on first use: the LRU keeps two of them
-            decoder._graph(shape(lanes))
-        assert all(decoder.has_graph(graph) for graph in ahead) and not llm.engine.pending_graphs()
-        assert not decoder.has_graph(shape(32)) and decoder.has_graph(shape(64))
+            cache.capture(shape(lanes), lambda: torch.zeros(1, 4))
+        assert all(graph in cache for graph in ahead) and not llm.engine.pending_graphs()
+        assert shape(32) not in cache and shape(64) in cache
     finally:
         llm.close()
 

@@ -1,6 +1,6 @@
 """The static prefill path (one sequence's chunk padded to a token bucket, what prefill CUDA graphs replay over),
 run on CPU against the eager engine; graphs stood in for by a replay that reruns the captured forward into its
-static output (the path's bookkeeping: which chunks take it, idle capture, the static logits)."""
+static output (`cpu_graphs`: the path's bookkeeping, which chunks take it, idle capture, the static logits)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kubelora.engine import LLM, SamplingParams
-from kubelora.engine import prefill_graph, setup
-from kubelora.engine.prefill_graph import StaticPrefill
+from kubelora.engine import setup
 from kubelora.engine.prefill_inputs import PrefillInputs, PrefillStep
+from kubelora.engine.step.static import StaticSteps
 from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, prefill_buckets, prefill_shape
 from kubelora.kernels.lora import TILE_HEAD
 
@@ -45,7 +45,7 @@ def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
     step = PrefillStep(token_ids=list(range(100, 120)), start_pos=5, block_table=(3, 6, 2, 5),
                        slot_tables=_tables([20, 0, 20]))
     key = step.shape(32).lora
-    inputs.fill(step, 32, key)
+    inputs.fill(step, step.shape(32))
     assert inputs.token_ids(32).tolist() == list(range(100, 120)) + [0] * 12
     assert inputs.positions(32).tolist() == list(range(5, 25)) + [0] * 12
     meta = inputs.attention(32)
@@ -54,8 +54,8 @@ def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
     assert meta.query_start_loc.tolist() == [0, 20] and meta.seq_lens.tolist() == [20]
     assert meta.context_lens.tolist() == [25] and meta.max_query_len == 32
     assert meta.block_tables.tolist() == [[3, 6, 2, 5, 9]]
-    assert inputs.last_row().tolist() == [19]
-    lora = inputs.lora_step(32)
+    assert inputs.logits_rows().tolist() == [19]
+    lora = inputs.lora_step(32, key)
     assert lora.tiles.shape == (2, TILE_HEAD + 16) and lora.token_slots.tolist() == [0] * 20 + [-1] * 12
     tiles = lora.tiles.tolist()
     assert tiles[0][:3] == [0, 0, 16] and tiles[0][TILE_HEAD:] == list(range(16))
@@ -64,44 +64,17 @@ def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
     assert proj["qkv"].rank.tolist() == [[20, 0, 20], [0, 0, 0]] and proj["qkv"].max_rank == (32, 32, 32)
     assert proj["qkv"].scale[0].tolist() == [0.5, 0.0, 0.5] and proj["o"].max_rank == (0,)
     step = PrefillStep(token_ids=[7] * 3, start_pos=0, block_table=(1,), slot_tables=_tables([4, 0, 4]))
-    inputs.fill(step, 32, step.shape(32).lora)
-    tiles = inputs.lora_step(32).tiles.tolist()
+    inputs.fill(step, step.shape(32))
+    tiles = inputs.lora_step(32, step.shape(32).lora).tiles.tolist()
     assert tiles[0][:3] == [0, 0, 3] and tiles[1][:3] == [1, 0, 0]  # the second tile empty, on the rank-0 slot
 
 
-class _Replay:
-    """A stand-in for a CUDA graph on CPU: replay reruns the captured forward into the same static output."""
-
-    def __init__(self, forward, output: torch.Tensor) -> None:
-        self.forward, self.output = forward, output
-
-    @torch.inference_mode()
-    def replay(self) -> None:
-        self.output.copy_(self.forward())
-
-
-def _fake_capture(device, pool, forward):
-    output = forward()
-    return _Replay(forward, output), output, 0.0
-
-
-def _llm(llama, monkeypatch, is_static: bool, is_graphs: bool = False, **kwargs) -> LLM:
+def _llm(llama, monkeypatch, is_static: bool, **kwargs) -> LLM:
     monkeypatch.setattr(setup, "uses_static_decode", lambda config: is_static)
-    if is_graphs:  # StaticPrefill as on CUDA: only captured graphs run, base ones at start-up, the rest when idle
-        monkeypatch.setattr(prefill_graph, "capture_graph", _fake_capture)
-        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-        build = setup.build_static_prefill
-        monkeypatch.setattr(setup, "build_static_prefill", lambda *a, **k: _captured(build(*a, **k)))
     llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=8, **kwargs)
     for name in ADAPTERS[1:]:
         llm.load_adapter(name, llama.adapters[name])
     return llm
-
-
-def _captured(prefill: StaticPrefill) -> StaticPrefill:
-    prefill.use_graphs = True
-    prefill.capture_base()  # what build_static_prefill does on CUDA (where it measures the device memory too)
-    return prefill
 
 
 def _one_at_a_time(llm: LLM, prompts, params: SamplingParams):
@@ -110,14 +83,16 @@ def _one_at_a_time(llm: LLM, prompts, params: SamplingParams):
 
 
 def _spy_runs(monkeypatch) -> list[int]:
+    """The token counts of the static prefill steps run."""
     calls = []
-    run = StaticPrefill.run
+    run = StaticSteps.run
 
-    def spy(self, step, pending=None):
-        calls.append(len(step.token_ids))
-        return run(self, step, pending)
+    def spy(self, step, shape, pending=None):
+        if shape.phase is Phase.PREFILL:
+            calls.append(len(step.token_ids))
+        return run(self, step, shape, pending)
 
-    monkeypatch.setattr(StaticPrefill, "run", spy)
+    monkeypatch.setattr(StaticSteps, "run", spy)
     return calls
 
 
@@ -135,7 +110,7 @@ def test_static_prefill_gives_the_eager_tokens_and_logprobs(llama, monkeypatch, 
     static_llm = _llm(llama, monkeypatch, is_static=True, max_num_batched_tokens=max_num_batched_tokens)
     calls = _spy_runs(monkeypatch)
     try:
-        assert static_llm.engine._runner.prefill is not None
+        assert Phase.PREFILL in static_llm.engine._runner.static.layouts
         static = _one_at_a_time(static_llm, PROMPTS, params)
     finally:
         static_llm.close()
@@ -162,25 +137,25 @@ def test_prompt_logprobs_and_batches_take_the_eager_path(llama, monkeypatch):
         llm.close()
 
 
-def test_adapter_graphs_are_captured_when_idle_and_replayed(llama, monkeypatch):
+def test_adapter_graphs_are_captured_when_idle_and_replayed(llama, monkeypatch, cpu_graphs):
     """As on CUDA: base graphs from start-up; an adapter's chunk runs eagerly until the idle engine has captured
     its shape's graphs, then replays them with the eager tokens."""
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    llm = _llm(llama, monkeypatch, is_static=True, is_graphs=True)
+    llm = _llm(llama, monkeypatch, is_static=True)
     calls = _spy_runs(monkeypatch)
     try:
-        engine, prefill = llm.engine, llm.engine._runner.prefill
-        assert prefill.num_captures == len(prefill.buckets)
+        engine, static = llm.engine, llm.engine._runner.static
+        assert static.graphs.num_captures == len(static.buckets(Phase.DECODE)) + len(static.buckets(Phase.PREFILL))
         pending = [shape for shape in engine.pending_graphs() if shape.phase is Phase.PREFILL]
         shapes = {shape.lora for shape in pending}  # the two most common: every kind at 16 lanes, and one more
         assert len(shapes) == 2 and _lora(("qkv", "o", "gate_up", "down"), 16) in shapes
-        assert {shape.bucket for shape in pending} == set(prefill.buckets)
+        assert {shape.bucket for shape in pending} == set(static.buckets(Phase.PREFILL))
         monkeypatch.setattr(llm, "capture_graphs", lambda: None)  # as a server's first requests meet the engine
         before = [r.token_ids for r in _one_at_a_time(llm, PROMPTS, params)]
         assert calls == [len(PROMPTS[0])]  # the base prompt only: no adapter graph yet
         while engine.capture_pending_graphs(budget_s=0.0):
             pass
-        assert engine.pending_graphs() == [] and all(prefill.has_graph(shape) for shape in pending)
+        assert engine.pending_graphs() == [] and all(static.has_graph(shape) for shape in pending)
         calls.clear()
         after = [r.token_ids for r in _one_at_a_time(llm, PROMPTS, params)]
         keys = [None, _lora(("qkv",), 16)] + [_lora(("qkv", "o", "gate_up", "down"), 16)] * 2 + [

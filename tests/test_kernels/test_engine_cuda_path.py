@@ -40,10 +40,8 @@ def _generate(tiny, is_cuda_path: bool, is_static: bool = False, is_alone: bool 
             engine._runner.model.is_fused = True
             engine._runner.config = replace(engine._runner.config, is_paged_attention=True)
         if is_static:
-            engine._runner.decoder = setup.build_static_decoder(engine.config, engine._runner.model,
-                                                                engine.max_model_len, engine.num_kv_blocks, "triton")
-            engine._runner.prefill = setup.build_static_prefill(engine.config, engine._runner.model,
-                                                                engine.max_model_len, engine.num_kv_blocks, "triton")
+            engine._runner.static = setup.build_static_steps(engine.config, engine._runner.model,
+                                                             engine.max_model_len, engine.num_kv_blocks, "triton")
         for name, path in adapters.items():
             llm.load_adapter(name, path)
         prompts = [[1] + [(11 * i + 7 * j) % 480 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]

@@ -44,7 +44,7 @@ def test_graph_step_matches_reference(triton_backend, device, slots, bucket):
     decode = DecodeStep(token_ids=[1] * num, positions=[0] * num, block_tables=[(0,)] * num, token_slots=slots,
                         slot_tables={"qkv": (row_start, ranks, scale)})
     key = decode.shape(bucket).lora
-    inputs.fill(decode, bucket, key)
+    inputs.fill(decode, decode.shape(bucket))
     got = y.clone()
     triton_backend.add_lora_triton(got, x, lora_a, lora_b, inputs.lora_projs(key)["qkv"], inputs.lora_step(bucket, key))
     torch.testing.assert_close(got[:num], expected, rtol=1e-4, atol=1e-4)

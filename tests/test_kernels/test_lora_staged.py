@@ -82,7 +82,7 @@ def test_staged_expand_on_the_graph_layout(triton_backend, device):
                         staged=StagedStep(rows={"qkv": 96}, t_col={"qkv": t_col}))
     key = decode.shape(bucket).lora
     assert key.stage == (("qkv", 96),)
-    inputs.fill(decode, bucket, key)
+    inputs.fill(decode, decode.shape(bucket))
     proj = inputs.lora_projs(key)["qkv"]
     assert proj.t_col[:3].tolist() == t_col and not proj.t_col[3:].any()
     y = torch.cat([y_real, torch.randn(bucket - 7, y_real.shape[1], device=device)])
