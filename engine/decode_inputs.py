@@ -27,7 +27,7 @@ from kubelora.engine.model.attention import DecodeMetadata
 from kubelora.engine.model.llama import ForwardContext
 from kubelora.engine.static_inputs import StaticInputs, table_regions
 from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, StepShape, decode_buckets, decode_shape, max_tiles
-from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
+from kubelora.kernels.lora import TILE_HEAD, LoRAOps, LoRAProj, LoRAStep
 
 if TYPE_CHECKING:
     from kubelora.engine.adapters.staging import StagedStep
@@ -96,12 +96,12 @@ class DecodeInputs(StaticInputs):
     def block_tables(self, bucket: int) -> torch.Tensor:
         return self._region(self.device_buf, "block_tables", bucket * self.max_blocks).view(bucket, self.max_blocks)
 
-    def context(self, shape: StepShape, lora_backend: str) -> ForwardContext:
+    def context(self, shape: StepShape, lora_ops: LoRAOps) -> ForwardContext:
         bucket = shape.bucket
         attention = DecodeMetadata(slot_mapping=self.slot_mapping(bucket), block_tables=self.block_tables(bucket),
                                    context_lens=self.context_lens(bucket))
         return ForwardContext(attention=attention, positions=self.positions(bucket),
-                              lora=self.lora_context(shape, lora_backend))
+                              lora=self.lora_context(shape, lora_ops))
 
     def logits_rows(self) -> None:
         """Every row's logits (padding rows' too: sampling reads the step's first rows only)."""

@@ -26,7 +26,7 @@ from kubelora.engine.model.attention import PrefillMetadata
 from kubelora.engine.model.llama import ForwardContext
 from kubelora.engine.static_inputs import StaticInputs, table_regions
 from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, StepShape, prefill_buckets, prefill_shape
-from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep
+from kubelora.kernels.lora import TILE_HEAD, LoRAOps, LoRAProj, LoRAStep
 
 TABLE_ROWS = 2  # slot 0: the chunk's adapter; slot 1: rank 0 everywhere (empty tiles)
 
@@ -79,9 +79,9 @@ class PrefillInputs(StaticInputs):
         """[1] int64: the chunk's last row, the one whose logits are computed."""
         return self._region(self.device_buf, "last_row", 1)
 
-    def context(self, shape: StepShape, lora_backend: str) -> ForwardContext:
+    def context(self, shape: StepShape, lora_ops: LoRAOps) -> ForwardContext:
         return ForwardContext(attention=self.attention(shape.bucket), positions=self.positions(shape.bucket),
-                              lora=self.lora_context(shape, lora_backend))
+                              lora=self.lora_context(shape, lora_ops))
 
     def attention(self, bucket: int) -> PrefillMetadata:
         def view(name: str, length: int) -> torch.Tensor:

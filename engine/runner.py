@@ -29,7 +29,7 @@ from kubelora.engine.scheduler import Batch
 from kubelora.engine.sequence import PENDING_TOKEN
 from kubelora.engine.step.shape import Phase, StepShape
 from kubelora.engine.step.static import StaticSteps
-from kubelora.kernels.lora import prepare_lora_projs, prepare_lora_step
+from kubelora.kernels.lora import lora_ops, prepare_lora_projs, prepare_lora_step
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,7 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.static = static  # decode steps and short prefill chunks from static layouts; None: every step eager
+        self.lora_ops = lora_ops(config.lora_backend)
 
     def execute(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step (forward, then sampling); `previous`: the launched step whose ids the batch's pending
@@ -220,7 +221,7 @@ class ModelRunner:
         token_slots = np.repeat([c.slot for c in batch.chunks], [len(c.token_ids) for c in batch.chunks])
         step = prepare_lora_step(token_slots, len(batch.slots), self.config.device)
         proj = prepare_lora_projs(self._slot_tables(batch.slots), self.config.device)  # one host->device copy
-        return LoRAContext(step=step, proj=proj, backend=self.config.lora_backend)
+        return LoRAContext(step=step, proj=proj, ops=self.lora_ops)
 
 def _pending_tokens(batch: Batch, previous: LaunchedStep | None):
     """(rows, sources, tokens): the batch's token rows fed a pending token, and their rows in `previous`'s ids."""

@@ -17,7 +17,7 @@ import torch
 
 from kubelora.engine.model.llama import LoRAContext
 from kubelora.engine.step.shape import TILE_M, StepShape
-from kubelora.kernels.lora import TILE_HEAD, LoRAProj, LoRAStep, sort_by_slot, tile_table
+from kubelora.kernels.lora import TILE_HEAD, LoRAOps, LoRAProj, LoRAStep, sort_by_slot, tile_table
 
 
 def table_regions(kind_slices: dict[str, int], table_rows: int) -> list[tuple[str, int]]:
@@ -77,12 +77,13 @@ class StaticInputs:
         self._put("sorted_tokens", np.concatenate([order, np.zeros(bucket - order.size, dtype=np.int64)]))
         self._put("tiles", tile_table(counts, order, TILE_M, num_tiles=num_tiles).reshape(-1))
 
-    def lora_context(self, shape: StepShape, lora_backend: str) -> LoRAContext | None:
-        """The LoRA half of a step's ForwardContext, over the layout's regions (None: the base graph's)."""
+    def lora_context(self, shape: StepShape, ops: LoRAOps) -> LoRAContext | None:
+        """The LoRA half of a step's ForwardContext, over the layout's regions (None: the base graph's); the
+        kinds its shape stages compute their shrink in the base matmul."""
         if shape.lora is None:
             return None
-        return LoRAContext(step=self.lora_step(shape.bucket, shape.lora), proj=self.lora_projs(shape.lora),
-                           backend=lora_backend, stage=dict(shape.lora.stage))
+        return LoRAContext(step=self.lora_step(shape.bucket, shape.lora), proj=self.lora_projs(shape.lora), ops=ops,
+                           stage=dict(shape.lora.stage))
 
     def _lora_step(self, bucket: int, num_tiles: int, num_slots: int, rows: int) -> LoRAStep:
         """The LoRAStep over the tile regions: num_tiles tiles of TILE_M for a bucket of tokens, tiles reading at

@@ -18,7 +18,7 @@ the Triton kernels (`kernels/lora_triton.py`); `default_backend` is a device's w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -267,6 +267,28 @@ def default_backend(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
+@dataclass(frozen=True)
+class LoRAOps:
+    """One backend's ops, resolved once where the engine is built (the Triton ones import then: TRITON_INTERPRET
+    is read at their import), so a layer calls what its step's context holds and imports nothing."""
+
+    name: str  # one of BACKENDS
+    add: Callable[..., None]  # add_lora_torch's signature
+    # The expand of a shrink staged into the base matmul (kernels/lora_triton.py: add_lora_staged_triton); None:
+    # the backend stages nothing
+    add_staged: Callable[..., None] | None = None
+
+
+def lora_ops(backend: str) -> LoRAOps:
+    if backend not in BACKENDS:
+        raise ValueError(f"LoRA backend {backend!r} is not allowed: use one of {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return LoRAOps(backend, add_lora_torch)
+    from kubelora.kernels.lora_triton import add_lora_staged_triton, add_lora_triton
+
+    return LoRAOps(backend, add_lora_triton, add_lora_staged_triton)
+
+
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -274,17 +296,10 @@ def add_lora(
     lora_b: list[torch.Tensor],
     proj: LoRAProj,
     step: LoRAStep,
-    backend: str = "torch",
+    backend: str | LoRAOps = "torch",
 ) -> None:
-    """Dispatch to the backend chosen once at engine start ("torch" reference or "triton")."""
-    if backend not in BACKENDS:
-        raise ValueError(f"LoRA backend {backend!r} is not allowed: use one of {', '.join(BACKENDS)}")
+    """`backend`'s add (a name, or the ops the engine resolved once), skipped where nothing is adapted."""
+    ops = backend if isinstance(backend, LoRAOps) else lora_ops(backend)
     if not step.has_lora or not any(proj.max_rank):  # e.g. the MLP of a step whose adapters adapt attention only
         return
-    if backend == "torch":
-        add_lora_torch(y, x, lora_a, lora_b, proj, step)
-    else:
-        from kubelora.kernels.lora_triton import add_lora_triton  # imported late: TRITON_INTERPRET is read then
-
-        add_lora_triton(y, x, lora_a, lora_b, proj, step)
-
+    ops.add(y, x, lora_a, lora_b, proj, step)

@@ -22,7 +22,7 @@ from kubelora.engine.model.config import ModelConfig
 from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused, gemv
-from kubelora.kernels.lora import LoRAProj, LoRAStep, add_lora
+from kubelora.kernels.lora import LoRAOps, LoRAProj, LoRAStep, add_lora
 from kubelora.kernels.lora_rotary import add_lora_rotary_kv_cache_, is_expand_rotary
 
 
@@ -38,9 +38,12 @@ class LayerLoRABuffers:
 
 @dataclass(frozen=True)
 class LoRAContext:
+    """How the step's layers apply LoRA: its token map, each kind's slot table, the backend's ops and, from the
+    step's shape, the kinds whose shrink is staged into the base matmul."""
+
     step: LoRAStep
     proj: dict[str, LoRAProj]  # kind -> slot table for that projection kind
-    backend: str
+    ops: LoRAOps
     # kind -> staged rows its matmul reads past the base output (engine/adapters/staging.py; triton backend):
     # those kinds compute their shrink in the base matmul and launch only the expand
     stage: dict[str, int] = field(default_factory=dict)
@@ -126,7 +129,7 @@ class DecoderModel:
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         key_cache, value_cache = self.kv_cache.key[layer], self.kv_cache.value[layer]
         lora = ctx.lora
-        if (self.is_fused and lora is not None and lora.backend == "triton"
+        if (self.is_fused and lora is not None and lora.ops.name == "triton"
                 and is_expand_rotary(lora.proj["qkv"], lora.step, cfg.head_dim)):
             q = self._lora_rotary_q(layer, x, ctx, key_cache, value_cache)
         else:
@@ -163,19 +166,16 @@ class DecoderModel:
     def _proj(self, layer: int, kind: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """y = x W^T + b, then the batch's LoRA deltas added in place by one batched op."""
         weights = self.weights.layers[layer]
-        staged = ctx.lora.stage.get(kind, 0) if ctx.lora is not None else 0
+        lora = ctx.lora
+        staged = lora.stage.get(kind, 0) if lora is not None else 0
         if staged:  # x @ [W; the step's A rows]^T, then the expand reads each token's shrink from its row
-            from kubelora.kernels.lora_triton import add_lora_staged_triton  # late, as add_lora's: TRITON_INTERPRET
-
             weight, bias = weights.extended[kind]
             width = weights.weight[kind].shape[0]
             y = self._linear(x, weight[: width + staged], None if bias is None else bias[: width + staged])
-            add_lora_staged_triton(y, width, self.lora_buffers[layer].lora_b[kind], ctx.lora.proj[kind],
-                                   ctx.lora.step)
+            lora.ops.add_staged(y, width, self.lora_buffers[layer].lora_b[kind], lora.proj[kind], lora.step)
             return y[:, :width]
         y = self._linear(x, weights.weight[kind], weights.bias[kind])
-        if ctx.lora is not None:
+        if lora is not None:
             buffers = self.lora_buffers[layer]
-            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], ctx.lora.proj[kind], ctx.lora.step,
-                     backend=ctx.lora.backend)
+            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], lora.proj[kind], lora.step, backend=lora.ops)
         return y

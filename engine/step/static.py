@@ -23,6 +23,7 @@ from kubelora.engine.model.llama import DecoderModel, ForwardContext
 from kubelora.engine.prefill_inputs import PrefillInputs, PrefillStep
 from kubelora.engine.step.graphs import GraphCache
 from kubelora.engine.step.shape import Phase, StepShape, bucket_for
+from kubelora.kernels.lora import LoRAOps, lora_ops
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class StaticLayout(Protocol):
     def fill(self, step, shape: StepShape) -> None: ...
     def fill_padding(self) -> None: ...
     def token_ids(self, bucket: int) -> torch.Tensor: ...
-    def context(self, shape: StepShape, lora_backend: str) -> ForwardContext: ...
+    def context(self, shape: StepShape, lora_ops: LoRAOps) -> ForwardContext: ...
     def logits_rows(self) -> torch.Tensor | None: ...
 
 
@@ -49,7 +50,7 @@ class StaticSteps:
                  staging: ShrinkStaging | None = None) -> None:
         self.model = model
         self.layouts = {layout.phase: layout for layout in layouts}
-        self.lora_backend = lora_backend
+        self.lora_ops = lora_ops(lora_backend)
         self.use_graphs = use_graphs
         self.staging = staging  # decode steps' staged shrinks (engine/adapters/staging.py); None: off
         self.graphs = GraphCache(layouts[0].device)
@@ -106,6 +107,6 @@ class StaticSteps:
 
     def _forward(self, shape: StepShape) -> torch.Tensor:
         layout = self.layouts[shape.phase]
-        hidden = self.model.forward(layout.token_ids(shape.bucket), layout.context(shape, self.lora_backend))
+        hidden = self.model.forward(layout.token_ids(shape.bucket), layout.context(shape, self.lora_ops))
         rows = layout.logits_rows()
         return self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
