@@ -163,3 +163,11 @@ async def test_refusals_are_counted_by_model_never_by_key(engines, router):
     assert 'kubelora_router_key_refusals_total{model="other",status="403"} 1.0' in text
     assert 'kubelora_router_key_refusals_total{model="a1",status="401"} 1.0' in text
     assert KEY_A not in text and "made-up" not in text
+
+
+async def test_a_key_granted_a_deleted_adapter_gets_404_for_it(engines, router):
+    client = await router(keyed_placement(engines, keys={KEY_A: "a1, gone"}))
+    response = await post(client, "gone", bearer(KEY_A))
+    assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
+    models = await (await client.get("/v1/models", headers=bearer(KEY_A))).json()
+    assert [card["id"] for card in models["data"]] == ["a1"]
