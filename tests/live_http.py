@@ -24,6 +24,14 @@ MALFORMED_HEADERS = {
 }
 
 
+def free_port() -> int:
+    """A loopback port free at the call (bound, then released): for a server to listen on, or, left unused, an
+    address where nothing answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def gzip_bomb(inflated_bytes: int) -> bytes:
     """gzip of `inflated_bytes` zeros (about 1 KiB of output per MiB), built without holding them in memory."""
     compressor = zlib.compressobj(9, zlib.DEFLATED, 31)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,15 +23,12 @@ import pytest
 
 from kubelora.router.hashring import HashRing
 
+from ..live_http import free_port
+
 KUBELORA = str(Path(sys.executable).with_name("kubelora"))
 COMMON = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
 PROMPT = "The operator watches the cluster"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -73,7 +69,7 @@ def pool(tmp_path_factory):
     procs, logs = [], []
     engines, admin_urls = {}, {}
     for pod in ("engine-0", "engine-1"):
-        port, admin_port = _free_port(), _free_port()
+        port, admin_port = free_port(), free_port()
         log = open(root / f"{pod}.log", "w")
         logs.append(log)
         procs.append(subprocess.Popen([KUBELORA, "engine", "serve", "--model", str(model), "--max-loras", "2",
@@ -85,7 +81,7 @@ def pool(tmp_path_factory):
         admin_urls[pod] = f"http://127.0.0.1:{admin_port}"
     placement = root / "placement.json"
     write_placement(placement, engines, {"a0": ["engine-0"], "a1": []}, revision=1)
-    router_port = _free_port()
+    router_port = free_port()
     log = open(root / "router.log", "w")
     logs.append(log)
     procs.append(subprocess.Popen([KUBELORA, "router", "--placement-file", str(placement), "--host", "127.0.0.1",

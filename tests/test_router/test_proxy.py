@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import aiohttp
 import pytest
@@ -13,6 +12,7 @@ from kubelora.router.hashring import HashRing
 from kubelora.router.placement import parse_placement
 from kubelora.router.proxy import REPLICA_HEADER
 
+from ..live_http import free_port
 from .conftest import placement_text
 
 pytestmark = pytest.mark.timeout(60)  # a relay bug shows as a hang: fail fast instead
@@ -137,7 +137,7 @@ async def test_client_timeout_cancels_a_non_streamed_upstream_request(engines, r
 
 
 async def test_unreachable_replica_is_retried_on_the_next(engines, router):
-    dead = {"pod": "dead", "url": f"http://127.0.0.1:{_closed_port()}", "ready": True}
+    dead = {"pod": "dead", "url": f"http://127.0.0.1:{free_port()}", "ready": True}
     text = placement_text(engines, ready=["p0"], adapters={"a": ["dead"]}, extra_replicas=[dead])
     client = await router(text)
     response = await client.post("/v1/completions", json=completion("a"))
@@ -221,8 +221,3 @@ async def _until(predicate, timeout_s: float = 5.0) -> None:
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
 
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

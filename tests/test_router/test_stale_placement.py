@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 import pytest
@@ -15,15 +14,11 @@ from kubelora.router.config import RouterConfig
 from kubelora.router.proxy import REPLICA_HEADER
 from kubelora.router.sources import FileSource, PlacementStore
 
+from ..live_http import free_port
 from .conftest import placement_text
 
 pytestmark = pytest.mark.timeout(60)
 
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -124,7 +119,7 @@ def test_max_placement_age_is_validated():
 async def test_a_stale_view_is_retried_through_every_replica(engines, router):
     """The placement names two holders that are gone (pods deleted since it was read): the request goes on to
     the one live replica of the view, which loads the adapter on demand; the dead ones are then tried last."""
-    dead = [{"pod": f"dead{i}", "url": f"http://127.0.0.1:{_closed_port()}", "ready": True} for i in range(2)]
+    dead = [{"pod": f"dead{i}", "url": f"http://127.0.0.1:{free_port()}", "ready": True} for i in range(2)]
     text = placement_text(engines[:1], adapters={"a": ["dead0", "dead1"]}, extra_replicas=dead)
     client = await router(text)
     response = await client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,11 +14,7 @@ import urllib.request
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..live_http import free_port
 
 
 def _serve(args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -50,7 +45,7 @@ def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 90) -> N
 
 
 def test_serve_from_env_and_flags(material, tmp_path):
-    port, admin_port = _free_port(), _free_port()
+    port, admin_port = free_port(), free_port()
     token = tmp_path / "token"
     token.write_text("t0k3n\n")
     env = {"KUBELORA_MODEL": str(material.model_dir), "KUBELORA_MAX_LORAS": "2", "KUBELORA_MAX_LORA_RANK": "16",

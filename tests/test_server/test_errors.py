@@ -8,21 +8,12 @@ import shutil
 
 import pytest
 
-from kubelora.engine.server.app import ADMIN_APP, LIFECYCLE, build_app, build_engine
-
-
-async def _start(aiohttp_client, config, factory=build_engine):
-    app = build_app(config, factory)
-    client = await aiohttp_client(app)
-    client.admin = await aiohttp_client(app[ADMIN_APP])
-    await asyncio.wait_for(app[LIFECYCLE].done.wait(), 60)
-    assert app[LIFECYCLE].failure is None, app[LIFECYCLE].failure
-    return client
+from kubelora.engine.server.app import LIFECYCLE, build_app, build_engine
 
 
 @pytest.fixture
-async def api(aiohttp_client, config_for, material):
-    client = await _start(aiohttp_client, config_for(adapter_url_host=("models.example.com",)))
+async def api(start_app, config_for, material):
+    client = await start_app(config_for(adapter_url_host=("models.example.com",)))
     response = await client.admin.post("/v1/load_lora_adapter", json={"lora_name": "a0",
                                                                 "lora_path": str(material.adapters["a0"])})
     assert response.status == 200
@@ -118,10 +109,10 @@ async def test_failed_on_demand_load_fails_only_its_requests(api, material, api_
     assert card["last_error"] and card["residency"] == "known"
 
 
-async def test_queue_full_gives_429_with_retry_after(aiohttp_client, config_for, slow_engine_factory, api_error):
+async def test_queue_full_gives_429_with_retry_after(start_app, config_for, slow_engine_factory, api_error):
     # One running, one waiting, the rest refused: 64 steps of >= 5 ms keep the first one running meanwhile.
     config = config_for(max_num_seqs=1, max_waiting=1)
-    client = await _start(aiohttp_client, config, slow_engine_factory(0.005))
+    client = await start_app(config, slow_engine_factory(0.005))
     body = {"model": "model", "prompt": "Hello", "max_tokens": 64, "ignore_eos": True}
     responses = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6)))
     statuses = sorted(r.status for r in responses)
@@ -174,8 +165,8 @@ class _BrokenEngine:
         return self._engine.add_request(request_id, prompt_token_ids, *args, **kwargs)
 
 
-async def test_bug_gives_500_without_details(aiohttp_client, config_for, api_error):
-    client = await _start(aiohttp_client, config_for(), lambda c: _BrokenEngine(build_engine(c)))
+async def test_bug_gives_500_without_details(start_app, config_for, api_error):
+    client = await start_app(config_for(), lambda c: _BrokenEngine(build_engine(c)))
     error = await api_error(await client.post("/v1/completions", json={"model": "model", "prompt": [7]}), 500,
                          "server_error")
     assert "secret" not in error["message"]
@@ -202,10 +193,9 @@ def served_archive(material, tmp_path):
     server.server_close()
 
 
-async def test_load_from_url(aiohttp_client, config_for, material, served_archive, tmp_path, api_error):
+async def test_load_from_url(start_app, config_for, material, served_archive, tmp_path, api_error):
     url, digest = served_archive
-    client = await _start(aiohttp_client, config_for(adapter_url_host=("127.0.0.1",),
-                                                     adapter_cache_dir=str(tmp_path / "cache")))
+    client = await start_app(config_for(adapter_url_host=("127.0.0.1",), adapter_cache_dir=str(tmp_path / "cache")))
     await api_error(await client.admin.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": "0" * 64}), 400,
                  "adapter_source_error", "sha256", "sha256_mismatch")
     response = await client.admin.post("/v1/load_lora_adapter", json={**_load("web", url), "sha256": digest})
@@ -219,9 +209,9 @@ async def test_load_from_url(aiohttp_client, config_for, material, served_archiv
     assert ok.status == 200
 
 
-async def test_engine_step_bug_fails_open_requests_and_health(aiohttp_client, config_for, api_error):
+async def test_engine_step_bug_fails_open_requests_and_health(start_app, config_for, api_error):
     engines = []
-    client = await _start(aiohttp_client, config_for(), lambda c: engines.append(_BrokenEngine(build_engine(c)))
+    client = await start_app(config_for(), lambda c: engines.append(_BrokenEngine(build_engine(c)))
                           or engines[-1])
     assert (await client.get("/health")).status == 200
     engines[0].is_step_broken = True

@@ -7,7 +7,6 @@ Permanent: a refused path or host, corrupt files, a rank or shape mismatch, the 
 from __future__ import annotations
 
 import http.server
-import socket
 import threading
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import pytest
 from kubelora.contract.errors import AdapterSourceError
 from kubelora.contract.http_errors import to_http
 from kubelora.engine.server.sources import SourceConfig, resolve_source
+
+from ..live_http import free_port
 
 
 class _StatusHandler(http.server.BaseHTTPRequestHandler):
@@ -47,11 +48,6 @@ def status_host():
         server.server_close()
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _error(config: SourceConfig, source: str) -> dict:
     with pytest.raises(AdapterSourceError) as info:
@@ -71,7 +67,7 @@ def test_download_status_decides(tmp_path: Path, status_host: str, status: int, 
 
 
 def test_connection_refused_is_retryable_and_size_limit_is_not(tmp_path: Path, status_host: str):
-    host = f"127.0.0.1:{_closed_port()}"
+    host = f"127.0.0.1:{free_port()}"
     config = SourceConfig(allowed_hosts=(host,), cache_dir=tmp_path / "cache")
     assert _error(config, f"http://{host}/a.tar.gz")["retryable"] is True
     small = SourceConfig(allowed_hosts=(status_host,), cache_dir=tmp_path / "cache2", max_bytes=1000)
