@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from kubelora.contract.load import S3_SECRET_KEYS, S3Access
 from kubelora.operator import names
 from kubelora.operator.api_keys import PoolKeys
+from kubelora.operator.demand import Bounds, Sizing, measure, size
 from kubelora.operator.engine_client import EngineError
 from kubelora.operator.memory import PodAdapter, Published, ReconcileMemory, Refusal, Retry
 from kubelora.operator.observe import Observation
@@ -65,6 +66,7 @@ class AdapterSet:
     retry_requests: dict[str, str] = field(default_factory=dict)  # adapter -> its kubelora.io/retry annotation
     # Refused because the files contradict spec.rank or spec.targets: unloaded everywhere, like invalid ones.
     mismatched: dict[str, Failure] = field(default_factory=dict)
+    auto: dict[str, Bounds] = field(default_factory=dict)  # desired adapters with replicas "auto": placed once sized
 
     def refused(self) -> dict[str, Failure]:
         """Adapters whose current revision stands refused (their status keeps failedRevision)."""
@@ -83,6 +85,7 @@ class PassPlan:
     stale_pods: frozenset[str]  # pods made from an older pool spec (being rolled out)
     pool_fingerprint: str
     sizes: Mapping[str, int] = field(default_factory=dict)  # adapter -> device pool bytes (known ones)
+    sizings: Mapping[str, Sizing] = field(default_factory=dict)  # auto adapter -> its copies and why
 
 
 @dataclass(frozen=True)
@@ -117,15 +120,24 @@ def plan_pass(view: PoolView, memory: ReconcileMemory, now: float) -> tuple[Pass
     if previous is None and view.stored is not None:  # hysteresis across operator restarts
         previous, published = view.stored.pods_by_adapter, Published(view.stored.revision, "")
     sizes = adapter_sizes(adapters, observation)
-    placement = place(adapters.requests, observation.urls, view.pool.engine.max_cpu_loras, previous,
+    demand = measure(memory.demand, served_counters(observation), now)
+    sizings, demand = size(demand, adapters.auto, len(observation.urls), None, now)
+    requests = adapters.requests + tuple(PlacementRequest(name, sizing.copies) for name, sizing in sizings.items())
+    placement = place(requests, observation.urls, view.pool.engine.max_cpu_loras, previous,
                       sizes=sizes, budgets=observation.budgets)
     retries = {key: retry for key, retry in _on_pods(memory.retries, known).items()
                if retry.retry_request == adapters.retry_requests.get(key[1], retry.retry_request)}
     memory = replace(memory, served=_on_pods(memory.served, known), retries=retries,
-                     previous=placement.pods_by_adapter, published=published)
+                     previous=placement.pods_by_adapter, published=published, demand=demand)
     actions = _plan_calls(adapters, placement, observation, memory.served)
     due = tuple(a for a in actions if _retry_at(memory, (a.pod, adapter_name(a))) <= now)
-    return PassPlan(adapters, placement, due, stale, fingerprint, sizes), memory
+    return PassPlan(adapters, placement, due, stale, fingerprint, sizes, sizings), memory
+
+
+def served_counters(observation: Observation) -> dict[tuple[str, str], int]:
+    """(pod, adapter) -> the tokens it has served there, as the pods that answered report them."""
+    return {(pod, name): have.tokens_served for pod, held in observation.adapters.items()
+            for name, have in held.items() if have.tokens_served is not None}
 
 
 def adapter_sizes(adapters: AdapterSet, observation: Observation) -> dict[str, int]:
@@ -161,6 +173,7 @@ def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterS
     blocked: dict[str, Failure] = {}
     mismatched: dict[str, Failure] = {}
     retry_requests: dict[str, str] = {}
+    auto: dict[str, Bounds] = {}
     for name, body in view.bodies.items():
         if body["metadata"].get("deletionTimestamp"):
             continue
@@ -198,8 +211,11 @@ def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterS
             (mismatched if is_mismatch else frozen)[name] = refusal.failure
             continue
         desired[name] = want
-        requests.append(PlacementRequest(name, spec.replicas))
-    adapters = AdapterSet(desired, tuple(requests), invalid, frozen, blocked, retry_requests, mismatched)
+        if spec.auto is not None:
+            auto[name] = spec.auto
+        else:
+            requests.append(PlacementRequest(name, spec.replicas))
+    adapters = AdapterSet(desired, tuple(requests), invalid, frozen, blocked, retry_requests, mismatched, auto)
     return adapters, replace(memory, served=served, refusals=refusals)
 
 

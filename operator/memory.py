@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kubelora.operator.demand import DemandMemory
 from kubelora.operator.status import Failure
 
 PodAdapter = tuple[str, str]  # (pod, adapter)
@@ -68,3 +69,4 @@ class ReconcileMemory:
     routers_behind: Mapping[str, float] = field(default_factory=dict)
     # router pod -> the last placement revision it acknowledged: a router that does not answer is judged by it
     router_revisions: Mapping[str, int] = field(default_factory=dict)
+    demand: DemandMemory = field(default_factory=DemandMemory)  # measured demand and auto adapters' sizing

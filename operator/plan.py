@@ -36,6 +36,7 @@ class ObservedAdapter:
     rank: int | None = None  # what the files say (max over modules); None: not reported
     targets: tuple[str, ...] | None = None  # modules the files adapt
     num_bytes: int | None = None  # device adapter pool bytes at its own ranks
+    tokens_served: int | None = None  # prompt + generated tokens of its finished requests since the engine started
 
     @classmethod
     def from_card(cls, card: dict) -> ObservedAdapter:
@@ -46,7 +47,8 @@ class ObservedAdapter:
                    last_error=card.get("last_error"), source_digest=card.get("source_digest"),
                    rank=card.get("rank") if isinstance(card.get("rank"), int) else None,
                    targets=tuple(targets) if isinstance(targets, list) else None,
-                   num_bytes=card.get("bytes") if isinstance(card.get("bytes"), int) else None)
+                   num_bytes=card.get("bytes") if isinstance(card.get("bytes"), int) else None,
+                   tokens_served=card.get("tokens_served") if isinstance(card.get("tokens_served"), int) else None)
 
     def has_source(self, lora_path: str) -> bool:
         digest = "sha256:" + hashlib.sha256(lora_path.encode()).hexdigest()

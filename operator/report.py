@@ -200,9 +200,12 @@ def adapter_status(name: str, body: dict, adapters: AdapterSet, plan: PassPlan, 
                                                  "slot (engine.maxCpuLoras); the pool's status.capacityShortage says "
                                                  "how much is missing in all; it is still registered everywhere "
                                                  "and served on demand")
-    return build_adapter_status(generation=generation, revision=revision,
-                                wanted=plan.placement.wanted_by_adapter.get(name, 0), replicas=replicas,
-                                pending=pending, retry_request=retry_request, unrouted=unrouted)
+    status = build_adapter_status(generation=generation, revision=revision,
+                                  wanted=plan.placement.wanted_by_adapter.get(name, 0), replicas=replicas,
+                                  pending=pending, retry_request=retry_request, unrouted=unrouted)
+    sizing = plan.sizings.get(name)  # replicas "auto": why desiredReplicas is what it is (None clears it)
+    status["desiredReason"] = sizing.reason if sizing is not None else None
+    return status
 
 
 def pool_status(pool_name: str, body: dict, observation: Observation, held: HeldByPod, placement: Placement | None,

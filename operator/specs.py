@@ -14,8 +14,10 @@ from typing import Any
 from kubelora.contract.errors import AdapterSourceError
 from kubelora.contract.sources import SourceKind, source_kind
 from kubelora.operator import names
+from kubelora.operator.demand import Bounds
 
 ALL_REPLICAS = "all"
+AUTO_REPLICAS = "auto"  # copies sized by measured demand within minReplicas..maxReplicas (demand.py)
 
 
 class InvalidSpec(ValueError):
@@ -186,6 +188,7 @@ class AdapterSpec:
     pool: str
     source: AdapterSource
     replicas: int | None = 1  # None: "all"
+    auto: Bounds | None = None  # replicas "auto": its bounds (replicas is then the lower one)
     rank: int | None = None
     targets: tuple[str, ...] = ()
     generation: int = 0
@@ -193,19 +196,29 @@ class AdapterSpec:
 
     def __post_init__(self) -> None:
         if self.replicas is not None and self.replicas < 1:
-            raise InvalidSpec("InvalidSpec", f"spec.replicas must be >= 1 or \"all\", got {self.replicas}")
+            raise InvalidSpec("InvalidSpec", f"spec.replicas must be >= 1, \"all\" or \"auto\", got {self.replicas}")
+        bounds = self.auto
+        if bounds is not None and (bounds.min_replicas < 1 or (bounds.max_replicas is not None
+                                                               and bounds.max_replicas < bounds.min_replicas)):
+            raise InvalidSpec("InvalidSpec", f"spec.minReplicas must be >= 1 and spec.maxReplicas >= minReplicas, got "
+                                             f"{bounds.min_replicas} and {bounds.max_replicas}")
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> AdapterSpec:
         meta, spec = body["metadata"], body.get("spec") or {}
         source = spec.get("source") or {}
         s3 = source.get("s3") or {}
+        auto = None
+        if spec.get("replicas") == AUTO_REPLICAS:
+            auto = Bounds(_whole(spec.get("minReplicas", 1), "minReplicas"),
+                          None if spec.get("maxReplicas") is None else _whole(spec["maxReplicas"], "maxReplicas"))
         return cls(
             name=meta["name"], namespace=meta["namespace"], pool=spec.get("pool", ""),
             source=AdapterSource(path=source.get("path"), url=source.get("url"), sha256=source.get("sha256"),
                                  auth_secret=_secret_ref(source.get("authSecretRef")),
                                  s3_endpoint=s3.get("endpoint") or None, s3_region=s3.get("region") or None),
-            replicas=parse_replicas(spec.get("replicas", 1)), rank=spec.get("rank"),
+            replicas=auto.min_replicas if auto else parse_replicas(spec.get("replicas", 1)), auto=auto,
+            rank=spec.get("rank"),
             targets=tuple(spec.get("targets") or ()), generation=int(meta.get("generation") or 0),
             uid=meta.get("uid", ""),
         )
@@ -222,6 +235,12 @@ def _secret_ref(value: dict | None) -> SecretRef | None:
     return SecretRef(value["name"], value.get("key", "token")) if value else None
 
 
+def _whole(value: object, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidSpec("InvalidSpec", f"spec.{name} must be an integer, got {value!r}")
+    return value
+
+
 def parse_replicas(value: int | str) -> int | None:
     """`replicas` is an int-or-string: an integer (also as a digit string) or "all" (None)."""
     if value == ALL_REPLICAS:
@@ -229,7 +248,8 @@ def parse_replicas(value: int | str) -> int | None:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise InvalidSpec("InvalidSpec", f"spec.replicas must be an integer >= 1 or \"all\", got {value!r}") from None
+        raise InvalidSpec("InvalidSpec", f"spec.replicas must be an integer >= 1, \"all\" or \"auto\", got "
+                          f"{value!r}") from None
 
 
 # Pool fields that do not change what an engine accepts: scaling or toggling the router retries nothing.

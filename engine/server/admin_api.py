@@ -153,10 +153,13 @@ class AdminRoutes:
     def _list(self, serving: Serving, is_admin: bool, request: web.Request | None = None) -> web.Response:
         """On the serving port (`request` given) only what the request's API key may call; on the admin port the
         base card also says which API key table the engine holds (`api_keys`: the operator pushes one that
-        differs)."""
+        differs), and each adapter's card its `tokens_served` (prompt and generated tokens of its finished
+        requests since the engine started: the operator's demand measure)."""
         cards = self.model_cards(serving, is_admin)
         if request is None:
             cards[0]["api_keys"] = self._keys.describe()
+            for card in cards[1:]:  # each adapter's demand, for the operator (not shown to tenants)
+                card["tokens_served"] = serving.metrics.tokens_served.get(card["id"], 0)
         else:
             cards = [c for c in cards if may_see(request, c["id"], serving.model_name)]
         return web.json_response({"object": "list", "data": cards}, headers={"ETag": f'"{adapter_set_tag(serving)}"'})

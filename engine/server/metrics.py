@@ -62,6 +62,9 @@ class ServerMetrics:
                                            "Every host load in the engine (explicit and on demand)",
                                            buckets=LOAD_BUCKETS, **by_adapter)
         self._num_loads_seen = 0
+        # adapter -> prompt + generated tokens of its finished requests since start: the demand the operator
+        # sizes an adapter's copies by (read on the admin port's model list; touched on the event loop only)
+        self.tokens_served: dict[str, int] = {}
 
     def label(self, adapter: str | None) -> str:
         return adapter or self.base_name
@@ -72,6 +75,9 @@ class ServerMetrics:
         self.requests.labels(adapter, output.finish_reason or "unknown").inc()
         self.prompt_tokens.labels(adapter).inc(output.num_prompt_tokens)
         self.generation_tokens.labels(adapter).inc(num_generated)
+        if output.adapter is not None:
+            self.tokens_served[output.adapter] = (self.tokens_served.get(output.adapter, 0)
+                                                  + output.num_prompt_tokens + num_generated)
         if output.first_token_time is None:
             return
         self.ttft.labels(adapter).observe(max(0.0, output.first_token_time - output.arrival_time))
