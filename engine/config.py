@@ -27,7 +27,9 @@ class EngineConfig:
     - lora_backend: "torch" or "triton"; default kubelora.kernels.lora.default_backend(device).
     - lora_time_slice_steps: while requests wait for room in the device adapter pool, the steps an adapter keeps
       its room before its requests pause (KV cache kept) so waiting adapters take turns (engine/scheduler.py).
-    - enforce_eager: run every step eagerly (no CUDA graphs; vLLM's name). CUDA graphs are only used on CUDA.
+    - enforce_eager: run every step eagerly from its own tensors (no static layouts, no CUDA graphs; vLLM's name).
+      Otherwise decode steps and short prefill chunks run from static layouts: CUDA graphs on CUDA, the same
+      inputs eagerly elsewhere.
     - use_gemv: one-token steps on CUDA run their projections as the Triton GEMV (kernels/gemv.py); False: cuBLAS.
     - use_prefill_graphs: a lone sequence's short prefill chunk replays a CUDA graph (engine/step/static.py).
     - use_staged_shrink: LoRA decode steps on the static path with the Triton backend compute their shrink in the

@@ -156,7 +156,7 @@ class LLMEngine:
                               self.config.max_lora_rank)
             log.info("warmed up the eager forward in %.1f s", seconds)
             self.startup_seconds["warm_up"] = seconds
-        if setup.uses_static_decode(self.config):
+        if setup.uses_static_steps(self.config):
             runner.static = setup.build_static_steps(self.config, model, self.max_model_len, self.num_kv_blocks,
                                                      lora_backend, staging=self._staging)
             self.startup_seconds["capture"] = runner.static.graphs.capture_seconds

@@ -104,15 +104,17 @@ def allocate_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dty
                             dtype, device)
 
 
-def uses_static_decode(config: EngineConfig) -> bool:
-    """Decode steps from static buffers as CUDA graphs: on CUDA unless enforce_eager."""
-    return config.device.startswith("cuda") and not config.enforce_eager
+def uses_static_steps(config: EngineConfig) -> bool:
+    """Decode steps and short prefill chunks from static layouts (engine/step/static.py) unless enforce_eager, on
+    every device: CUDA replays their graphs, elsewhere the same inputs run eagerly, so the CPU suite runs what CUDA
+    replays."""
+    return not config.enforce_eager
 
 
 def uses_staged_shrink(config: EngineConfig) -> bool:
     """LoRA decode steps compute their shrink in the base matmul (engine/adapters/staging.py): on the static decode
     path with the Triton LoRA backend, unless use_staged_shrink is off."""
-    return uses_static_decode(config) and resolve_lora_backend(config) == "triton" and config.use_staged_shrink
+    return uses_static_steps(config) and resolve_lora_backend(config) == "triton" and config.use_staged_shrink
 
 
 def staged_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> dict[str, int]:

@@ -154,7 +154,6 @@ def cpu_graphs(monkeypatch):
     from kubelora.engine import setup
     from kubelora.engine.step import graphs
 
-    monkeypatch.setattr(setup, "uses_static_decode", lambda config: True)
     monkeypatch.setattr(graphs, "capture_graph", _fake_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     build = setup.build_static_steps

@@ -59,9 +59,9 @@ def test_no_adapter_means_the_base_graph():
     assert _step(2, [0, 0], ranks=[0]).shape(2).lora is None  # the adapter adapts no projection kind of the table
 
 
-def _generate(llama, monkeypatch, is_static: bool):
-    monkeypatch.setattr(setup, "uses_static_decode", lambda config: is_static)
-    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=32)
+def _generate(llama, is_static: bool):
+    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=32,
+              enforce_eager=not is_static)
     for name, path in llama.adapters.items():
         llm.load_adapter(name, path)
     try:
@@ -72,9 +72,9 @@ def _generate(llama, monkeypatch, is_static: bool):
         llm.close()
 
 
-def test_static_decode_matches_eager_engine(llama, monkeypatch):
-    eager = _generate(llama, monkeypatch, is_static=False)
-    static = _generate(llama, monkeypatch, is_static=True)
+def test_static_decode_matches_eager_engine(llama):
+    eager = _generate(llama, is_static=False)
+    static = _generate(llama, is_static=True)
     for name, a, b in zip(BATCH, eager, static):
         assert a.token_ids == b.token_ids, name
 

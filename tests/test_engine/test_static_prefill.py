@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kubelora.engine import LLM, SamplingParams
-from kubelora.engine import setup
 from kubelora.engine.prefill_inputs import PrefillInputs, PrefillStep
 from kubelora.engine.step.static import StaticSteps
 from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, prefill_buckets, prefill_shape
@@ -69,9 +68,9 @@ def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
     assert tiles[0][:3] == [0, 0, 3] and tiles[1][:3] == [1, 0, 0]  # the second tile empty, on the rank-0 slot
 
 
-def _llm(llama, monkeypatch, is_static: bool, **kwargs) -> LLM:
-    monkeypatch.setattr(setup, "uses_static_decode", lambda config: is_static)
-    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=8, **kwargs)
+def _llm(llama, is_static: bool, **kwargs) -> LLM:
+    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=8,
+              enforce_eager=not is_static, **kwargs)
     for name in ADAPTERS[1:]:
         llm.load_adapter(name, llama.adapters[name])
     return llm
@@ -102,12 +101,12 @@ PROMPTS = [[1] + [(11 + 7 * i + 5 * j) % 480 + 10 for j in range(n)] for i, n in
 @pytest.mark.parametrize("max_num_batched_tokens", [2048, 24])  # 24: chunked prefills (a start past 0)
 def test_static_prefill_gives_the_eager_tokens_and_logprobs(llama, monkeypatch, max_num_batched_tokens):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
-    eager_llm = _llm(llama, monkeypatch, is_static=False, max_num_batched_tokens=max_num_batched_tokens)
+    eager_llm = _llm(llama, is_static=False, max_num_batched_tokens=max_num_batched_tokens)
     try:
         eager = _one_at_a_time(eager_llm, PROMPTS, params)
     finally:
         eager_llm.close()
-    static_llm = _llm(llama, monkeypatch, is_static=True, max_num_batched_tokens=max_num_batched_tokens)
+    static_llm = _llm(llama, is_static=True, max_num_batched_tokens=max_num_batched_tokens)
     calls = _spy_runs(monkeypatch)
     try:
         assert Phase.PREFILL in static_llm.engine._runner.static.layouts
@@ -125,7 +124,7 @@ def test_static_prefill_gives_the_eager_tokens_and_logprobs(llama, monkeypatch, 
 
 
 def test_prompt_logprobs_and_batches_take_the_eager_path(llama, monkeypatch):
-    llm = _llm(llama, monkeypatch, is_static=True)
+    llm = _llm(llama, is_static=True)
     calls = _spy_runs(monkeypatch)
     try:
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, prompt_logprobs=1))
@@ -141,7 +140,7 @@ def test_adapter_graphs_are_captured_when_idle_and_replayed(llama, monkeypatch, 
     """As on CUDA: base graphs from start-up; an adapter's chunk runs eagerly until the idle engine has captured
     its shape's graphs, then replays them with the eager tokens."""
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    llm = _llm(llama, monkeypatch, is_static=True)
+    llm = _llm(llama, is_static=True)
     calls = _spy_runs(monkeypatch)
     try:
         engine, static = llm.engine, llm.engine._runner.static

@@ -29,19 +29,17 @@ def tiny(tmp_path_factory):
 def _generate(tiny, is_cuda_path: bool, is_static: bool = False, is_alone: bool = False):
     """Greedy tokens of the prompts in one batch, or each alone (is_alone: one-sequence prefills, which the
     static path runs from its prefill buffers)."""
-    from kubelora.engine import LLM, SamplingParams, setup
+    from kubelora.engine import LLM, SamplingParams
 
     model_dir, adapters = tiny
     llm = LLM(model_dir, max_loras=2, max_lora_rank=16, max_num_seqs=8, max_num_batched_tokens=16,
-              max_model_len=128, dtype="float32", lora_backend="triton" if is_cuda_path else "torch")
+              max_model_len=128, dtype="float32", lora_backend="triton" if is_cuda_path else "torch",
+              enforce_eager=not is_static, use_staged_shrink=False)  # staged shrinks: test_staged_engine.py
     engine = llm.engine
     try:
         if is_cuda_path:
             engine._runner.model.is_fused = True
             engine._runner.config = replace(engine._runner.config, is_paged_attention=True)
-        if is_static:
-            engine._runner.static = setup.build_static_steps(engine.config, engine._runner.model,
-                                                             engine.max_model_len, engine.num_kv_blocks, "triton")
         for name, path in adapters.items():
             llm.load_adapter(name, path)
         prompts = [[1] + [(11 * i + 7 * j) % 480 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]

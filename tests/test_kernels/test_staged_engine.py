@@ -26,7 +26,6 @@ def tiny(tmp_path_factory):
 def generate(tiny, monkeypatch, backend: str, is_static: bool, is_staged: bool, rows_per_slice: int = 64):
     from kubelora.engine import SamplingParams
 
-    monkeypatch.setattr(setup, "uses_static_decode", lambda config: is_static)
     monkeypatch.setattr(setup, "ROWS_PER_SLICE", rows_per_slice)
     prompts = [[1] + [(17 + 31 * i + 7 * j) % 490 + 10 for j in range(3 + i % 4)] for i in range(len(BATCH))]
     # r24-attn's requests end first: with the small capacity the steps before that do not fit, those after do
@@ -38,7 +37,7 @@ def generate(tiny, monkeypatch, backend: str, is_static: bool, is_staged: bool, 
         return llm.engine._staging.num_copies if is_staged else 0
 
     return run_tiny(tiny, prompts, params, BATCH, inspect=copies, max_loras=4, max_lora_rank=24, max_num_seqs=16,
-                    lora_backend=backend, use_staged_shrink=is_staged)
+                    lora_backend=backend, use_staged_shrink=is_staged, enforce_eager=not is_static)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine on CPU needs Triton's interpreter (set without CUDA)")
