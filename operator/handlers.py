@@ -1,4 +1,5 @@
-"""kopf handlers: read the custom resource, call `build_*`, apply, write status; the reconcile does the rest.
+"""kopf handlers: read the custom resource, write what it owns and its status (writes.py); the reconcile does the
+rest.
 
 Handler ids are the function names (kopf stores progress under them): renaming one is a behaviour change.
 - LoRAPool create/update/resume: apply the engine Deployment, Services and the router (owned by the pool).
@@ -18,21 +19,19 @@ import kopf
 
 from kubelora.operator import names
 from kubelora.operator.api_keys import watch_key_secrets
-from kubelora.operator.builders import (build_admin_token_secret, build_owner_reference, build_pool_manifests,
-                                        build_router_manifest_keys)
-from kubelora.operator.conditions import build_status_patch, merge_conditions
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube, KubeError, load_connection
 from kubelora.operator.observe import is_pod_ready, pod_admin_url
 from kubelora.operator.metered import MeteredReconciler
 from kubelora.operator.metrics import METRICS
-from kubelora.operator.report import phase_event
+from kubelora.operator.report import invalid_pool_status
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.cli import settings_from_env
 from kubelora.operator.specs import AdapterSpec, InvalidSpec, PoolSpec
 from kubelora.operator.watch import PodWatchers
-from kubelora.operator.status import POOL_NOT_FOUND, Failure, build_adapter_status, pool_conditions
+from kubelora.operator.status import POOL_NOT_FOUND, Failure, build_adapter_status
+from kubelora.operator.writes import apply_pool, read_admin_token, write_status
 
 FINALIZER = "kubelora.io/finalizer"
 UNLOAD_ON_DELETE_TIMEOUT_S = 5.0
@@ -74,35 +73,16 @@ async def on_pool_spec(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     try:
         pool = PoolSpec.from_body(body)
     except InvalidSpec as exc:
-        await _write_pool_invalid(runtime, body, exc)
+        status = invalid_pool_status(body["metadata"]["name"], body, Failure(exc.reason, str(exc)))
+        await write_status(runtime.kube, names.POOL_PLURAL, body, status)
         raise kopf.PermanentError(str(exc)) from exc
-    owner = build_owner_reference(body)
-    network = runtime.settings.network_policy
     try:
-        if pool.is_admin_token_managed:  # before the Deployment: its pods take the token from this Secret
-            await runtime.kube.create(build_admin_token_secret(pool, owner))
-        token = None if pool.admin_token is None else await runtime.kube.read_secret_key(
-            pool.namespace, pool.admin_token.name, pool.admin_token.key)  # its digest goes on the pod template
-        for manifest in build_pool_manifests(pool, owner, runtime.settings.images, network, token):
-            await runtime.kube.apply(manifest)
-        if not network.is_enabled:
-            await runtime.kube.delete("NetworkPolicy", pool.namespace, names.network_policy_name(pool.name))
-        if not pool.router.is_enabled:
-            for kind, name in build_router_manifest_keys(pool):
-                await runtime.kube.delete(kind, pool.namespace, name)
+        token = await read_admin_token(runtime.kube, body, pool)
+        await apply_pool(runtime.kube, body, pool, runtime.settings, token.value)
     except (KubeError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise kopf.TemporaryError(f"applying the pool's objects failed: {exc}", delay=5) from exc
     logger.info("applied the engine Deployment (%d replicas) and Services", pool.replicas)
     runtime.trigger(pool.namespace, pool.name)
-
-
-async def _write_pool_invalid(runtime: Runtime, body: kopf.Body, exc: InvalidSpec) -> None:
-    generation = int(body["metadata"].get("generation") or 0)
-    conditions = pool_conditions(generation, False, Failure(exc.reason, str(exc)), is_stalled=True)
-    old = (body.get("status") or {}).get("conditions")
-    status = {"observedGeneration": generation, "conditions": merge_conditions(old, conditions)}
-    await runtime.kube.patch_status(names.POOL_PLURAL, body["metadata"]["namespace"], body["metadata"]["name"],
-                                    status)
 
 
 @kopf.daemon(names.GROUP, names.VERSION, names.POOL_PLURAL, cancellation_timeout=2.0)
@@ -196,15 +176,7 @@ async def _write_pool_not_found(runtime: Runtime, body: kopf.Body, pool: str) ->
     message = f"LoRAPool {pool!r} not found in namespace {meta['namespace']!r}"
     status = build_adapter_status(generation=int(meta.get("generation") or 0), revision=revision, wanted=0,
                                   replicas=[], pending=Failure(POOL_NOT_FOUND, message))
-    old = body.get("status") or {}
-    patch = build_status_patch(old, status)
-    if patch is None:
-        return
-    await runtime.kube.patch_status(names.ADAPTER_PLURAL, meta["namespace"], meta["name"], patch)
-    event = phase_event(meta["name"], old, patch)  # a Warning, once per change into PoolNotFound
-    if event is not None:
-        await runtime.kube.create_event(body, "Warning" if event.is_warning else "Normal", event.reason,
-                                        event.message)
+    await write_status(runtime.kube, names.ADAPTER_PLURAL, body, status)  # a Warning once, on turning PoolNotFound
 
 
 @kopf.on.delete(names.GROUP, names.VERSION, names.ADAPTER_PLURAL)
@@ -265,7 +237,7 @@ async def on_owned_event(event: dict, labels: kopf.Labels, namespace: str, memo:
     """A pool's Deployment, Service, ServiceAccount, Role, RoleBinding, ConfigMap or NetworkPolicy was deleted: its
     next pass, now, re-applies what the pool owns (a pool being deleted has no daemon left to ask, or its pass
     sees the deletion and stops). The admin token Secret is not watched (that needs list/watch on every Secret of
-    the namespace): the next pass that finds it missing creates a new one (PoolReconciler._admin_token)."""
+    the namespace): the next pass that finds it missing creates a new one (writes.read_admin_token)."""
     pool = labels.get(names.LABEL_POOL)
     if event.get("type") == "DELETED" and pool:
         memo.runtime.request_heal(namespace, pool)

@@ -5,7 +5,8 @@ period and on triggers). Every decision is pure and lives elsewhere: `decide.pla
 invalid, waiting, refused or desired; placement; the calls that are due), `decide.record_result` (a refusal
 that holds, or a retry with backoff), `report.build_publication` (the placement payload) and
 `report.report_publication` (status, once the routers said which revision they route on). This class
-only reads, calls, posts events and writes, and keeps the one `ReconcileMemory` between passes (memory.py).
+only reads and calls, writes through writes.py (objects, statuses, events), and keeps the one `ReconcileMemory`
+between passes (memory.py).
 """
 
 from __future__ import annotations
@@ -21,22 +22,19 @@ import aiohttp
 from kubelora.contract.load import S3Access
 from kubelora.operator import names
 from kubelora.operator.api_keys import PoolKeys, engines_to_push, list_key_secrets, read_pool_keys
-from kubelora.operator.builders import (build_admin_token_secret, build_owner_reference, build_placement_configmap,
-                                        build_pool_manifests)
-from kubelora.operator.conditions import build_status_patch
 from kubelora.operator.decide import CallResult, Event, PassPlan, PoolView, StoredPlacement, plan_pass, record_result
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube
 from kubelora.operator.memory import ReconcileMemory
 from kubelora.operator.observe import observe_pool, observe_routers
 from kubelora.operator.plan import Action, Unload
-from kubelora.operator.report import (Publication, Report, build_publication, invalid_pool_status, phase_event,
-                                      report_publication)
+from kubelora.operator.report import Publication, Report, build_publication, invalid_pool_status, report_publication
 from kubelora.operator.routers import ACK_WAIT_S, BEHIND_ACK_WAIT_S, RouterView
 from kubelora.operator.settings import OperatorSettings
 from kubelora.operator.specs import InvalidSpec, PoolSpec
 from kubelora.operator.status import Failure
 from kubelora.operator.tokens import remember_tokens, token_for_pod
+from kubelora.operator.writes import apply_placement, apply_pool, post_event, read_admin_token, write_status
 
 log = logging.getLogger("kubelora.operator")
 KEY_RETRY_S = 1.0  # the next pass this soon after an engine did not take the API key table
@@ -99,21 +97,17 @@ class PoolReconciler:
             await self._heal_owned(pool, body)
 
     async def _heal_owned(self, pool: PoolSpec, body: dict) -> None:
-        """Re-apply what the pool owns, once per resync: a Deployment, Service, ServiceAccount, Role, RoleBinding
-        or placement ConfigMap someone deleted (or edited) comes back within one resync. Server-side apply of
-        unchanged objects writes nothing. Deletions of those objects also trigger it at once (the watches in
-        handlers.py). The engine Deployment carries the admin token's digest: a recreated or rotated token rolls
-        its pods."""
+        """Re-apply what the pool owns (writes.apply_pool, as on a spec change) and the published placement, once
+        per resync: a Deployment, Service, ServiceAccount, Role, RoleBinding or placement ConfigMap someone
+        deleted (or edited) comes back within one resync. Deletions of those objects also trigger it at once (the
+        watches in handlers.py), and so does a recreated or rotated admin token (the Deployment carries its
+        digest: its pods roll)."""
         self._healed_at = time.monotonic()
         self._is_token_new = False
-        owner = build_owner_reference(body)
-        for manifest in build_pool_manifests(pool, owner, self._settings.images, self._settings.network_policy,
-                                             self.admin_token):
-            await self._kube.apply(manifest)
-        published = self._memory.published
+        published, payload = self._memory.published, None
         if published is not None and published.payload:  # "" right after a restart: the next change writes it
             payload = {**json.loads(published.payload), "revision": published.revision}
-            await self._kube.apply(build_placement_configmap(pool, owner, payload))
+        await apply_pool(self._kube, body, pool, self._settings, self.admin_token, payload)
 
     # ---- fetch ----
 
@@ -121,9 +115,10 @@ class PoolReconciler:
         bodies = {a["metadata"]["name"]: a for a in await self._kube.list_custom(names.ADAPTER_PLURAL, self.namespace)
                   if (a.get("spec") or {}).get("pool") == self.name}
         tokens = await self._source_tokens(bodies.values())
-        token = await self._admin_token(pool, body)
-        if token is not None and self.admin_token is not None and token != self.admin_token:
-            self._is_token_new = True  # rotated: this pass re-applies the Deployment, whose pods roll onto it
+        admin_token = await read_admin_token(self._kube, body, pool)
+        token = admin_token.value
+        if admin_token.is_new or (token is not None and self.admin_token is not None and token != self.admin_token):
+            self._is_token_new = True  # recreated or rotated: this pass re-applies the Deployment, its pods roll
         self.admin_token = token
         clients = _PodClients(self._session, self._tokens, token, self._settings.engine_timeout_s)
         observation = await observe_pool(self._kube, clients.for_pod, self.namespace, self.name)
@@ -196,21 +191,6 @@ class PoolReconciler:
         data = await self._kube.read_secret_data(self.namespace, secret)
         return None if data is None else S3Access.from_secret_data(data)
 
-    async def _admin_token(self, pool: PoolSpec, body: dict) -> str | None:
-        if pool.admin_token is None:
-            return None
-        token = await self._kube.read_secret_key(self.namespace, pool.admin_token.name, pool.admin_token.key)
-        if token is None and pool.is_admin_token_managed:  # deleted: a new one, and the engines roll onto it
-            await self._kube.create(build_admin_token_secret(pool, build_owner_reference(body)))
-            token = await self._kube.read_secret_key(self.namespace, pool.admin_token.name, pool.admin_token.key)
-            self._is_token_new = token is not None
-            log.info("pool %s/%s: admin token Secret %s was missing: created a new one", self.namespace, self.name,
-                     pool.admin_token.name)
-        if token is None:
-            log.warning("pool %s/%s: admin token Secret %s (key %s) not found", self.namespace, self.name,
-                        pool.admin_token.name, pool.admin_token.key)
-        return token
-
     # ---- execute ----
 
     async def _execute(self, plan: PassPlan, clients: _PodClients, view: PoolView) -> list[CallResult]:
@@ -234,14 +214,13 @@ class PoolReconciler:
         for event in events:
             involved = bodies.get(event.adapter)
             if involved is not None:
-                await self._kube.create_event(involved, "Warning" if event.is_warning else "Normal", event.reason,
-                                              event.message)
+                await post_event(self._kube, involved, event)
 
     # ---- publish and patch ----
 
     async def _publish(self, pool: PoolSpec, body: dict, placement: dict | None) -> None:
         if placement is not None:
-            await self._kube.apply(build_placement_configmap(pool, build_owner_reference(body), placement))
+            await apply_placement(self._kube, body, pool, placement)
 
     async def _ask_routers(self, pool: PoolSpec, publication: Publication) -> RouterView:
         """Which revision each router pod routes on, after it was asked to read the one just published."""
@@ -257,25 +236,12 @@ class PoolReconciler:
 
         async def write(name: str, new: dict) -> None:
             async with limit:
-                await self._patch_adapter(bodies[name], new)
+                await write_status(self._kube, names.ADAPTER_PLURAL, bodies[name], new)
 
         await asyncio.gather(*(write(name, new) for name, new in report.adapter_statuses.items()))
 
-    async def _patch_adapter(self, body: dict, new: dict) -> None:
-        old = body.get("status") or {}
-        patch = build_status_patch(old, new)
-        if patch is None:
-            return
-        meta = body["metadata"]
-        await self._kube.patch_status(names.ADAPTER_PLURAL, meta["namespace"], meta["name"], patch)
-        event = phase_event(meta["name"], old, patch)
-        if event is not None:
-            await self._post({meta["name"]: body}, [event])
-
     async def _patch_pool(self, body: dict, new: dict) -> None:
-        patch = build_status_patch(body.get("status"), new)
-        if patch is not None:
-            await self._kube.patch_status(names.POOL_PLURAL, self.namespace, self.name, patch)
+        await write_status(self._kube, names.POOL_PLURAL, body, new)
 
 
 class _PodClients:

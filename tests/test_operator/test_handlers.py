@@ -13,6 +13,8 @@ from kubelora.operator import handlers
 from kubelora.operator.kube import KubeError
 from kubelora.operator.runtime import Runtime
 from kubelora.operator.settings import OperatorSettings
+from kubelora.operator.specs import PoolSpec
+from kubelora.operator.writes import AdminToken, read_admin_token
 
 LOG = logging.getLogger("test")
 
@@ -89,17 +91,19 @@ async def test_pool_objects_applied_router_removed_and_daemon_triggered(runtime_
 async def test_the_admin_token_secret_is_created_once_with_a_random_token(runtime_for):
     kube = FakeKube()
     runtime = runtime_for(kube)
-    for _ in range(2):  # create, then an update: the second create finds the Secret and leaves it alone
+    for _ in range(2):  # create, then an update: the update finds the Secret and leaves it alone
         await handlers.on_pool_spec(body=pool_body(), memo=kopf.Memo(runtime=runtime), logger=LOG)
-    (kind, name, first), (_, _, second) = kube.created
+    (kind, name, first), = kube.created
     assert (kind, name) == ("Secret", "p-engine-admin") and first["metadata"]["ownerReferences"][0]["uid"] == "u"
-    token = first["stringData"]["token"]
-    assert len(token) >= 32 and token != second["stringData"]["token"]  # random per call, but only one was stored
-    assert kube.created[0][0] == "Secret" and ("Secret", "p-engine-admin") not in kube.applied
+    assert len(first["stringData"]["token"]) >= 32 and ("Secret", "p-engine-admin") not in kube.applied
     kube.created.clear()
     await handlers.on_pool_spec(body=pool_body(adminTokenSecretRef={"name": "mine"}), memo=kopf.Memo(runtime=runtime),
                                 logger=LOG)
     assert kube.created == []  # the pool names its own Secret: nothing created
+    kube.existing.add(("Secret", "p-engine-admin"))  # created by someone else between our read and our create
+    kube.read_secret_key = lambda *_, calls=iter([None, "theirs"]): asyncio.sleep(0, next(calls))
+    token = await read_admin_token(kube, pool_body(), PoolSpec.from_body(pool_body()))
+    assert token == AdminToken("theirs", is_new=True) and len(kube.created) == 1  # theirs is kept, and rolled onto
 
 
 async def test_a_disabled_network_policy_is_deleted(runtime_for):

@@ -79,6 +79,7 @@ class FakeKube:
         self.events: list[tuple[str, str, str]] = []
         self.secrets: dict[tuple[str, str], str] = {}  # (name, key) -> value
         self.deployments: list[dict] = []  # every Deployment applied, in order
+        self.deleted: list[tuple[str, str]] = []  # (kind, name) of every delete, in order
 
     async def get_custom(self, plural, namespace, name):
         found = self.objects.get((plural, name))
@@ -97,6 +98,10 @@ class FakeKube:
         self.applied[manifest["metadata"]["name"]] = manifest
         if manifest["kind"] == "Deployment":
             self.deployments.append(manifest)
+
+    async def delete(self, kind, namespace, name):
+        self.deleted.append((kind, name))
+        return self.applied.get(name, {}).get("kind") == kind and self.applied.pop(name) is not None
 
     async def create(self, manifest):
         """Only Secrets are created by the reconcile (the pool's admin token); False when it exists."""
@@ -391,6 +396,7 @@ async def test_a_heal_request_reapplies_before_the_resync(world):
     kube.applied.clear()
     await reconciler.reconcile()
     assert {"p-engine", "p", "p-placement"} <= set(kube.applied)  # a watch saw one deleted: all re-applied
+    assert ("Deployment", "p-router") in kube.deleted  # and what the spec switched off is gone, as on a spec change
     kube.applied.clear()
     await reconciler.reconcile()
     assert kube.applied == {}  # the request was taken once
