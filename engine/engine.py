@@ -39,7 +39,7 @@ from kubelora.contract.errors import FailureKind
 from kubelora.engine.config import EngineConfig
 from kubelora.engine.detokenizer import Detokenizer
 from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
-from kubelora.engine.graph_plan import plan_graphs, plan_warm_ups
+from kubelora.engine.step.plan import plan_graphs, plan_warm_ups
 from kubelora.engine.model.config import load_hf_config, model_config_from_hf, rope_inv_freq
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
@@ -439,7 +439,7 @@ class LLMEngine:
     def pending_graphs(self) -> list[StepShape]:
         """Graphs that steps over the registered adapters will need and that are not captured: for the two most
         common adapter shapes (projection kinds, rank rounded to 16), their decode and prefill step shapes
-        (engine/graph_plan.py)."""
+        (engine/step/plan.py)."""
         return self._graph_plan()[0]
 
     def pending_warm_ups(self) -> list[tuple[tuple[str, int], ...]]:

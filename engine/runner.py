@@ -18,15 +18,15 @@ import numpy as np
 import torch
 
 from kubelora.engine.adapters.pool import SlotView
-from kubelora.engine.decode_inputs import DecodeStep
 from kubelora.engine.model.attention import prepare_attention, prepare_decode_attention, prepare_prefill_attention
 from kubelora.engine.model.config import PROJ_KINDS
 from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
-from kubelora.engine.prefill_inputs import PrefillStep
 from kubelora.engine.sampler import SampledStep, TokenLogprobs, keep_top, prompt_logprobs, sample_on_device
 from kubelora.engine.sampling_batch import prepare_sampling
 from kubelora.engine.scheduler import Batch
 from kubelora.engine.sequence import PENDING_TOKEN
+from kubelora.engine.step.decode import DecodeStep
+from kubelora.engine.step.prefill import PrefillStep
 from kubelora.engine.step.shape import Phase, StepShape
 from kubelora.engine.step.static import StaticSteps
 from kubelora.kernels.lora import lora_ops, prepare_lora_projs, prepare_lora_step

@@ -10,11 +10,11 @@ import torch
 from kubelora.engine.adapters.pool import DeviceLoRAPool
 from kubelora.engine.adapters.staging import ROWS_PER_SLICE, STAGED_KINDS, ShrinkStaging
 from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
-from kubelora.engine.decode_inputs import DecodeInputs
 from kubelora.engine.model.attention import KVCache
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.model.llama import DecoderModel
-from kubelora.engine.prefill_inputs import PrefillInputs
+from kubelora.engine.step.decode import DecodeInputs
+from kubelora.engine.step.prefill import PrefillInputs
 from kubelora.engine.step.shape import prefill_buckets
 from kubelora.engine.step.static import StaticSteps
 

@@ -1,7 +1,7 @@
 """Static steps: a step filled into the static layout of its phase, then the graph of its shape replayed, or the
 same inputs run eagerly where no graph is captured (off CUDA, `--enforce-eager` aside: tests run this path).
 
-Two layouts (engine/static_inputs.py) hold a static step's inputs at fixed addresses: `DecodeInputs` (one token
+Two layouts (engine/step/layout.py) hold a static step's inputs at fixed addresses: `DecodeInputs` (one token
 per sequence, padded to a batch bucket) and `PrefillInputs` (one sequence's chunk, padded to a token bucket).
 Each step is a `DecodeStep` or a `PrefillStep`; its `StepShape` (engine/step/shape.py) names its graph in the one
 `GraphCache` (engine/step/graphs.py). A decode step whose LoRA shape has no graph yet captures it on first use
@@ -18,10 +18,10 @@ from typing import Protocol
 import torch
 
 from kubelora.engine.adapters.staging import ShrinkStaging
-from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep
 from kubelora.engine.model.llama import DecoderModel, ForwardContext
-from kubelora.engine.prefill_inputs import PrefillInputs, PrefillStep
+from kubelora.engine.step.decode import DecodeInputs, DecodeStep
 from kubelora.engine.step.graphs import GraphCache
+from kubelora.engine.step.prefill import PrefillInputs, PrefillStep
 from kubelora.engine.step.shape import Phase, StepShape, bucket_for
 from kubelora.kernels.lora import LoRAOps, lora_ops
 

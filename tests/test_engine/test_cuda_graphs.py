@@ -76,10 +76,10 @@ def test_prefill_graphs_give_the_eager_prefill_tokens(llama, prompt_ids, monkeyp
     with the prefill graphs as with eager prefills (use_prefill_graphs=False); each request's one prefill
     replayed a graph (generate captures the adapters' graphs first). Counted per request: start-up's own warm-up
     requests (engine/warmup.py) replay the base graph too, before any request of the test."""
-    from kubelora.engine import graph_plan
+    from kubelora.engine.step import plan
     from kubelora.engine.step.static import StaticSteps
 
-    monkeypatch.setattr(graph_plan, "MAX_GRAPH_SHAPES", 3)  # graphs for each of the adapters' three shapes
+    monkeypatch.setattr(plan, "MAX_GRAPH_SHAPES", 3)  # graphs for each of the adapters' three shapes
     names = [None, "r4-qv", "r8-all", "r16-all-rs", "r32-attn"]
     prompts = [prompt_ids(i, n) for i, n in enumerate((5, 17, 40, 100, 300))]
     results, runs = {}, []

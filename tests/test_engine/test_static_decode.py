@@ -7,7 +7,7 @@ import torch
 
 from kubelora.engine import LLM, SamplingParams
 from kubelora.engine import setup
-from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep
+from kubelora.engine.step.decode import DecodeInputs, DecodeStep
 from kubelora.engine.step.shape import LoRAShape, Phase, StepShape, decode_buckets, max_tiles
 from kubelora.kernels.lora import TILE_HEAD
 

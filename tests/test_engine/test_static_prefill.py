@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kubelora.engine import LLM, SamplingParams
-from kubelora.engine.prefill_inputs import PrefillInputs, PrefillStep
-from kubelora.engine.step.static import StaticSteps
+from kubelora.engine.step.prefill import PrefillInputs, PrefillStep
 from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, prefill_buckets, prefill_shape
+from kubelora.engine.step.static import StaticSteps
 from kubelora.kernels.lora import TILE_HEAD
 
 ADAPTERS = [None, "r4-qv", "r8-all", "r16-all-rs", "r32-attn"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep
+from kubelora.engine.step.decode import DecodeInputs, DecodeStep
 from kubelora.kernels.lora import add_lora_torch, prepare_lora_proj, prepare_lora_step
 
 IN_DIM, WIDTHS = 64, [64, 32, 32]  # a GQA-shaped qkv: q 64 wide, k and v 32

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kubelora.engine.adapters.staging import StagedStep
-from kubelora.engine.decode_inputs import DecodeInputs, DecodeStep
+from kubelora.engine.step.decode import DecodeInputs, DecodeStep
 from kubelora.kernels.lora import prepare_lora_proj
 from lora_problems import build_problem, check_y
 

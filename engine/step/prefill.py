@@ -1,7 +1,7 @@
 """Static inputs of a one-sequence prefill: what a prefill CUDA graph of a token bucket replays over.
 
 A prefill step of one sequence (a new request's prompt, or one chunk of it) of up to `max_tokens` tokens reads its
-inputs from these regions of one device buffer (engine/static_inputs.py), filled by one copy a step:
+inputs from these regions of one device buffer (engine/step/layout.py), filled by one copy a step:
 
     token_ids, positions, slot_mapping, token_slots, sorted_tokens: [max_tokens]
     tiles: [max_tokens / TILE_M, TILE_HEAD + TILE_M]   (the LoRA tiles: the one adapter's tokens, 16 a tile)
@@ -24,7 +24,7 @@ import torch
 
 from kubelora.engine.model.attention import PrefillMetadata
 from kubelora.engine.model.llama import ForwardContext
-from kubelora.engine.static_inputs import StaticInputs, table_regions
+from kubelora.engine.step.layout import StaticInputs, table_regions
 from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, StepShape, prefill_buckets, prefill_shape
 from kubelora.kernels.lora import TILE_HEAD, LoRAOps, LoRAProj, LoRAStep
 
@@ -127,9 +127,10 @@ class PrefillInputs(StaticInputs):
         n = self.max_tokens
         for _ in self._host_bufs:
             self._take_turn()
+            pad_block = self.pad_slot // self.block_size
             for name, values in (("token_ids", [0] * n), ("positions", [0] * n), ("slot_mapping", [self.pad_slot] * n),
                                  ("query_start_loc", [0, 1]), ("seq_lens", [1]), ("context_lens", [1]),
-                                 ("last_row", [0]), ("block_table", [self.pad_slot // self.block_size] * self.max_blocks)):
+                                 ("last_row", [0]), ("block_table", [pad_block] * self.max_blocks)):
                 self._put(name, values)
             self._put_tiles([], 1, n, n // TILE_M)
             self._clear_slot_tables(self.kind_slices, TABLE_ROWS)

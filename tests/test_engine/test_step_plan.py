@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kubelora.engine.adapters.types import AdapterInfo
-from kubelora.engine.graph_plan import MAX_WARM_SHAPES, adapter_shape, plan_graphs, plan_warm_ups
+from kubelora.engine.step.plan import MAX_WARM_SHAPES, adapter_shape, plan_graphs, plan_warm_ups
 from kubelora.engine.model.config import ModelConfig
 from kubelora.engine.step.shape import LoRAShape, Phase, StepShape
 

@@ -25,8 +25,9 @@ import torch
 
 from kubelora.engine.model.attention import DecodeMetadata
 from kubelora.engine.model.llama import ForwardContext
-from kubelora.engine.static_inputs import StaticInputs, table_regions
-from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, StepShape, decode_buckets, decode_shape, max_tiles
+from kubelora.engine.step.layout import StaticInputs, table_regions
+from kubelora.engine.step.shape import (TILE_M, LoRAShape, Phase, StepShape, decode_buckets, decode_shape,
+                                        max_tiles)
 from kubelora.kernels.lora import TILE_HEAD, LoRAOps, LoRAProj, LoRAStep
 
 if TYPE_CHECKING:

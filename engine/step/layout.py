@@ -3,8 +3,8 @@
 A captured graph reads its inputs from fixed device addresses, so every per-step value (token ids, positions,
 slots, block tables, LoRA tiles and slot tables) lives in a region of one device buffer and a step writes new
 values there. The host side is one int64 buffer (pinned on CUDA) per turn, two turns: a step is filled while
-the previous step's copy may still be queued. `engine/decode_inputs.py` (decode steps) and
-`engine/prefill_inputs.py` (one sequence's prefill) lay out their regions on this.
+the previous step's copy may still be queued. `engine/step/decode.py` (decode steps) and
+`engine/step/prefill.py` (one sequence's prefill) lay out their regions on this.
 
 LoRA slot tables (row_start, rank, scale per slot and slice of each projection kind) are regions of `table_rows`
 rows each; rows past a step's slots are zeros, so a slot index into them reads rank 0 and moves no bytes.
