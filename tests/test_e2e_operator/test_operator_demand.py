@@ -1,0 +1,97 @@
+"""Copies that follow demand on a real API server (operator resync 2 s): two `replicas: auto` adapters start at
+one copy each; a load step on one raises its copies to every engine within a few passes while the other stays at
+one, the router spreads the hot adapter's concurrent requests over its copies, and no request fails."""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from pytest_cluster import wait_for
+
+from .test_operator_lifecycle import ready_engine_pods
+
+POOL = """
+apiVersion: kubelora.io/v1alpha1
+kind: LoRAPool
+metadata: {{name: dpool}}
+spec:
+  model: {{path: /models/tiny, servedName: tiny}}
+  modelVolume: {{hostPath: {models}, mountPath: /models}}
+  adapterVolume: {{hostPath: {adapters}, mountPath: /adapters}}
+  adapterRoots: [/adapters]
+  replicas: 3
+  router: {{enabled: true, replicas: 1}}
+  engine: {{device: cpu, maxLoras: 2, maxLoraRank: 8, maxCpuLoras: 4, maxModelLen: 256, maxNumSeqs: 8}}
+"""
+ADAPTER = """
+apiVersion: kubelora.io/v1alpha1
+kind: LoRAAdapter
+metadata: {{name: {name}}}
+spec: {{pool: dpool, source: {{path: {path}}}, replicas: auto}}
+"""
+ENGINES = "kubelora.io/pool=dpool,app.kubernetes.io/component=engine"
+ROUTERS = "kubelora.io/pool=dpool,app.kubernetes.io/component=router"
+NUM_CLIENTS = 4
+
+
+def complete(router_ip: str, model: str) -> tuple[int, str]:
+    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://{router_ip}:8080/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers.get("X-Kubelora-Replica", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def status(env, name: str) -> dict:
+    return env.cluster.get_json("loraadapter", name, "-n", env.namespace).get("status") or {}
+
+
+def test_a_load_step_raises_an_auto_adapters_copies_and_the_router_spreads_it(operator_env, material) -> None:
+    env = operator_env
+    env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir),
+                      namespace=env.namespace)
+    for name, path in (("hot", "/adapters/a1"), ("cold", "/adapters/a2")):
+        env.cluster.apply(ADAPTER.format(name=name, path=path), namespace=env.namespace)
+    wait_for("3 ready engines", lambda: len(ready_engine_pods(env, ENGINES)) == 3, timeout_s=240)
+    (_, router_ip), = wait_for("a ready router", lambda: ready_engine_pods(env, ROUTERS), timeout_s=120).items()
+    for name in ("hot", "cold"):
+        wait_for(f"{name} Ready on one copy", lambda name=name: status(env, name).get("phase") == "Ready"
+                 and status(env, name).get("desiredReplicas") == 1, timeout_s=120)
+    assert status(env, "hot")["desiredReason"] == "MinReplicas"
+
+    stop, failures, answered = threading.Event(), [], collections.Counter()
+
+    def loop() -> None:
+        while not stop.is_set():
+            code, replica = complete(router_ip, "hot")
+            if code == 200:
+                answered[replica] += 1
+            else:
+                failures.append((code, replica))
+
+    clients = [threading.Thread(target=loop) for _ in range(NUM_CLIENTS)]
+    started = time.monotonic()
+    for client in clients:
+        client.start()
+    try:
+        wait_for("hot on every engine", lambda: status(env, "hot").get("desiredReplicas") == 3
+                 and status(env, "hot").get("readyReplicas") == 3, timeout_s=60, interval_s=0.2)
+        raised_s = time.monotonic() - started
+        spread_from = sum(answered.values())
+        wait_for("requests answered by every copy", lambda: len(answered) == 3, timeout_s=30, interval_s=0.2)
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(timeout=60)
+    print(f"[demand-e2e] hot on 3 copies {raised_s:.1f} s after the load step; answers by replica "
+          f"{dict(answered)} ({spread_from} before the third copy was Ready)", flush=True)
+    assert failures == []
+    assert status(env, "hot")["desiredReason"] in ("Demand", "MaxReplicas")
+    assert status(env, "cold")["desiredReplicas"] == 1
