@@ -6,14 +6,17 @@ same expression is compiled by RE2, whose matching time is linear in the name wh
 from tenants, and a backtracking engine runs a key such as `(.|.){0,24}!` for seconds per name while holding
 the GIL. A key RE2 cannot compile (backreferences, lookarounds, a repetition past its limits) is refused.
 
-Each compile or match is one short call that holds the GIL (about 5 to 80 us), but a load makes up to
-MAX_PATTERN_KEYS x modules of them in a row on its worker thread: CPython hands the GIL to a waiting thread only
-every 5 ms, so the engine thread, which gives it up at every torch op, waits up to 5 ms for each one. `_Pacer`
-rests the loading thread after every stretch of work, so the engine thread takes the GIL at once.
+A compile holds the GIL for its whole call (about 5 us for a module name, a few ms for a key of large counted
+repetitions); a match releases it inside RE2 but holds it for the Python around the call. A load makes up to
+MAX_PATTERN_KEYS compiles and MAX_PATTERN_KEYS x modules matches in a row on its worker thread, and the engine
+thread, which gives the GIL up at every torch op, needs it back between them: a step of a small model is mostly
+Python, so it slows by the share of the GIL the loading thread takes. `_Pacer` bounds that share: after every
+stretch of work the loading thread sleeps (GIL released) _REST_RATIO times as long as it worked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -28,11 +31,10 @@ from kubelora.engine.errors import AdapterCorrupt, InvalidAdapter
 # keys x modules: at this bound a slow key costs ~75 us to compile and a module name ~1.3 ms to look up.
 MAX_PATTERN_KEYS = 256
 _MAX_REGEX_BYTES = 1 << 20  # RE2's memory for one compiled key; larger ones fail to compile and are refused
-# The loading thread works at most _WORK_S of pattern calls in a row, then sleeps _REST_S (GIL released): a
-# third of a core at most, so a load beside traffic leaves the engine thread the GIL and most of a core.
+# The loading thread rests once it has worked _WORK_S of pattern calls (or one call longer than that), for
+# _REST_RATIO times its work: at most a fifth of the GIL and of a core, whatever one call costs.
 _WORK_S = 0.001
-_REST_S = 0.002
-_CALLS_PER_CLOCK = 16  # calls between reads of the clock
+_REST_RATIO = 4.0
 
 
 def _options() -> re2.Options:
@@ -45,37 +47,48 @@ def _options() -> re2.Options:
 _OPTIONS = _options()
 
 
+class _Pacer:
+    """Counts one thread's pattern work and rests it (see the module doc).
+
+    `start()` before a run of calls, `tick()` after each: past _WORK_S of work since the last rest, the thread
+    sleeps _REST_RATIO times that work. Work carries over from one run to the next (the lookups of one load are
+    many short runs), the time between runs does not. A clock read (under 0.1 us) costs little beside a call.
+    """
+
+    def __init__(self) -> None:
+        self._worked_s = 0.0
+        self._last = time.perf_counter()
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self._worked_s += now - self._last
+        self._last = now
+        if self._worked_s >= _WORK_S:
+            time.sleep(self._worked_s * _REST_RATIO)
+            self._worked_s = 0.0
+            self._last = time.perf_counter()
+
+
 @dataclass(frozen=True)
 class PatternMap:
-    """One config field's keys, compiled, with their values, in the config's order."""
+    """One config field's keys, compiled, with their values, in the config's order. Used by one loading thread:
+    its pacer goes on from the compiles through every lookup."""
 
     entries: tuple[tuple[object, object], ...] = ()  # (compiled key, value)
+    pacer: _Pacer = dataclasses.field(default_factory=_Pacer, compare=False, repr=False)
 
     def lookup(self, module_name: str, default):
         """The value of the first key matching `module_name` as PEFT matches it, else `default`."""
-        pacer = _Pacer()
+        self.pacer.start()
         name = module_name.encode()  # RE2 matches UTF-8: encoded once here, not once per key
         for regex, value in self.entries:
             if regex.match(name) is not None:
                 return value
-            pacer.tick()
+            self.pacer.tick()
         return default
-
-
-class _Pacer:
-    """Counts pattern calls; every _WORK_S of them the calling thread sleeps _REST_S (see the module doc)."""
-
-    def __init__(self) -> None:
-        self._num_calls = 0
-        self._since = time.perf_counter()
-
-    def tick(self) -> None:
-        self._num_calls += 1
-        if self._num_calls % _CALLS_PER_CLOCK:
-            return
-        if time.perf_counter() - self._since >= _WORK_S:
-            time.sleep(_REST_S)
-            self._since = time.perf_counter()
 
 
 def compile_patterns(adapter: str, field: str, patterns: object, is_rank: bool) -> PatternMap:
@@ -98,7 +111,7 @@ def compile_patterns(adapter: str, field: str, patterns: object, is_rank: bool) 
         check_number(adapter, field, value, is_rank, what=f"{json_excerpt(key)} maps to")
         entries.append((_compile(adapter, field, key), value))
         pacer.tick()
-    return PatternMap(tuple(entries))
+    return PatternMap(tuple(entries), pacer)
 
 
 def check_number(adapter: str, field: str, value: object, is_rank: bool, what: str = "is") -> None:
