@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
@@ -85,7 +87,10 @@ def test_a_load_step_raises_an_auto_adapters_copies_and_the_router_spreads_it(op
                  and status(env, "hot").get("readyReplicas") == 3, timeout_s=60, interval_s=0.2)
         raised_s = time.monotonic() - started
         spread_from = sum(answered.values())
-        wait_for("requests answered by every copy", lambda: len(answered) == 3, timeout_s=30, interval_s=0.2)
+        # The load bound sends a request past a copy busier than 1.25x the mean in flight: with 4 clients on 3
+        # copies at least two of them answer.
+        wait_for("requests answered by more than one copy", lambda: len(answered) >= 2, timeout_s=30,
+                 interval_s=0.2)
     finally:
         stop.set()
         for client in clients:
@@ -95,3 +100,30 @@ def test_a_load_step_raises_an_auto_adapters_copies_and_the_router_spreads_it(op
     assert failures == []
     assert status(env, "hot")["desiredReason"] in ("Demand", "MaxReplicas")
     assert status(env, "cold")["desiredReplicas"] == 1
+
+
+def test_a_silent_router_degrades_the_pool_and_leaves_its_adapters_ready(operator_env) -> None:
+    """The pool of the test above. Its router stops answering (SIGSTOP: alive, silent): the pool turns
+    Degraded/RouterPlacementStale while every adapter it had acknowledged stays Ready (kubectl wait, Flux and Argo
+    see no regression); once it answers again the pool is no longer Degraded."""
+    env = operator_env
+    router = env.cluster.get_json("pods", "-n", env.namespace, "-l", ROUTERS)["items"][0]
+    pid = env.cluster.container_pid(router["metadata"]["uid"], "router")
+
+    def degraded() -> dict | None:
+        status = env.cluster.get_json("lorapool", "dpool", "-n", env.namespace).get("status") or {}
+        found = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), {})
+        return found if found.get("status") == "True" else None
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        condition = wait_for("the pool Degraded", degraded, timeout_s=60, interval_s=0.5)
+        print(f"[demand-e2e] Degraded {time.monotonic() - started:.1f} s after the router went silent", flush=True)
+        assert condition["reason"] == "RouterPlacementStale"
+        for _ in range(10):  # several passes (resync 2 s): the adapters never leave Ready
+            assert [status(env, name)["phase"] for name in ("hot", "cold")] == ["Ready", "Ready"]
+            time.sleep(1)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for("Degraded cleared", lambda: degraded() is None, timeout_s=60, interval_s=0.5)
