@@ -6,17 +6,21 @@ API server). Prometheus's scrape jobs are translated from the monitors as the AP
 are the PrometheusRule's groups, unchanged. One pool runs one engine and one router; its engine holds one adapter
 on the device and one in host memory (maxLoras 1, maxCpuLoras 1) while three clients ask the router for six in
 turn: adapters are evicted and loaded again all the time, requests wait for them (the thrash the alert is for). One
-of the six has its weights file broken after registration, so its loads on demand fail. Asserted through Prometheus's HTTP
-API: the targets are exactly the pods the monitors select and all up; the engine exports series for every
-adapter, the operator its reconcile metrics (the leader 1, the standby 0); every dashboard query returns series;
-the thrash alert's expression holds on the engine pod (the alert is pending: its `for: 10m` outlasts the test) and
-the load-failure alert fires.
+of the six has its weights file broken after registration, so its loads on demand fail. Asserted through
+Prometheus's HTTP API: the targets are exactly the pods the monitors select and all up; the engine exports series
+for every adapter, the operator its reconcile metrics (the leader 1, the standby 0); every dashboard query returns
+series; the thrash alert's expression holds on the engine pod (the alert is pending: its `for: 10m` outlasts the
+test) and the load-failure alert fires.
+
+With KUBELORA_DASHBOARD_SERIES=<path> the traffic runs for SERIES_MIN_S and each dashboard row's series are written
+there for the docs' pictures (`python -P -m kubelora.cli.dashboard_plots <path>`).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import subprocess
 import threading
@@ -33,7 +37,7 @@ import localprometheus
 import pytest
 from pytest_cluster import wait_for
 
-from kubelora.cli import dashboard
+from kubelora.cli import dashboard, dashboard_plots
 
 from .conftest import CHART, REPO, run_helm
 from .monitoring_crds import monitoring_crds
@@ -69,6 +73,10 @@ NUM_CLIENTS = 3
 # replica failing under the router, a reconcile pass raising): their queries may return nothing; the other queries
 # of their panels return series.
 UNCAUSED = ("kubelora_router_upstream_errors_total", "kubelora_operator_reconcile_errors_total")
+# Where to write each dashboard row's series for the docs' pictures (kubelora.cli.dashboard_plots), after this long
+# a run; unset: nothing is written and the run is as short as its tests.
+SERIES_ENV = "KUBELORA_DASHBOARD_SERIES"
+SERIES_MIN_S = 150
 # Grafana's value of $__rate_interval with a data source's default 15 s scrape interval (4 x 15 s).
 RATE_INTERVAL = "1m"
 
@@ -80,8 +88,10 @@ class Traffic:
     stop: threading.Event = field(default_factory=threading.Event)
     statuses: Counter = field(default_factory=Counter)
     threads: list[threading.Thread] = field(default_factory=list)
+    started_at: float = 0.0  # unix seconds
 
     def start(self) -> None:
+        self.started_at = time.time()
         for index in range(NUM_CLIENTS):
             thread = threading.Thread(target=self._client, args=(index,), daemon=True)
             thread.start()
@@ -194,6 +204,10 @@ def monitored(cluster, helm, prometheus_binary, material, tmp_path_factory) -> I
                   f"{time.monotonic() - started:.0f} s", flush=True)
             yield Monitored(cluster, namespace, prometheus, monitors, engine_pod, traffic)
         finally:
+            if traffic is not None and os.environ.get(SERIES_ENV):
+                time.sleep(max(0.0, SERIES_MIN_S - (time.time() - traffic.started_at)))
+                series = dashboard_series(prometheus, namespace, traffic.started_at - 20, time.time())
+                Path(os.environ[SERIES_ENV]).write_text(json.dumps(series))
             if traffic is not None:
                 traffic.close()
                 print(f"[monitoring-e2e] answers by status: {dict(traffic.statuses)}", flush=True)
@@ -203,6 +217,22 @@ def monitored(cluster, helm, prometheus_binary, material, tmp_path_factory) -> I
                 cluster.kubectl("delete", kind, "--all", "-n", namespace, "--timeout=60s", check=False, timeout_s=90)
             run_helm(helm, "uninstall", RELEASE, *kube, "--wait", "--timeout", "60s")
             cluster.kubectl("delete", "namespace", namespace, "--timeout=90s", check=False, timeout_s=120)
+
+
+def dashboard_series(prometheus, namespace: str, start: float, end: float) -> dict:
+    """Each row's graph panels with their queries' ranges, in the form kubelora.cli.dashboard_plots draws."""
+    rows: list[dict] = []
+    for panel in dashboard.build_dashboard()["panels"]:
+        if panel["type"] == "row":
+            rows.append({"title": panel["title"], "panels": []})
+        elif panel["type"] == "timeseries":  # tables (max_lora) are label values, not lines
+            series = [{"legend": dashboard_plots.legend(target.get("legendFormat", ""), found["metric"]),
+                       "points": [[float(t), float(v)] for t, v in found["values"]]}
+                      for target in panel["targets"]
+                      for found in prometheus.query_range(substituted(target["expr"], namespace), start, end, 2)]
+            rows[-1]["panels"].append({"title": panel["title"], "series": series,
+                                       "unit": panel["fieldConfig"]["defaults"].get("unit", "")})
+    return {"rows": rows}
 
 
 def selected_pods(cluster, monitor: dict) -> set[str]:
