@@ -80,22 +80,28 @@ def read_adapter_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dty
         b[module] = torch.zeros(model.num_layers, rank, out_dim, dtype=dtype)
     for (layer, module), (a_key, b_key) in spec.tensor_names.items():
         lora_a, lora_b = tensors[a_key], tensors[b_key]
-        _check_finite(spec.name, a_key, lora_a, dtype)
-        _check_finite(spec.name, b_key, lora_b, dtype)
-        a[module][layer, : lora_a.shape[0]] = lora_a.to(dtype)
-        b[module][layer, : lora_b.shape[1]] = lora_b.T.to(dtype)
+        a[module][layer, : lora_a.shape[0]] = lora_a  # cast to the pool's dtype by the copy
+        b[module][layer, : lora_b.shape[1]] = lora_b.T
+    _check_finite(spec, tensors, [*a.values(), *b.values()], dtype)
     if pin:
         a = {m: t.pin_memory() for m, t in a.items()}
         b = {m: t.pin_memory() for m, t in b.items()}
     return HostAdapter(a=a, b=b)
 
 
-def _check_finite(name: str, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    """Refuse NaN or infinite weights, as stored or once cast to the pool's dtype (a float32 value past the
-    float16 range becomes infinite): one adapter's non-finite values would poison every output it touches."""
-    if not (torch.isfinite(tensor).all() and torch.isfinite(tensor.to(dtype)).all()):
-        raise AdapterCorrupt(name, key, f"holds NaN or infinite values (as {str(dtype).removeprefix('torch.')})",
-                             limit="finite weights")
+def _check_finite(spec: AdapterSpec, tensors: dict[str, torch.Tensor], buffers: list[torch.Tensor],
+                  dtype: torch.dtype) -> None:
+    """Refuse NaN or infinite weights as the pool holds them, cast to its dtype: a cast keeps NaN and infinity,
+    and makes a float32 value past the float16 range infinite. One adapter's non-finite values would poison every
+    output it touches. One check per module's buffer (a torch op: the GIL is free meanwhile); the tensor at fault
+    is looked for only when one fails."""
+    if all(bool(torch.isfinite(buffer).all()) for buffer in buffers):
+        return
+    for a_key, b_key in spec.tensor_names.values():
+        for key in (a_key, b_key):
+            if not torch.isfinite(tensors[key].to(dtype)).all():
+                raise AdapterCorrupt(spec.name, key, f"holds NaN or infinite values (as "
+                                     f"{str(dtype).removeprefix('torch.')})", limit="finite weights")
 
 
 def _read_config(name: str, path: Path) -> bytes:
