@@ -59,9 +59,8 @@ def test_no_adapter_means_the_base_graph():
     assert _step(2, [0, 0], ranks=[0]).shape(2).lora is None  # the adapter adapts no projection kind of the table
 
 
-def _generate(llama, is_static: bool):
-    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=32,
-              enforce_eager=not is_static)
+def _generate(llama, is_static: bool, **options):
+    llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=32, **options)
     for name, path in llama.adapters.items():
         llm.load_adapter(name, path)
     try:
@@ -72,9 +71,18 @@ def _generate(llama, is_static: bool):
         llm.close()
 
 
-def test_static_decode_matches_eager_engine(llama):
-    eager = _generate(llama, is_static=False)
+def test_static_decode_matches_eager_engine(llama, monkeypatch):
+    """The CPU engine's default path is the static one (the layouts CUDA replays, run eagerly): every decode step
+    of the batch takes it, with the tokens of enforce_eager's per-step tensors."""
+    from kubelora.engine.step.static import StaticSteps
+
+    eager = _generate(llama, is_static=False, enforce_eager=True)
+    phases = []
+    run = StaticSteps.run
+    monkeypatch.setattr(StaticSteps, "run", lambda self, step, shape, *a: phases.append(shape.phase) or run(
+        self, step, shape, *a))
     static = _generate(llama, is_static=True)
+    assert phases.count(Phase.DECODE) >= 19  # 20 tokens: the first from the prefill, the rest from decode steps
     for name, a, b in zip(BATCH, eager, static):
         assert a.token_ids == b.token_ids, name
 
