@@ -160,18 +160,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, SETTINGS)
 
 
-def _from_env(s: Setting, environ: Mapping[str, str]) -> object:
-    raw = environ.get(s.env)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        if s.is_list:
-            return [s.parse(item.strip()) for item in raw.split(",") if item.strip()]
-        return s.parse(raw.strip())
-    except ValueError as exc:
-        raise ValueError(f"{s.env}: {exc}") from None
-
-
 def _read_token(path: str | None, environ: Mapping[str, str]) -> str | None:
     if path is None:
         return environ.get(ENV_PREFIX + "ADMIN_TOKEN") or None
@@ -186,7 +174,7 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str] | None =
     environ = os.environ if environ is None else environ
     values: dict[str, object] = {}
     for s in SETTINGS:
-        value = settings.given_value(s, args, environ, _from_env)
+        value = settings.given_value(s, args, environ, settings.env_value)
         if value is None:
             value = s.default
         if s.is_list:

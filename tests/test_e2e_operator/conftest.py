@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import string
 import sys
 import threading
@@ -35,6 +36,26 @@ class Material:
     root: Path
     model_dir: Path
     adapters_dir: Path
+
+
+def pool_manifest(name: str, material: Material, *, replicas: int = 1, router: bool = False, max_loras: int = 2,
+                  max_cpu_loras: int = 4, **spec) -> str:
+    """A LoRAPool of the tiny model on CPU engines, its adapters under /adapters (`spec` adds or replaces fields).
+    JSON, which kubectl reads as YAML."""
+    body = {"apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAPool", "metadata": {"name": name}, "spec": {
+        "model": {"path": "/models/tiny", "servedName": "tiny"},
+        "modelVolume": {"hostPath": str(material.model_dir.parent), "mountPath": "/models"},
+        "adapterVolume": {"hostPath": str(material.adapters_dir), "mountPath": "/adapters"},
+        "adapterRoots": ["/adapters"], "replicas": replicas, "router": {"enabled": router, "replicas": 1},
+        "engine": {"device": "cpu", "maxLoras": max_loras, "maxLoraRank": 8, "maxCpuLoras": max_cpu_loras,
+                   "maxModelLen": 256, "maxNumSeqs": 8},
+        **spec}}
+    return json.dumps(body)
+
+
+def adapter_manifest(name: str, pool: str, path: str, replicas: int | str = 1) -> str:
+    return json.dumps({"apiVersion": "kubelora.io/v1alpha1", "kind": "LoRAAdapter", "metadata": {"name": name},
+                       "spec": {"pool": pool, "source": {"path": path}, "replicas": replicas}})
 
 
 @pytest.fixture(scope="session")

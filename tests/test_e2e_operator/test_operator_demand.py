@@ -14,27 +14,9 @@ import urllib.request
 
 from pytest_cluster import wait_for
 
+from .conftest import adapter_manifest, pool_manifest
 from .test_operator_lifecycle import ready_engine_pods
 
-POOL = """
-apiVersion: kubelora.io/v1alpha1
-kind: LoRAPool
-metadata: {{name: dpool}}
-spec:
-  model: {{path: /models/tiny, servedName: tiny}}
-  modelVolume: {{hostPath: {models}, mountPath: /models}}
-  adapterVolume: {{hostPath: {adapters}, mountPath: /adapters}}
-  adapterRoots: [/adapters]
-  replicas: 3
-  router: {{enabled: true, replicas: 1}}
-  engine: {{device: cpu, maxLoras: 2, maxLoraRank: 8, maxCpuLoras: 4, maxModelLen: 256, maxNumSeqs: 8}}
-"""
-ADAPTER = """
-apiVersion: kubelora.io/v1alpha1
-kind: LoRAAdapter
-metadata: {{name: {name}}}
-spec: {{pool: dpool, source: {{path: {path}}}, replicas: auto}}
-"""
 ENGINES = "kubelora.io/pool=dpool,app.kubernetes.io/component=engine"
 ROUTERS = "kubelora.io/pool=dpool,app.kubernetes.io/component=router"
 NUM_CLIENTS = 4
@@ -57,10 +39,9 @@ def status(env, name: str) -> dict:
 
 def test_a_load_step_raises_an_auto_adapters_copies_and_the_router_spreads_it(operator_env, material) -> None:
     env = operator_env
-    env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir),
-                      namespace=env.namespace)
+    env.cluster.apply(pool_manifest("dpool", material, replicas=3, router=True), namespace=env.namespace)
     for name, path in (("hot", "/adapters/a1"), ("cold", "/adapters/a2")):
-        env.cluster.apply(ADAPTER.format(name=name, path=path), namespace=env.namespace)
+        env.cluster.apply(adapter_manifest(name, "dpool", path, "auto"), namespace=env.namespace)
     wait_for("3 ready engines", lambda: len(ready_engine_pods(env, ENGINES)) == 3, timeout_s=240)
     (_, router_ip), = wait_for("a ready router", lambda: ready_engine_pods(env, ROUTERS), timeout_s=120).items()
     for name in ("hot", "cold"):

@@ -23,28 +23,9 @@ import pytest
 
 from pytest_cluster import wait_for
 
+from .conftest import adapter_manifest, pool_manifest
 from .test_operator_lifecycle import ready_engine_pods
 
-POOL = """
-apiVersion: kubelora.io/v1alpha1
-kind: LoRAPool
-metadata: {{name: kpool}}
-spec:
-  model: {{path: /models/tiny, servedName: tiny}}
-  modelVolume: {{hostPath: {models}, mountPath: /models}}
-  adapterVolume: {{hostPath: {adapters}, mountPath: /adapters}}
-  adapterRoots: [/adapters]
-  replicas: 1
-  apiKeys: {{required: true}}
-  router: {{enabled: true, replicas: 1}}
-  engine: {{device: cpu, maxLoras: 2, maxLoraRank: 8, maxCpuLoras: 4, maxModelLen: 256, maxNumSeqs: 8}}
-"""
-ADAPTER = """
-apiVersion: kubelora.io/v1alpha1
-kind: LoRAAdapter
-metadata: {{name: {name}}}
-spec: {{pool: kpool, source: {{path: {path}}}, replicas: 1}}
-"""
 KEY_SECRET = """
 apiVersion: v1
 kind: Secret
@@ -108,10 +89,10 @@ def _two_tenants(env, material) -> None:
     for name, key, adapters, rpm in (("tenant-a-key", KEY_A, "a-chat", 600), ("tenant-b-key", KEY_B, "b-chat", 3),
                                      ("weak-key", "abc", "a-chat", 600)):
         env.cluster.apply(KEY_SECRET.format(name=name, key=key, adapters=adapters, rpm=rpm), namespace=env.namespace)
-    env.cluster.apply(POOL.format(models=material.model_dir.parent, adapters=material.adapters_dir),
+    env.cluster.apply(pool_manifest("kpool", material, router=True, apiKeys={"required": True}),
                       namespace=env.namespace)
     for name, path in (("a-chat", "/adapters/a1"), ("b-chat", "/adapters/a2")):
-        env.cluster.apply(ADAPTER.format(name=name, path=path), namespace=env.namespace)
+        env.cluster.apply(adapter_manifest(name, "kpool", path), namespace=env.namespace)
     (_, engine_ip), = wait_for("a ready engine", lambda: ready_engine_pods(env, ENGINES), timeout_s=240).items()
     (_, router_ip), = wait_for("a ready router", lambda: ready_engine_pods(env, ROUTERS), timeout_s=120).items()
     for name in ("a-chat", "b-chat"):
