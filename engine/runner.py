@@ -149,8 +149,7 @@ class ModelRunner:
             step = self._prefill_step(batch)
         if step is None:
             return None
-        phase = Phase.DECODE if isinstance(step, DecodeStep) else Phase.PREFILL
-        shape = step.shape(self.static.bucket_for(phase, len(step.token_ids)))
+        shape = step.shape(self.static.bucket_for(step.phase, len(step.token_ids)))
         return (step, shape) if self.static.is_ready(shape) else None
 
     def _decode_step(self, batch: Batch) -> DecodeStep | None:

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 class DecodeStep:
     """One decode step, as the runner hands it over: per sequence, in batch order."""
 
+    phase = Phase.DECODE
+
     token_ids: list[int]
     positions: list[int]
     block_tables: list[tuple[int, ...]]

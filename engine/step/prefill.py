@@ -35,6 +35,8 @@ TABLE_ROWS = 2  # slot 0: the chunk's adapter; slot 1: rank 0 everywhere (empty 
 class PrefillStep:
     """One sequence's prefill chunk, as the runner hands it over."""
 
+    phase = Phase.PREFILL
+
     token_ids: list[int]
     start_pos: int  # position of the first token (the context already cached before it)
     block_table: tuple[int, ...]
