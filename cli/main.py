@@ -68,6 +68,12 @@ def _run_bench_hostile(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def _run_bench_placement(args: argparse.Namespace) -> int:
+    from kubelora.bench.placement_sim import main as bench_main
+
+    return bench_main(args.rest)
+
+
 _SIZE_FLAGS = {
     "hidden_size": "--hidden",
     "num_layers": "--layers",
@@ -145,6 +151,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                      "(CUDA)", _run_bench_engine)
     _add_passthrough(kinds, "hostile", "one tenant's worst allowed requests against a live server: /health and "
                      "a victim request's latency", _run_bench_hostile)
+    _add_passthrough(kinds, "placement", "demand placement against least-loaded routing and single-copy affinity, "
+                     "simulated (no cluster)", _run_bench_placement)
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -168,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Command words whose module owns its parser; argparse's REMAINDER would refuse options right after them.
 _PASSTHROUGH = {("operator",): _run_operator, ("router",): _run_router, ("bench", "kernels"): _run_bench_kernels,
-                ("bench", "engine"): _run_bench_engine, ("bench", "hostile"): _run_bench_hostile}
+                ("bench", "engine"): _run_bench_engine, ("bench", "hostile"): _run_bench_hostile,
+                ("bench", "placement"): _run_bench_placement}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
