@@ -42,8 +42,6 @@ from kubelora.cli import dashboard, dashboard_plots
 from .conftest import CHART, REPO, run_helm
 from .monitoring_crds import monitoring_crds
 
-pytestmark = pytest.mark.timeout(600)
-
 POOL = "mpool"
 ADAPTERS = ("t0", "t1", "t2", "t3", "t4", "broken")
 RELEASE = "kubelora"
