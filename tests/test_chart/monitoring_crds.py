@@ -1,12 +1,11 @@
 """prometheus-operator's CRDs on the e2e API server (e2e/prometheus-operator-crds.sh fetches and caches them), for the
-tests that create or dry-run the chart's monitoring objects. Installed for a module and removed after it, unless
-they were there before."""
+tests that create or dry-run the chart's monitoring objects. Applied when a module starts and left installed, as Helm
+leaves CRDs: test sessions may share the cluster, and deleting a CRD deletes every object of its kind, another
+session's included."""
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from .conftest import REPO
@@ -22,13 +21,6 @@ def crd_dir() -> Path:
     return Path(result.stdout.strip().splitlines()[-1])
 
 
-@contextmanager
-def monitoring_crds(cluster) -> Iterator[None]:
-    present = cluster.kubectl("get", "crd", *CRDS, check=False).returncode == 0
+def install_monitoring_crds(cluster) -> None:
     cluster.kubectl("apply", "--server-side", "-f", str(crd_dir()))
     cluster.kubectl("wait", "--for=condition=Established", *(f"crd/{crd}" for crd in CRDS), "--timeout=60s")
-    try:
-        yield
-    finally:
-        if not present:
-            cluster.kubectl("delete", "crd", *CRDS, "--timeout=60s", check=False, timeout_s=90)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from .conftest import CI_VALUES
-from .monitoring_crds import monitoring_crds
+from .monitoring_crds import install_monitoring_crds
 
 MONITORING = next(p for p in CI_VALUES if p.stem == "monitoring-values")
 KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
@@ -20,12 +20,12 @@ KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 @pytest.fixture(scope="module")
 def namespace(cluster):
     name = f"klr-mon-dry-{uuid.uuid4().hex[:6]}"
-    with monitoring_crds(cluster):
-        cluster.kubectl("create", "namespace", name)
-        try:
-            yield name
-        finally:
-            cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    install_monitoring_crds(cluster)
+    cluster.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")

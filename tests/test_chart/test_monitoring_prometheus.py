@@ -40,11 +40,10 @@ from pytest_cluster import wait_for
 from kubelora.cli import dashboard, dashboard_plots
 
 from .conftest import CHART, REPO, run_helm
-from .monitoring_crds import monitoring_crds
+from .monitoring_crds import install_monitoring_crds
 
 POOL = "mpool"
 ADAPTERS = ("t0", "t1", "t2", "t3", "t4", "broken")
-RELEASE = "kubelora"
 POOL_YAML = """
 apiVersion: kubelora.io/v1alpha1
 kind: LoRAPool
@@ -167,54 +166,57 @@ def prometheus_binary(shown) -> str:
 
 @pytest.fixture(scope="module")
 def monitored(cluster, helm, prometheus_binary, material, tmp_path_factory) -> Iterator[Monitored]:
-    namespace = f"klr-mon-{uuid.uuid4().hex[:6]}"
+    suffix = uuid.uuid4().hex[:6]
+    # A release name of its own: the chart's cluster-scoped objects are named after it, and test sessions may share
+    # the cluster.
+    namespace, release = f"klr-mon-{suffix}", f"mon-{suffix}"
     kube = ["--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace]
     started = time.monotonic()
-    with monitoring_crds(cluster):
-        run_helm(helm, "install", RELEASE, str(CHART), *kube, "--create-namespace",
-                 "--set", f"watchNamespaces={{{namespace}}}", "--set", "operator.resyncSeconds=5",
-                 "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.serviceMonitor.interval=2s",
-                 "--set", "metrics.prometheusRule.enabled=true")
-        prometheus = traffic = None
-        try:
-            monitors = [cluster.get_json(kind, "-n", namespace)["items"] for kind in ("servicemonitors", "podmonitors")]
-            monitors = [m for items in monitors for m in items]
-            rules = cluster.get_json("prometheusrules", "-n", namespace)["items"]
-            prometheus = localprometheus.start(
-                prometheus_binary, tmp_path_factory.mktemp("prometheus"),
-                localprometheus.scrape_configs(monitors, cluster.kubeconfig), localprometheus.rule_groups(rules))
-            cluster.apply(POOL_YAML.format(pool=POOL, models=material / "models", adapters=material / "adapters"),
-                          namespace=namespace)
-            for name in ADAPTERS:
-                cluster.apply(ADAPTER_YAML.format(name=name, pool=POOL), namespace=namespace)
-            selector = f"kubelora.io/pool={POOL},app.kubernetes.io/component="
-            ((engine_pod, engine_ip),) = wait_for("a ready engine", lambda: ready_pods(
-                cluster, namespace, selector + "engine"), timeout_s=240).items()
-            ((_, router_ip),) = wait_for("a ready router", lambda: ready_pods(
-                cluster, namespace, selector + "router"), timeout_s=120).items()
-            wait_for("every adapter registered on the engine", lambda: set(ADAPTERS) <= served_models(engine_ip),
-                     timeout_s=120)
-            # Registered, then broken: every load of it on demand (after each eviction) fails.
-            (material / "adapters" / "broken" / "adapter_model.safetensors").write_bytes(b"\0" * 64)
-            traffic = Traffic(router_ip)
-            traffic.start()
-            print(f"\n[monitoring-e2e] chart, pool and Prometheus up, traffic started in "
-                  f"{time.monotonic() - started:.0f} s", flush=True)
-            yield Monitored(cluster, namespace, prometheus, monitors, engine_pod, traffic)
-        finally:
-            if traffic is not None and os.environ.get(SERIES_ENV):
-                time.sleep(max(0.0, SERIES_MIN_S - (time.time() - traffic.started_at)))
-                series = dashboard_series(prometheus, namespace, traffic.started_at - 20, time.time())
-                Path(os.environ[SERIES_ENV]).write_text(json.dumps(series))
-            if traffic is not None:
-                traffic.close()
-                print(f"[monitoring-e2e] answers by status: {dict(traffic.statuses)}", flush=True)
-            if prometheus is not None:
-                prometheus.stop()
-            for kind in ("loraadapters", "lorapools"):
-                cluster.kubectl("delete", kind, "--all", "-n", namespace, "--timeout=60s", check=False, timeout_s=90)
-            run_helm(helm, "uninstall", RELEASE, *kube, "--wait", "--timeout", "60s")
-            cluster.kubectl("delete", "namespace", namespace, "--timeout=90s", check=False, timeout_s=120)
+    install_monitoring_crds(cluster)
+    run_helm(helm, "install", release, str(CHART), *kube, "--create-namespace",
+             "--set", f"watchNamespaces={{{namespace}}}", "--set", "operator.resyncSeconds=5",
+             "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.serviceMonitor.interval=2s",
+             "--set", "metrics.prometheusRule.enabled=true")
+    prometheus = traffic = None
+    try:
+        monitors = [cluster.get_json(kind, "-n", namespace)["items"] for kind in ("servicemonitors", "podmonitors")]
+        monitors = [m for items in monitors for m in items]
+        rules = cluster.get_json("prometheusrules", "-n", namespace)["items"]
+        prometheus = localprometheus.start(
+            prometheus_binary, tmp_path_factory.mktemp("prometheus"),
+            localprometheus.scrape_configs(monitors, cluster.kubeconfig), localprometheus.rule_groups(rules))
+        cluster.apply(POOL_YAML.format(pool=POOL, models=material / "models", adapters=material / "adapters"),
+                      namespace=namespace)
+        for name in ADAPTERS:
+            cluster.apply(ADAPTER_YAML.format(name=name, pool=POOL), namespace=namespace)
+        selector = f"kubelora.io/pool={POOL},app.kubernetes.io/component="
+        ((engine_pod, engine_ip),) = wait_for("a ready engine", lambda: ready_pods(
+            cluster, namespace, selector + "engine"), timeout_s=240).items()
+        ((_, router_ip),) = wait_for("a ready router", lambda: ready_pods(
+            cluster, namespace, selector + "router"), timeout_s=120).items()
+        wait_for("every adapter registered on the engine", lambda: set(ADAPTERS) <= served_models(engine_ip),
+                 timeout_s=120)
+        # Registered, then broken: every load of it on demand (after each eviction) fails.
+        (material / "adapters" / "broken" / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+        traffic = Traffic(router_ip)
+        traffic.start()
+        print(f"\n[monitoring-e2e] chart, pool and Prometheus up, traffic started in "
+              f"{time.monotonic() - started:.0f} s", flush=True)
+        yield Monitored(cluster, namespace, prometheus, monitors, engine_pod, traffic)
+    finally:
+        if traffic is not None and os.environ.get(SERIES_ENV):
+            time.sleep(max(0.0, SERIES_MIN_S - (time.time() - traffic.started_at)))
+            series = dashboard_series(prometheus, namespace, traffic.started_at - 20, time.time())
+            Path(os.environ[SERIES_ENV]).write_text(json.dumps(series))
+        if traffic is not None:
+            traffic.close()
+            print(f"[monitoring-e2e] answers by status: {dict(traffic.statuses)}", flush=True)
+        if prometheus is not None:
+            prometheus.stop()
+        for kind in ("loraadapters", "lorapools"):
+            cluster.kubectl("delete", kind, "--all", "-n", namespace, "--timeout=60s", check=False, timeout_s=90)
+        run_helm(helm, "uninstall", release, *kube, "--wait", "--timeout", "60s")
+        cluster.kubectl("delete", "namespace", namespace, "--timeout=90s", check=False, timeout_s=120)
 
 
 def dashboard_series(prometheus, namespace: str, start: float, end: float) -> dict:
