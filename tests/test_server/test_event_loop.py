@@ -41,6 +41,12 @@ def assert_health_holds(url: str, action: Callable[[], None], attempts: int = 2)
                          f"{sorted(probe.latencies)[-5:]}")
 
 
+def _three_at_once(url: str, body: bytes) -> list[tuple[int, dict, float]]:
+    """`body` posted to `url` three times at once, from three threads."""
+    with ThreadPoolExecutor(3) as pool:
+        return list(pool.map(lambda _: post_json(url, body), range(3)))
+
+
 def _big_bodies(model: str) -> dict[str, bytes]:
     text = "hello world " * (BIG_BYTES // 12)
     return {
@@ -62,15 +68,13 @@ def test_huge_prompt_refused_while_health_answers(live_server, kind):
     assert len(body) > 14 << 20
     path = "/v1/chat/completions" if kind.startswith("chat") else "/v1/completions"
 
-    def three_at_once() -> None:
-        with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(lambda _: post_json(server.url + path, body), range(3)))
-        for status, answer, seconds in results:
+    def refused_three_at_once() -> None:
+        for status, answer, seconds in _three_at_once(server.url + path, body):
             # Text is refused by its length in characters, before tokenizing.
             assert status == 413 and answer["error"]["type"] == "prompt_too_long", answer
             assert "characters" in answer["error"]["message"] and seconds < 5
 
-    assert_health_holds(server.url, three_at_once)
+    assert_health_holds(server.url, refused_three_at_once)
     ok = server.client().completions.create(model=base, prompt="Hello", max_tokens=2)
     assert ok.usage.completion_tokens == 2
 
@@ -88,14 +92,12 @@ def test_bodies_of_millions_of_values_are_refused_while_health_answers(live_serv
     server = live_server()
     body = _shape_bodies(server.serving.model_name)[kind]
 
-    def three_at_once() -> None:
-        with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(lambda _: post_json(server.url + "/v1/completions", body), range(3)))
-        for status, answer, seconds in results:
+    def refused_three_at_once() -> None:
+        for status, answer, seconds in _three_at_once(server.url + "/v1/completions", body):
             assert status == 400 and answer["error"]["code"] == "out_of_range", answer
             assert seconds < 5
 
-    assert_health_holds(server.url, three_at_once)
+    assert_health_holds(server.url, refused_three_at_once)
 
 
 def test_millions_of_token_ids_are_refused_and_the_server_keeps_serving(live_server):
@@ -105,9 +107,7 @@ def test_millions_of_token_ids_are_refused_and_the_server_keeps_serving(live_ser
     server = live_server()
     base = server.serving.model_name
     body = _big_bodies(base)["completion-token-ids"]
-    with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda _: post_json(server.url + "/v1/completions", body), range(3)))
-    for status, answer, seconds in results:
+    for status, answer, seconds in _three_at_once(server.url + "/v1/completions", body):
         assert status == 413 and answer["error"]["type"] == "prompt_too_long", answer
         assert "5242880 tokens" in answer["error"]["message"] and seconds < 30
     ok = server.client().completions.create(model=base, prompt="Hello", max_tokens=2)
