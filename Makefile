@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # -P / PYTHONSAFEPATH: the repo root never lands on sys.path, so `operator/` cannot shadow the stdlib.
 export PYTHONSAFEPATH := 1
 
-.PHONY: venv k8s promtool test test-gpu demo images clean
+.PHONY: venv k8s promtool prometheus test test-gpu demo images clean
 
 venv: $(VENV)/.installed
 
@@ -26,8 +26,13 @@ k8s:
 promtool:
 	command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
+# The monitoring e2e test's Prometheus server, built from its Go module with the Kubernetes discovery (Debian's
+# has none; e2e/prometheus/build.sh), cached in ~/.cache/kubelora: minutes on a fresh machine, instant afterwards.
+prometheus:
+	e2e/prometheus/build.sh >/dev/null
+
 # The e2e cluster's pods run the images (the local kubelet unpacks build/images/*.tar and runs them with runc).
-test: venv k8s promtool images
+test: venv k8s promtool prometheus images
 	$(PY) -P -m pytest $(PYTEST_ARGS)
 
 # Every GPU test on a CUDA machine (bench/gpu-tests.sh; log under OUT, /tmp/kubelora-out by default).

@@ -120,6 +120,7 @@ fi
 # The base is an image of its own for the local cluster's own tests (a pod that needs python3 and a shell).
 if [[ ! -f "$out/kubelora-base.tar" ]] || [[ "${KUBELORA_REBASE:-0}" == 1 ]]; then
   rm -f "$out/kubelora-base.tar"
+  rm -f "$out/kubelora-base.tar.partial"  # podman save refuses to overwrite what a failed save left
   "${podman[@]}" save --format docker-archive -o "$out/kubelora-base.tar.partial" "$base"
   mv "$out/kubelora-base.tar.partial" "$out/kubelora-base.tar"
 fi
@@ -168,6 +169,7 @@ for name in "${names[@]}"; do
     --build-arg "SOURCE=$source_url" --build-arg "REVISION=$revision" -t "$tag" "$repo"
   rm -f "$out/$name.tar" "$out/$name.inputs"
   say "saving $tag to $out/$name.tar"
+  rm -f "$out/$name.tar.partial"  # podman save refuses to overwrite what a failed save left
   "${podman[@]}" save --format docker-archive -o "$out/$name.tar.partial" "$tag"
   mv "$out/$name.tar.partial" "$out/$name.tar"  # never a half-written archive under the name the kubelet reads
   echo "$inputs" >"$out/$name.inputs"
