@@ -49,6 +49,8 @@ class _Server(web.Server):
 class _AppRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         # The app's own server (its handler, request factory and handler_args), with our connection handler.
+        # aiohttp offers no public hook for the handler's class: _make_server and Server._kwargs are internals
+        # (aiohttp 3.14); the engine's and the router's raw-socket tests fail if they change.
         server = await super()._make_server()
         return _Server(server.request_handler, request_factory=server.request_factory,
                        handler_cancellation=server.handler_cancellation, **server._kwargs)
