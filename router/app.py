@@ -27,7 +27,7 @@ from kubelora.contract.http_logs import redact_aiohttp_logs
 from kubelora.contract.logs import log_event
 from kubelora.router import routing
 from kubelora.router.config import RouterConfig
-from kubelora.router.limits import KeyLimits, estimate_tokens
+from kubelora.router.limits import KeyLimits
 from kubelora.router.placement import Placement
 from kubelora.router.metrics import RouterMetrics, RouterSnapshot
 from kubelora.router.proxy import InFlight, Unreachable, forward
@@ -162,7 +162,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             model = _requested_model(payload)
             placement.api_keys.check(grant, model, placement.base_model)
             if grant is not None:
-                state.limits.admit(grant, estimate_tokens(len(body), payload))
+                state.limits.admit_request(grant, len(body), payload)
         except ServiceError as exc:
             if placement.api_keys.required and to_http(exc).status in (401, 403, 429):
                 state.metrics.key_refusals.labels(_metric_model(placement, body), str(to_http(exc).status)).inc()

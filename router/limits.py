@@ -30,47 +30,48 @@ def estimate_tokens(body_bytes: int, payload: dict) -> int:
     return min(math.ceil(body_bytes / 4) + completion, _MAX_CHARGE)
 
 
-@dataclass
-class _Bucket:
-    level: float
+@dataclass(slots=True)
+class _KeyState:
+    """One key's buckets: their levels (None where the key has no such limit) when last refilled, `at`."""
+    requests: float | None
+    tokens: float | None
     at: float
-
-    def refill(self, limit: int, now: float) -> None:
-        self.level = min(float(limit), self.level + (now - self.at) * limit / 60.0)
-        self.at = now
 
 
 class KeyLimits:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._requests: dict[str, _Bucket] = {}
-        self._tokens: dict[str, _Bucket] = {}
+        self._keys: dict[str, _KeyState] = {}
 
-    def admit(self, grant: KeyGrant, tokens: int) -> None:
-        """Take one request and `tokens` from the key's buckets, or raise RateLimited with the wait until it
-        would be admitted."""
-        rpm, tpm, now = grant.requests_per_minute, grant.tokens_per_minute, self._clock()
-        requests = self._bucket(self._requests, grant.digest, rpm, now)
-        budget = self._bucket(self._tokens, grant.digest, tpm, now)
-        if requests is not None and requests.level < 1:
+    def admit_request(self, grant: KeyGrant, body_bytes: int, payload: dict) -> None:
+        """Take one request and its token estimate from the key's buckets, or raise RateLimited with the wait
+        until it would be admitted. A key without limits returns at once and tokens are estimated only under a
+        token limit: the router runs this on every keyed request, and each call and lookup here costs it CPU
+        (docs/benchmarks-router-keys.md), hence one lookup and no helper calls but the token estimate."""
+        rpm, tpm = grant.requests_per_minute, grant.tokens_per_minute
+        if rpm is None and tpm is None:
+            return
+        now = self._clock()
+        state = self._keys.get(grant.digest)
+        if state is None:
+            state = self._keys[grant.digest] = _KeyState(rpm, tpm, now)
+        else:  # refill; a limit just set starts full, a limit removed drops its bucket
+            elapsed_s, state.at = now - state.at, now
+            if rpm is None or state.requests is None:
+                state.requests = rpm
+            else:
+                state.requests = min(rpm, state.requests + elapsed_s * rpm / 60.0)
+            if tpm is None or state.tokens is None:
+                state.tokens = tpm
+            else:
+                state.tokens = min(tpm, state.tokens + elapsed_s * tpm / 60.0)
+        if state.requests is not None and state.requests < 1:
             raise RateLimited(f"this API key is over its {rpm} requests per minute on this router",
-                              (1 - requests.level) * 60.0 / rpm)
-        if budget is not None and budget.level < 0:
+                              (1 - state.requests) * 60.0 / rpm)
+        if state.tokens is not None and state.tokens < 0:
             raise RateLimited(f"this API key is over its {tpm} tokens per minute on this router",
-                              -budget.level * 60.0 / tpm)
-        if requests is not None:
-            requests.level -= 1
-        if budget is not None:
-            budget.level -= tokens
-
-    @staticmethod
-    def _bucket(buckets: dict[str, _Bucket], digest: str, limit: int | None, now: float) -> _Bucket | None:
-        if limit is None:
-            buckets.pop(digest, None)
-            return None
-        bucket = buckets.get(digest)
-        if bucket is None:
-            bucket = buckets[digest] = _Bucket(float(limit), now)
-        else:
-            bucket.refill(limit, now)
-        return bucket
+                              -state.tokens * 60.0 / tpm)
+        if state.requests is not None:
+            state.requests -= 1
+        if state.tokens is not None:
+            state.tokens -= estimate_tokens(body_bytes, payload)
