@@ -109,8 +109,15 @@ def adapter_name(action: Action) -> str:
     return action.adapter if isinstance(action, Unload) else action.adapter.name
 
 
+# A placed copy its pod's host tier let go (on-demand loads of other adapters evicted it) is made resident again at
+# most this often per pod and adapter: a tier too small for what is placed there plus what is asked on demand
+# would otherwise trade preloads for evictions every pass; meanwhile the pod serves it on demand.
+REPRELOAD_S = 60.0
+
+
 def plan_pass(view: PoolView, memory: ReconcileMemory, now: float) -> tuple[PassPlan, ReconcileMemory]:
-    """Classify, place and plan; calls whose (pod, adapter) is backing off until after `now` are left out."""
+    """Classify, place and plan; calls whose (pod, adapter) is backing off until after `now`, and residency
+    repairs made less than REPRELOAD_S ago, are left out."""
     adapters, memory = classify_adapters(view, memory)
     observation, fingerprint = view.observation, view.pool.fingerprint
     known = {p["metadata"]["name"] for p in observation.pods}
@@ -130,7 +137,11 @@ def plan_pass(view: PoolView, memory: ReconcileMemory, now: float) -> tuple[Pass
     memory = replace(memory, served=_on_pods(memory.served, known), retries=retries,
                      previous=placement.pods_by_adapter, published=published, demand=demand)
     actions = _plan_calls(adapters, placement, observation, memory.served)
-    due = tuple(a for a in actions if _retry_at(memory, (a.pod, adapter_name(a))) <= now)
+    repaired = {key: at for key, at in memory.repaired.items() if now - at < REPRELOAD_S and key[0] in known}
+    due = tuple(a for a in actions if _retry_at(memory, (a.pod, adapter_name(a))) <= now
+                and not (isinstance(a, Load) and a.is_residency_repair and (a.pod, a.adapter.name) in repaired))
+    repaired.update({(a.pod, a.adapter.name): now for a in due if isinstance(a, Load) and a.is_residency_repair})
+    memory = replace(memory, repaired=repaired)
     return PassPlan(adapters, placement, due, stale, fingerprint, sizes, sizings), memory
 
 

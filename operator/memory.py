@@ -70,3 +70,5 @@ class ReconcileMemory:
     # router pod -> the last placement revision it acknowledged: a router that does not answer is judged by it
     router_revisions: Mapping[str, int] = field(default_factory=dict)
     demand: DemandMemory = field(default_factory=DemandMemory)  # measured demand and auto adapters' sizing
+    # (pod, adapter) -> time.time() of the last preload that made an evicted placed copy resident again
+    repaired: Mapping[PodAdapter, float] = field(default_factory=dict)

@@ -78,6 +78,9 @@ class Load:
     adapter: DesiredAdapter
     is_preload: bool
     is_inplace: bool
+    # The pod serves the current revision but its host tier let the placed copy go (evicted by on-demand loads):
+    # a preload to make it resident again, which decide.py paces (REPRELOAD_S) so it never fights the tier's LRU.
+    is_residency_repair: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ def plan_pod(pod: str, desired: Mapping[str, DesiredAdapter], placed: Collection
         current = is_current(have, want, served_revisions.get(name))
         if name in placed:
             if not current or not have.is_resident:  # type: ignore[union-attr]
-                actions.append(Load(pod, want, is_preload=True, is_inplace=have is not None))
+                actions.append(Load(pod, want, is_preload=True, is_inplace=have is not None,
+                                    is_residency_repair=current))
         elif not current:
             actions.append(Load(pod, want, is_preload=False, is_inplace=have is not None))
     for name in sorted(observed):

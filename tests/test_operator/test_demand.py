@@ -96,3 +96,17 @@ def test_a_pass_places_auto_adapters_by_the_demand_the_pods_report():
         plan, memory = plan_pass(view(*bodies, held=held(1000 * step, 10 * step)), memory, now=10.0 * step)
     assert len(plan.placement.pods_of("hot")) == 4 and len(plan.placement.pods_of("cold")) == 1
     assert plan.sizings["hot"].reason == DEMAND  # ceil(4 pods x 99% of the demand): every pod
+
+
+def test_an_evicted_placed_copy_is_made_resident_again_at_most_once_a_minute():
+    """A host tier too small for what is placed plus what is asked on demand evicts the placed copy again and
+    again: the repair preload is paced instead of traded for an eviction every pass."""
+    from kubelora.operator.decide import REPRELOAD_S
+
+    evicted = {"e0": {"a": card("a", "/adapters/a", "known")}}
+    repairs = []
+    memory = ReconcileMemory()
+    for now in (0.0, 2.0, 30.0, REPRELOAD_S + 1):
+        plan, memory = plan_pass(view(adapter("a", replicas=1), held=evicted), memory, now=now)
+        repairs += [now for action in plan.actions if getattr(action, "is_residency_repair", False)]
+    assert repairs == [0.0, REPRELOAD_S + 1]

@@ -21,7 +21,8 @@ def test_converged_pod_needs_nothing():
 
 def test_placed_but_only_known_is_preloaded_in_place():
     observed = {"a": seen("a", "/adapters/a", "known")}
-    assert plan_pod("p", {"a": A}, {"a"}, observed, {}) == [Load("p", A, is_preload=True, is_inplace=True)]
+    assert plan_pod("p", {"a": A}, {"a"}, observed, {}) == [Load("p", A, is_preload=True, is_inplace=True,
+                                                                 is_residency_repair=True)]
 
 
 def test_new_source_is_loaded_in_place_on_placed_and_registered_pods():
