@@ -49,8 +49,9 @@ class OperatorMetrics:
     def record_pass(self, namespace: str, pool: str, duration_s: float, is_error: bool) -> None:
         self.passes.labels(namespace, pool).inc()
         self.duration.labels(namespace, pool).observe(duration_s)
+        errors = self.errors.labels(namespace, pool)  # from the first pass on, 0 until one fails (dashboards, rates)
         if is_error:
-            self.errors.labels(namespace, pool).inc()
+            errors.inc()
 
     def record_call(self, namespace: str, pool: str, call: str, is_error: bool) -> None:
         """call: "load" or "unload"."""

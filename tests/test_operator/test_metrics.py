@@ -34,7 +34,7 @@ def test_passes_errors_and_durations_by_pool():
     m.record_pass("ns", "q", 0.1, is_error=False)
     assert value(m, "kubelora_operator_reconcile_passes_total", namespace="ns", pool="p") == 2
     assert value(m, "kubelora_operator_reconcile_errors_total", namespace="ns", pool="p") == 1
-    assert value(m, "kubelora_operator_reconcile_errors_total", namespace="ns", pool="q") is None
+    assert value(m, "kubelora_operator_reconcile_errors_total", namespace="ns", pool="q") == 0  # a series at once
     assert value(m, "kubelora_operator_reconcile_duration_seconds_sum", namespace="ns", pool="p") == pytest.approx(3.2)
     assert value(m, "kubelora_operator_reconcile_duration_seconds_bucket", namespace="ns", pool="p", le="1.0") == 1
 
