@@ -17,7 +17,7 @@ import binascii
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -100,3 +100,40 @@ async def watch_key_secrets(kube: Kube, namespace: str, pool: str, known: Callab
             seen = frozenset((s["metadata"]["name"], s["metadata"].get("resourceVersion", "")) for s in secrets)
             if seen != versions:
                 on_change()
+
+
+REFUSAL_EVENT_EVERY_S = 60.0  # at most one RequestsRefused event per adapter this often
+
+
+@dataclass(frozen=True)
+class RefusalMemory:
+    seen: Mapping[tuple[str, str, str], int] = field(default_factory=dict)  # (router, model, status) -> its total
+    pending: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # model -> status -> not yet told
+    told_at: Mapping[str, float] = field(default_factory=dict)  # model -> time of its last event
+
+
+def refusal_events(memory: RefusalMemory, totals: Mapping[str, Mapping[str, Mapping[str, int]]],
+                   adapters: Iterable[str], now: float) -> tuple[dict[str, str], RefusalMemory]:
+    """Pure: each router's refusal totals (router -> model -> status -> count since it started) -> the adapters'
+    event messages due now (one per adapter and REFUSAL_EVENT_EVERY_S, counting what came since its last one) and
+    the next memory. A total below what was seen is a restarted router: all of it is new. Never a key."""
+    adapters = set(adapters)
+    seen = dict(memory.seen)
+    pending = {model: dict(by_status) for model, by_status in memory.pending.items() if model in adapters}
+    for router, by_model in totals.items():
+        for model, by_status in by_model.items():
+            for status, total in by_status.items():
+                before = seen.get((router, model, status), 0)
+                seen[(router, model, status)] = total
+                new = total - before if total >= before else total
+                if new > 0 and model in adapters:
+                    pending.setdefault(model, {})[status] = pending.get(model, {}).get(status, 0) + new
+    messages, told_at = {}, dict(memory.told_at)
+    for model, by_status in sorted(pending.items()):
+        if by_status and now - told_at.get(model, float("-inf")) >= REFUSAL_EVENT_EVERY_S:
+            parts = ", ".join(f"{count} x {status}" for status, count in sorted(by_status.items()))
+            messages[model] = (f"{sum(by_status.values())} requests for it were refused on their API key ({parts}; "
+                               "401: no valid key, 403: a key not granted it, 429: over the key's rates)")
+            told_at[model] = now
+            pending[model] = {}
+    return messages, RefusalMemory(seen, {m: s for m, s in pending.items() if s}, told_at)

@@ -106,6 +106,8 @@ class RouterAck:
     age_s: float | None = None  # since its last successful placement read
     loaded_at: float | None = None  # time.time() it took `revision`
     error: str | None = None  # why it did not answer, or its last placement read error
+    # model -> HTTP status -> requests it refused on their API key since it started (api_keys.refusal_events)
+    key_refusals: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def router_url(ip: str) -> str:
@@ -136,7 +138,10 @@ async def _ask_router(session: aiohttp.ClientSession, pod: dict, revision: int, 
             if response.status != 200:
                 return RouterAck(name, ip, is_ready, error=f"GET /placement: HTTP {response.status}")
             body = await response.json()
+        refusals = body.get("keyRefusals") if isinstance(body.get("keyRefusals"), dict) else {}
         return RouterAck(name, ip, is_ready, revision=int(body["revision"]), age_s=float(body["ageSeconds"]),
-                         loaded_at=body.get("loadedAt"), error=body.get("lastError"))
+                         loaded_at=body.get("loadedAt"), error=body.get("lastError"),
+                         key_refusals={str(m): {str(k): int(v) for k, v in by_status.items()}
+                                       for m, by_status in refusals.items() if isinstance(by_status, dict)})
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
         return RouterAck(name, ip, is_ready, error=f"GET /placement: {type(exc).__name__}: {exc}")

@@ -21,7 +21,8 @@ import aiohttp
 
 from kubelora.contract.load import S3Access
 from kubelora.operator import names
-from kubelora.operator.api_keys import PoolKeys, engines_to_push, list_key_secrets, read_pool_keys
+from kubelora.operator.api_keys import (PoolKeys, RefusalMemory, engines_to_push, list_key_secrets, read_pool_keys,
+                                       refusal_events)
 from kubelora.operator.decide import CallResult, Event, PassPlan, PoolView, StoredPlacement, plan_pass, record_result
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube
@@ -66,6 +67,7 @@ class PoolReconciler:
         # starts a pass when they change (api_keys.watch_key_secrets).
         self.key_versions: frozenset[tuple[str, str]] | None = None
         self._warned_secrets: frozenset[tuple[str, str]] = frozenset()  # (Secret, version) refused, event posted
+        self._refusals = RefusalMemory()  # the routers' key refusals told so far (_tell_refusals)
 
     async def reconcile(self) -> None:
         body = await self._kube.get_custom(names.POOL_PLURAL, self.namespace, self.name)
@@ -84,7 +86,8 @@ class PoolReconciler:
         results = await self._execute(plan, clients, view)
         publication = build_publication(view, plan, results, self._memory)
         await self._publish(pool, body, publication.placement)
-        report = report_publication(view, plan, publication, await self._ask_routers(pool, publication))
+        routers = await self._ask_routers(pool, publication)
+        report = report_publication(view, plan, publication, routers)
         self._memory = report.memory  # only once the placement it records is written
         self.next_pass_s = min(report.next_pass_s or KEY_RETRY_S, KEY_RETRY_S) if is_keys_behind else \
             report.next_pass_s
@@ -92,9 +95,20 @@ class PoolReconciler:
             self._on_released(report.released)
         await self._patch_adapters(view.bodies, report)
         await self._patch_pool(body, report.pool_status)
+        await self._tell_refusals(view, routers)
         is_heal_due = self._take_heal_request() or self._is_token_new
         if is_heal_due or time.monotonic() - self._healed_at >= self._settings.resync_s:
             await self._heal_owned(pool, body)
+
+    async def _tell_refusals(self, view: PoolView, routers: RouterView) -> None:
+        """A Warning event on each adapter whose requests the routers refused on their API key since its last
+        one (api_keys.refusal_events: at most one a minute, counts by status, never a key)."""
+        totals = {pod: ack.key_refusals for pod, ack in routers.acks.items() if ack.key_refusals}
+        if not totals and not self._refusals.pending:
+            return
+        messages, self._refusals = refusal_events(self._refusals, totals, view.bodies, time.time())
+        await self._post(view.bodies, [Event(name, True, "RequestsRefused", message)
+                                       for name, message in messages.items()])
 
     async def _heal_owned(self, pool: PoolSpec, body: dict) -> None:
         """Re-apply what the pool owns (writes.apply_pool, as on a spec change) and the published placement, once

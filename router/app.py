@@ -165,7 +165,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
                 state.limits.admit_request(grant, len(body), payload)
         except ServiceError as exc:
             if placement.api_keys.required and to_http(exc).status in (401, 403, 429):
-                state.metrics.key_refusals.labels(_metric_model(placement, body), str(to_http(exc).status)).inc()
+                state.metrics.refuse_key(_metric_model(placement, body), to_http(exc).status)
             raise
         route = _route(state, model)
     except ServiceError as exc:
@@ -222,9 +222,10 @@ async def handle_ready(request: web.Request) -> web.Response:
 
 async def handle_placement(request: web.Request) -> web.Response:
     """The revision this router routes on, for the operator (its adapters are Ready once every ready router has
-    taken a revision that includes them). `?min_revision=N&wait=S`: read the ConfigMap now (without `wait`: the
-    read is started, the answer does not wait), and answer once the revision is at least N, a read fails, or S
-    seconds (at most MAX_PLACEMENT_WAIT_S) have passed."""
+    taken a revision that includes them), and the requests it refused on their API key by model and status since
+    it started (`keyRefusals`: the operator's events). `?min_revision=N&wait=S`: read the ConfigMap now (without
+    `wait`: the read is started, the answer does not wait), and answer once the revision is at least N, a read
+    fails, or S seconds (at most MAX_PLACEMENT_WAIT_S) have passed."""
     state = request.app[STATE]
     min_revision = _query_number(request, "min_revision", int, 0, 2**62)
     wait_s = _query_number(request, "wait", float, 0.0, MAX_PLACEMENT_WAIT_S) or 0.0
@@ -244,9 +245,13 @@ async def handle_placement(request: web.Request) -> web.Response:
 def placement_report(state: RouterState) -> dict:
     store = state.store
     placement = store.placement
+    refusals: dict[str, dict[str, int]] = {}  # model -> status -> requests refused on their key since start
+    for (model, status), count in state.metrics.key_refusal_totals.items():
+        if model != "other":
+            refusals.setdefault(model, {})[status] = count
     return {"pool": placement.pool if placement else state.config.pool, "revision": _revision(store),
             "loadedAt": store.loaded_at, "ageSeconds": round(store.age_s(), 3), "lastError": store.last_error,
-            "maxAgeSeconds": state.config.max_placement_age}
+            "maxAgeSeconds": state.config.max_placement_age, "keyRefusals": refusals}
 
 
 def _revision(store: PlacementStore) -> int:

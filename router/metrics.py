@@ -27,6 +27,8 @@ class RouterMetrics:
                                     "key), 403 (a model the key may not call), 429 (over its rates), by the "
                                     "model asked for (\"other\": one the pool does not serve); never by key",
                                     ["model", "status"], registry=self.registry)
+        # (model, status) -> refusals since start: what GET /placement reports to the operator (its events)
+        self.key_refusal_totals: dict[tuple[str, str], int] = {}
         self.upstream_errors = Counter("kubelora_router_upstream_errors",
                                        "replica failures: connect (retried on the next replica) or broken (after "
                                        "the first byte; the client sees the error)", ["pod", "kind"],
@@ -38,6 +40,11 @@ class RouterMetrics:
                                   ["decision"], registry=self.registry,
                                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.registry.register(_StateCollector(state))
+
+    def refuse_key(self, model: str, status: int) -> None:
+        self.key_refusals.labels(model, str(status)).inc()
+        key = (model, str(status))
+        self.key_refusal_totals[key] = self.key_refusal_totals.get(key, 0) + 1
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ calls through the router (by pod IP) and straight to the engine with the openai 
 - a revoked key (Secret deleted) is refused within 5 s; a stream it started before finishes;
 - a rotated key (a new Secret) works within 5 s and the old one stops;
 - a key's requestsPerMinute answers 429 with Retry-After;
-- a refused key Secret (a weak key) gets a Warning event and shows in the pool status;
+- a refused key Secret (a weak key) gets a Warning event and shows in the pool status; refusals reach the
+  adapter as a RequestsRefused event;
 - no key appears in the router's or the engine's log, in the placement ConfigMap, or in any status.
 """
 from __future__ import annotations
@@ -117,6 +118,12 @@ def _two_tenants(env, material) -> None:
     with pytest.raises(openai.RateLimitError) as refused:
         client(router_ip, 8080, KEY_B).completions.create(model="b-chat", prompt="hello", max_tokens=2)
     assert statuses == [200, 200, 200] and int(refused.value.response.headers["Retry-After"]) >= 1
+
+    # The routers' refusals reach the adapters as events, by status, never a key (b-chat got KEY_A's 403s).
+    wait_for("a RequestsRefused event on b-chat", lambda: [
+        e for e in env.cluster.get_json("events", "-n", env.namespace, "--field-selector",
+                                        "involvedObject.name=b-chat")["items"] if e["reason"] == "RequestsRefused"],
+             timeout_s=30)
 
     # The weak key's Secret is refused, with a reason, and counted in the pool status.
     status = env.cluster.get_json("lorapool", "kpool", "-n", env.namespace)["status"]

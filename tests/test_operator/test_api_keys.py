@@ -156,3 +156,34 @@ async def test_the_poll_starts_a_pass_when_a_key_secret_changes():
         await asyncio.wait_for(changed.wait(), 5)
     finally:
         task.cancel()
+
+
+def test_refusals_become_one_event_per_adapter_a_minute_counted_across_routers():
+    from kubelora.operator.api_keys import REFUSAL_EVENT_EVERY_S, RefusalMemory, refusal_events
+
+    adapters = ["a1", "b1"]
+    totals = {"r0": {"a1": {"403": 3}, "other-tenant-thing": {"403": 9}}, "r1": {"a1": {"429": 2}}}
+    messages, memory = refusal_events(RefusalMemory(), totals, adapters, now=0.0)
+    assert list(messages) == ["a1"] and messages["a1"].startswith("5 requests for it were refused")
+    assert "3 x 403" in messages["a1"] and "2 x 429" in messages["a1"]
+    totals["r0"]["a1"]["403"] = 4  # one more, within the minute: held back, then told with what follows
+    messages, memory = refusal_events(memory, totals, adapters, now=10.0)
+    assert messages == {}
+    totals["r1"] = {"a1": {"429": 1}}  # r1 restarted: its new total is all new
+    messages, memory = refusal_events(memory, totals, adapters, now=REFUSAL_EVENT_EVERY_S + 1)
+    assert messages["a1"].startswith("2 requests") and "1 x 403" in messages["a1"] and "1 x 429" in messages["a1"]
+    messages, memory = refusal_events(memory, totals, adapters, now=2 * REFUSAL_EVENT_EVERY_S + 2)
+    assert messages == {}  # nothing new
+
+
+async def test_a_pass_posts_the_routers_refusals_on_the_adapter(keyed_world):
+    from kubelora.operator.observe import RouterAck
+    from kubelora.operator.routers import RouterView
+
+    kube, _, reconciler = keyed_world
+    kube.add_adapter("a1", "/adapters/a1")
+    await reconciler.reconcile()
+    ack = RouterAck("r0", "10.0.0.9", True, revision=1, key_refusals={"a1": {"403": 2}})
+    view = type("View", (), {"bodies": {"a1": kube.objects[("loraadapters", "a1")]}})()
+    await reconciler._tell_refusals(view, RouterView({"r0": ack}, 0.0))
+    assert ("a1", "Warning", "RequestsRefused") in kube.events

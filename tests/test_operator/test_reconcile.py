@@ -528,7 +528,7 @@ async def test_the_metered_reconcile_counts_passes_calls_placements_and_phases(w
         return metrics.registry.get_sample_value(name, {"namespace": NS, "pool": "p", **labels})
 
     assert sample("kubelora_operator_reconcile_passes_total") == 2
-    assert sample("kubelora_operator_reconcile_errors_total") is None
+    assert sample("kubelora_operator_reconcile_errors_total") == 0
     assert sample("kubelora_operator_engine_calls_total", call="load", result="ok") == 2  # "a" on both pods
     refused = sum(call == ("load", "big") for e in engines.values() for call in e.calls)
     assert refused >= 1 and sample("kubelora_operator_engine_calls_total", call="load", result="error") == refused

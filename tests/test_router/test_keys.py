@@ -163,6 +163,8 @@ async def test_refusals_are_counted_by_model_never_by_key(engines, router):
     assert 'kubelora_router_key_refusals_total{model="other",status="403"} 1.0' in text
     assert 'kubelora_router_key_refusals_total{model="a1",status="401"} 1.0' in text
     assert KEY_A not in text and "made-up" not in text
+    report = await (await client.get("/placement")).json()  # the operator's events read these totals
+    assert report["keyRefusals"] == {"b1": {"403": 1}, "a1": {"401": 1}}
 
 
 async def test_a_key_granted_a_deleted_adapter_gets_404_for_it(engines, router):
