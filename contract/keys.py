@@ -62,7 +62,8 @@ class InvalidKeySecret(ValueError):
 
 
 def key_digest(key: str) -> str:
-    return _sha256(key.encode()).hexdigest()
+    # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes: hashed as the bytes they were.
+    return _sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def key_strength_bytes(key: str) -> int:

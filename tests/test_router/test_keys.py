@@ -173,3 +173,13 @@ async def test_a_key_granted_a_deleted_adapter_gets_404_for_it(engines, router):
     assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
     models = await (await client.get("/v1/models", headers=bearer(KEY_A))).json()
     assert [card["id"] for card in models["data"]] == ["a1"]
+
+
+def test_a_key_of_bytes_that_are_not_utf8_is_401_not_an_error():
+    """aiohttp hands such header bytes over as surrogate escapes."""
+    from kubelora.contract.errors import Unauthorized
+    from kubelora.contract.keys import build_table
+
+    table = build_table(True, [grant_from_secret({"key": KEY_A, "adapters": "a1"})])
+    with pytest.raises(Unauthorized):
+        table.authorize(["Bearer " + b"\xff\xfe-not-utf8".decode("utf-8", "surrogateescape")])
