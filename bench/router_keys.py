@@ -37,7 +37,7 @@ from pathlib import Path
 
 from kubelora.bench.router_keys_fleet import Fleet, hand_out, process_cpu_s, start_fleet
 from kubelora.bench.router_keys_report import render_markdown
-from kubelora.contract.keys import KeyGrant, build_table, key_digest
+from kubelora.contract.keys import KeyGrant, build_table, check_model, key_digest
 
 ROUTER_ARMS = ("open", "open-control", "keys", "keys+limits")
 ARMS = ("engine", *ROUTER_ARMS)  # engine: the floor, no router
@@ -206,7 +206,7 @@ def time_key_path(config: RouterKeysConfig, keys: list[str], caller: Caller) -> 
             start = time.perf_counter()
             for _ in range(config.num_key_path_calls):
                 grant = table.authorize(header)
-                table.check(grant, payload["model"], "base")
+                check_model(grant, payload["model"], "base")
                 if grant is not None:
                     limits.admit_request(grant, len(body), payload)
             rounds.append(time.perf_counter() - start)

@@ -130,14 +130,16 @@ class KeyTable:
                                headers=_UNAUTHORIZED_HEADERS)
         return grant
 
-    def check(self, grant: KeyGrant | None, model: str, base_model: str) -> None:
-        """403 when the key may not call `model`; the message is the same whether or not `model` exists."""
-        if grant is not None and not grant.may_call(model, base_model):
-            raise PermissionDenied(f"this API key may not call model {model!r}", param="model",
-                                   code="model_not_permitted")
-
 
 OPEN = KeyTable()
+
+
+def check_model(grant: KeyGrant | None, model: str, base_model: str) -> None:
+    """403 when the key may not call `model` (nothing to check without a key: the pool is open); the message is the
+    same whether or not `model` exists."""
+    if grant is not None and not grant.may_call(model, base_model):
+        raise PermissionDenied(f"this API key may not call model {model!r}", param="model",
+                               code="model_not_permitted")
 
 
 def visible_models(grant: KeyGrant | None, names: Iterable[str], base_model: str) -> list[str]:

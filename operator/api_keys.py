@@ -58,10 +58,15 @@ def _decoded(secret: dict) -> dict[str, str]:
     return data
 
 
+def secret_versions(secrets: Iterable[dict]) -> frozenset[tuple[str, str]]:
+    """(name, resourceVersion) of each Secret: what changes when one is created, edited or deleted."""
+    return frozenset((s["metadata"]["name"], s["metadata"].get("resourceVersion", "")) for s in secrets)
+
+
 def read_pool_keys(required: bool, secrets: Iterable[dict]) -> PoolKeys:
     """The table from the key Secrets (pure). A pool that requires no keys gets the open table whatever exists."""
     secrets = list(secrets)
-    versions = frozenset((s["metadata"]["name"], s["metadata"].get("resourceVersion", "")) for s in secrets)
+    versions = secret_versions(secrets)
     if not required:
         return PoolKeys(KeyTable(), (), versions)
     grants, refused = [], []
@@ -96,9 +101,7 @@ async def watch_key_secrets(kube: Kube, namespace: str, pool: str, known: Callab
         if versions is None:
             continue
         with contextlib.suppress(KubeError, aiohttp.ClientError, asyncio.TimeoutError):
-            secrets = await list_key_secrets(kube, namespace, pool)
-            seen = frozenset((s["metadata"]["name"], s["metadata"].get("resourceVersion", "")) for s in secrets)
-            if seen != versions:
+            if secret_versions(await list_key_secrets(kube, namespace, pool)) != versions:
                 on_change()
 
 

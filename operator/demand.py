@@ -70,8 +70,11 @@ def measure(memory: DemandMemory, counters: Mapping[tuple[str, str], int], now: 
     served: dict[str, int] = {}
     for (pod, adapter), value in counters.items():
         before = memory.counters.get((pod, adapter))
-        delta = value - before if before is not None and value >= before else value if before is not None else 0
-        served[adapter] = served.get(adapter, 0) + delta
+        if before is None:  # first seen: no interval to count over yet
+            served.setdefault(adapter, 0)
+            continue
+        # A counter below what was seen is an engine that restarted: all of it was served since.
+        served[adapter] = served.get(adapter, 0) + (value - before if value >= before else value)
     weight = 1.0 - math.exp(-gap / SMOOTHING_S)
     rates = {}
     for adapter in set(memory.rates) | set(served):

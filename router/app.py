@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubelora.contract.errors import InvalidRequest, ModelNotFound, ServiceError, Unavailable
 from kubelora.contract.http_errors import HANDLER_ARGS, error_middleware, refuse_encoded_bodies, to_http
-from kubelora.contract.keys import KeyGrant, visible_models
+from kubelora.contract.keys import KeyGrant, check_model, visible_models
 from kubelora.contract.http_logs import redact_aiohttp_logs
 from kubelora.contract.logs import log_event
 from kubelora.router import routing
@@ -160,7 +160,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             grant = placement.api_keys.authorize(request.headers.getall("Authorization", []))
             payload = _parse_body(body)
             model = _requested_model(payload)
-            placement.api_keys.check(grant, model, placement.base_model)
+            check_model(grant, model, placement.base_model)
             if grant is not None:
                 state.limits.admit_request(grant, len(body), payload)
         except ServiceError as exc:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kubelora.contract.errors import ContextLengthExceeded, ModelNotFound, PromptTooLong
-from kubelora.contract.keys import KeyGrant, KeyTable
+from kubelora.contract.keys import KeyGrant, check_model
 from kubelora.engine.server.adapter_ops import AdapterOps
 from kubelora.engine.server.async_engine import AsyncEngine
 from kubelora.engine.server.metrics import ServerMetrics
@@ -56,8 +56,7 @@ class Serving:
         """The adapter name to run (None for the base model); 403 when the request's API key (`grant`) may not
         call it, before it is looked up (the answer does not say whether it exists); 404 for a name nobody
         serves."""
-        if grant is not None:
-            KeyTable(required=True).check(grant, model, self.model_name)
+        check_model(grant, model, self.model_name)
         if model == self.model_name:
             return None
         info = self.adapters.get(model)
