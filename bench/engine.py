@@ -114,7 +114,7 @@ _INT_FLAGS = {"prompt_len": "--prompt-len", "output_len": "--output-len", "num_r
               "prefill_prompts": "--prefill-prompts", "prefill_len": "--prefill-len",
               "prefill_adapters": "--prefill-adapters", "prefill_repeats": "--prefill-repeats",
               "structured_requests": "--structured-requests",
-              "matmul_size": "--matmul-size",
+              "matmul_size": "--matmul-size", "server_starts": "--server-starts",
               "profile_steps": "--profile-steps", "seed": "--seed"}
 _LIST_FLAGS = {"base_batches": "--base-batches", "adapter_counts": "--adapter-counts", "mixed_ranks": "--mixed-ranks",
                "hf_batches": "--hf-batches"}
@@ -132,7 +132,7 @@ SMOKE = {"device": "cpu", "shape": "tiny", "num_repeats": 1, "warmup_tokens": 2,
          "base_batches": (1, 4), "batch": 4, "adapter_counts": (2, 4), "num_adapters": 2, "num_registered": 6,
          "mixed_ranks": (8, 24), "budget_adapters": 1, "prefill_prompts": 2, "prefill_repeats": 1, "prefill_len": 16,
          "prefill_adapters": 2, "structured_requests": 2, "matmul_size": 64, "copy_mib": 4, "hf_batches": (1, 4),
-         "profile_steps": 2}
+         "profile_steps": 2, "server_starts": 2}
 
 
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:

@@ -51,6 +51,8 @@ class EngineBenchConfig:
     hf_batches: tuple[int, ...] = (1, 64)
     hf_timeout_s: float = 420.0
     server_timeout_s: float = 300.0
+    # Fresh `engine serve` processes whose first request after /ready is timed; the target compares the medians.
+    server_starts: int = 5
     is_eager: bool = False  # EngineConfig.enforce_eager for every offline engine
     is_profiled: bool = False
     profile_steps: int = 20
@@ -67,7 +69,7 @@ class EngineBenchConfig:
         for name in ("prompt_len", "output_len", "num_repeats", "warmup_tokens", "batch", "num_adapters",
                      "num_registered", "rank", "budget_adapters", "prefill_prompts", "prefill_len",
                      "prefill_adapters", "prefill_repeats", "structured_requests", "matmul_size", "copy_bytes",
-                     "profile_steps"):
+                     "profile_steps", "server_starts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("base_batches", "adapter_counts", "mixed_ranks", "hf_batches"):

@@ -253,9 +253,11 @@ def render_markdown(result: BenchResult) -> str:
             text += ["", f"## {title}", "", *lines]
     if "http" in result.rows:
         extra = result.rows["http"].extra
-        text += ["", f"HTTP server: /ready after {extra['ready_s']:.1f} s; the first request's TTFT "
-                 f"{1e3 * extra['cold_ttft_s']:.0f} ms, then single requests {1e3 * extra['steady_ttft_s']:.0f} ms "
-                 f"(median of {len(extra['steady_ttft_probes_s'])}); flags as the adapter engine: "
+        starts = ", ".join(f"{1e3 * cold:.0f} / {1e3 * steady:.0f}" for cold, steady
+                           in zip(extra["cold_ttft_starts_s"], extra["steady_ttft_starts_s"]))
+        text += ["", f"HTTP server: /ready after {', '.join(f'{s:.1f}' for s in extra['ready_starts_s'])} s over "
+                 f"{len(extra['ready_starts_s'])} fresh starts; per start, the first request's TTFT against the median "
+                 f"of {len(extra['steady_ttft_probes_s'])} single requests after it (ms): {starts}; flags as the adapter engine: "
                  f"`{json.dumps(extra['server'])}`.", *_ttft_split_lines(extra)]
     lacks = result.rows["http"].extra.get("server_lacks") if "http" in result.rows else None
     if lacks:

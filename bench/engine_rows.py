@@ -260,19 +260,35 @@ class EngineRows:
                                   max_model_len=c.max_model_len, engine_flags=tuple(flags), **limits)
         workload = self.decode(names)
         single = Workload(workload.prompts[:1], workload.adapters[:1], min(4, c.output_len))
-        server = Server(settings, log_path)
-        try:
-            ready_s = server.wait_ready(c.server_timeout_s)
-            cold = probe_ttft(server.url, single)
-            probes = [probe_ttft(server.url, single) for _ in range(NUM_TTFT_PROBES)]
-            steady = [ttft for ttft, _, _ in probes]
-            warmup = run_clients(server.url, workload.with_max_tokens(min(c.warmup_tokens, c.output_len)))
-            runs = [run_clients(server.url, workload) for _ in range(c.num_repeats)]
-        finally:
-            server.stop()
-        extra = {"num_requests": len(workload.prompts), "ready_s": ready_s, "cold_ttft_s": cold[0],
-                 "steady_ttft_s": statistics.median(steady), "steady_ttft_probes_s": steady,
-                 # (queue, prefill) seconds inside the server of the first request and of each steady one
+        starts = []  # per fresh server: (seconds to /ready, the first request's probe, the steady probes)
+
+        def start(is_timed: bool) -> tuple[RunStats | None, list[RunStats]]:
+            server = Server(settings, log_path)
+            try:
+                ready_s = server.wait_ready(c.server_timeout_s)
+                cold = probe_ttft(server.url, single)
+                probes = [probe_ttft(server.url, single) for _ in range(NUM_TTFT_PROBES)]
+                starts.append((ready_s, cold, probes))
+                if not is_timed:
+                    return None, []
+                warmup = run_clients(server.url, workload.with_max_tokens(min(c.warmup_tokens, c.output_len)))
+                return warmup, [run_clients(server.url, workload) for _ in range(c.num_repeats)]
+            finally:
+                server.stop()
+
+        warmup, runs = start(True)
+        for _ in range(c.server_starts - 1):
+            start(False)
+        ready_s, cold, probes = starts[0]
+        colds = [first[0] for _, first, _ in starts]
+        steadies = [statistics.median(ttft for ttft, _, _ in steady) for _, _, steady in starts]
+        extra = {"num_requests": len(workload.prompts), "ready_s": ready_s,
+                 # the first request after /ready and the steady single requests, medians over the fresh starts
+                 "cold_ttft_s": statistics.median(colds), "steady_ttft_s": statistics.median(steadies),
+                 "cold_ttft_starts_s": colds, "steady_ttft_starts_s": steadies,
+                 "ready_starts_s": [ready for ready, _, _ in starts],
+                 # the first server's single requests: TTFT, (queue, prefill) seconds inside the server
+                 "steady_ttft_probes_s": [ttft for ttft, _, _ in probes],
                  "cold_split_s": list(cold[1:]), "steady_split_s": [list(p[1:]) for p in probes],
                  "server": {**limits, "flags": flags}, "server_lacks": missing}
         self.result.rows["http"] = Row("http", f"HTTP, {c.batch} streams over {c.num_adapters} adapters", runs,
