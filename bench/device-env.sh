@@ -4,7 +4,7 @@
 OUT=${OUT:-/tmp/kubelora-out}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT" /tmp/p/kubelora
-for d in kernels engine cli bench; do rm -rf "/tmp/p/kubelora/$d"; cp -r "$d" /tmp/p/kubelora/; done
+for d in kernels engine contract router cli bench; do rm -rf "/tmp/p/kubelora/$d"; cp -r "$d" /tmp/p/kubelora/; done
 export PYTHONPATH=/tmp/p${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [ -n "${WHEELS:-}" ]; then
   missing=()
