@@ -1,7 +1,8 @@
 """Router metrics on a private registry (`GET /metrics`).
 
 Counters are incremented as requests pass; gauges (in-flight per replica, placement) are read from the router's
-state at scrape time, so a replica that left the placement disappears from the next scrape.
+state at scrape time, so a replica that left the placement disappears from the next scrape. The upstream error
+counter is also 0 for every replica of the placement that has not failed yet.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Metric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kubelora.router.placement import Placement
+
+UPSTREAM_ERROR_KINDS = ("connect", "broken")  # the kinds proxy.py counts
 
 
 class RouterMetrics:
@@ -32,7 +35,7 @@ class RouterMetrics:
         self.upstream_errors = Counter("kubelora_router_upstream_errors",
                                        "replica failures: connect (retried on the next replica) or broken (after "
                                        "the first byte; the client sees the error)", ["pod", "kind"],
-                                       registry=self.registry)
+                                       registry=None)  # registered below, with its zeros
         self.retries = Counter("kubelora_router_retries", "requests sent again to the next replica",
                                registry=self.registry)
         self.duration = Histogram("kubelora_router_request_duration_seconds",
@@ -40,6 +43,7 @@ class RouterMetrics:
                                   ["decision"], registry=self.registry,
                                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.registry.register(_StateCollector(state))
+        self.registry.register(_UpstreamErrorsWithZeros(self.upstream_errors, state))
 
     def refuse_key(self, model: str, status: int) -> None:
         self.key_refusals.labels(model, str(status)).inc()
@@ -83,3 +87,24 @@ class _StateCollector(Collector):
                                 value=snapshot.placement_age_s)
         yield CounterMetricFamily("kubelora_router_placement_read_failures",
                                   "placement reads or parses that failed (one per outage)", value=num_errors)
+
+
+class _UpstreamErrorsWithZeros(Collector):
+    """The upstream error counter with a 0 for each kind on every replica of the placement routed on that has not
+    failed yet: dashboards and rates see a series before a replica's first failure. A replica that left the
+    placement keeps only the series it counted (pod names change with every rollout)."""
+
+    def __init__(self, counter: Counter, state: Callable[[], RouterSnapshot]) -> None:
+        self._counter = counter
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        placement = self._state().placement
+        pods = sorted({r.pod for r in placement.replicas}) if placement else []
+        (family,) = self._counter.collect()
+        counted = {(s.labels["pod"], s.labels["kind"]) for s in family.samples}
+        for pod in pods:
+            for kind in UPSTREAM_ERROR_KINDS:
+                if (pod, kind) not in counted:
+                    family.add_sample(family.name + "_total", {"pod": pod, "kind": kind}, 0.0)
+        yield family

@@ -124,7 +124,8 @@ async def test_client_disconnect_cancels_the_upstream_request(engines, router):
     await _until(lambda: engines[1].cancelled == 1)
     await _until(lambda: client.state.in_flight.snapshot() == {})
     metrics = await (await client.get("/metrics")).text()
-    assert 'kind="broken"' not in metrics  # the client left; the replica did not fail
+    # The client left; the replica did not fail: its count stays at 0.
+    assert 'kubelora_router_upstream_errors_total{kind="broken",pod="p1"} 0.0' in metrics
 
 
 async def test_client_timeout_cancels_a_non_streamed_upstream_request(engines, router):
