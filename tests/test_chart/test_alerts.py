@@ -1,6 +1,7 @@
 """The chart's PrometheusRule: rendered by helm, its groups pass `promtool check rules` and the unit tests of
 alerts_test.yaml (every alert fires in one); each alert queries only metrics our exporters expose, has a
-severity, a summary, a description and a runbook link to a section of docs/runbook.md."""
+severity, a summary, a description and a runbook link to a section of docs/runbook.md; each `for` is a chart
+value."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import CI_VALUES
+from .conftest import CHART, CI_VALUES
 from .exported import exported_metric_names, promql_metric_names
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).with_name("alerts_test.yaml")
 RUNBOOK_URL = "https://runbooks.test/runbook.md"  # what alerts_test.yaml expects in runbook_url
 MONITORING = next(p for p in CI_VALUES if p.stem == "monitoring-values")
+# The `for` the chart ships (metrics.prometheusRule.for); docs/runbook.md's durations are these.
+SHIPPED_FOR = {"KubeloraAdapterThrash": "10m", "KubeloraAdapterQueueStuck": "5m", "KubeloraTTFTBudgetBurnFast": "2m",
+               "KubeloraTTFTBudgetBurnSlow": "15m", "KubeloraRouterPlacementStale": "2m",
+               "KubeloraPoolDegradedOrStalled": "5m", "KubeloraAdaptersDegraded": "10m",
+               "KubeloraAdaptersStalled": "5m", "KubeloraOperatorNoLeader": "5m"}
 
 
 @pytest.fixture(scope="session")
@@ -73,3 +79,20 @@ def test_alerts_have_severity_summary_description_and_a_runbook_section(groups):
         assert alert["annotations"]["summary"] and alert["annotations"]["description"], alert["alert"]
         url, _, anchor = alert["annotations"]["runbook_url"].partition("#")
         assert url == RUNBOOK_URL and anchor == alert["alert"].lower() and anchor in anchors, alert["alert"]
+
+
+def test_each_for_is_a_chart_value_shipped_unchanged(groups):
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["prometheusRule"]["for"]
+    assert values == SHIPPED_FOR
+    assert {a["alert"]: a["for"] for a in alerts(groups) if "for" in a} == SHIPPED_FOR
+
+
+def test_a_for_from_the_values_is_the_alerts_for_and_in_its_description(render):
+    rendered = render(MONITORING, "metrics.prometheusRule.for.KubeloraAdaptersDegraded=90s",
+                      "metrics.prometheusRule.for.KubeloraAdapterThrash=1h30m")
+    [rule] = [m for (kind, _, _), m in rendered.items() if kind == "PrometheusRule"]
+    found = {a["alert"]: a for a in alerts(rule["spec"]["groups"])}
+    assert {name: a["for"] for name, a in found.items() if "for" in a} == {
+        **SHIPPED_FOR, "KubeloraAdaptersDegraded": "90s", "KubeloraAdapterThrash": "1h30m"}
+    assert found["KubeloraAdaptersDegraded"]["annotations"]["description"].endswith("have been Degraded for 90s.")
+    assert "FOR(" not in yaml.safe_dump(rule)  # every placeholder filled

@@ -272,6 +272,9 @@ def test_every_object_is_labelled_by_the_release(render, name):
                                         ("metrics.serviceMonitor.interval=often", "interval"),
                                         ("operator.metricsPort=0", "metricsPort"),
                                         ("metrics.prometheusRule.enabled=yes", "enabled"),
+                                        ("metrics.prometheusRule.for.KubeloraAdapterThrash=soon",
+                                         "KubeloraAdapterThrash"),
+                                        ("metrics.prometheusRule.for.KubeloraAdapterTrash=1m", "KubeloraAdapterTrash"),
                                         ("operater.verbose=true", "operater"),
                                         ("networkPolicy.enabled=maybe", "enabled")])
 def test_values_schema_refuses_bad_values(helm, bad, field):
