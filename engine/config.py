@@ -31,7 +31,7 @@ class EngineConfig:
       Otherwise decode steps and short prefill chunks run from static layouts: CUDA graphs on CUDA, the same
       inputs eagerly elsewhere.
     - use_gemv: one-token steps on CUDA run their projections as the Triton GEMV (kernels/gemv.py); False: cuBLAS.
-    - use_prefill_graphs: a lone sequence's short prefill chunk replays a CUDA graph (engine/step/static.py).
+    - use_prefill_graphs: a lone sequence's short prefill chunk replays a CUDA graph (engine/step/executor.py).
     - use_staged_shrink: LoRA decode steps on the static path with the Triton backend compute their shrink in the
       base matmul (engine/adapters/staging.py).
     - blas_library: the library PyTorch's CUDA matmuls use, "cublaslt" or "cublas" (engine/setup.py: configure_blas).

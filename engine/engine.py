@@ -147,19 +147,17 @@ class LLMEngine:
         model = DecoderModel(self.model_config, weights, RotaryEmbedding(inv_freq, attention_scaling, self.device),
                              kv_cache, pool.layer_buffers(), use_gemv=self.config.use_gemv)
         lora_backend = setup.resolve_lora_backend(self.config)
-        runner_config = RunnerConfig(device=self.device, block_size=self.config.kv_block_size,
-                                     lora_backend=lora_backend, is_paged_attention=self.device.type == "cuda",
-                                     eos_token_ids=self.eos_token_ids)
-        runner = ModelRunner(model, runner_config)
+        steps = setup.build_step_executor(self.config, model, self.max_model_len, self.num_kv_blocks, lora_backend,
+                                          staging=self._staging)
+        runner = ModelRunner(model, RunnerConfig(device=self.device, eos_token_ids=self.eos_token_ids), steps)
         if self.device.type == "cuda":  # compile before the first request, not during it
             seconds = warm_up(runner, warm_up_sizes(self.config.max_num_batched_tokens), self.num_kv_blocks,
                               self.config.max_lora_rank)
             log.info("warmed up the eager forward in %.1f s", seconds)
             self.startup_seconds["warm_up"] = seconds
-        if setup.uses_static_steps(self.config):
-            runner.static = setup.build_static_steps(self.config, model, self.max_model_len, self.num_kv_blocks,
-                                                     lora_backend, staging=self._staging)
-            self.startup_seconds["capture"] = runner.static.graphs.capture_seconds
+        if steps.use_graphs:
+            setup.capture_base(steps, self.device)
+            self.startup_seconds["capture"] = steps.graphs.capture_seconds
         return runner
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -450,7 +448,7 @@ class LLMEngine:
         return plan_warm_ups(self.adapters.list(), self._warmed_shapes)
 
     def _graph_plan(self) -> tuple[list[StepShape], list[StepShape]]:
-        return plan_graphs(self.adapters.list(), self.model_config, self._runner.static)
+        return plan_graphs(self.adapters.list(), self.model_config, self._runner.steps)
 
     def capture_pending_graphs(self, budget_s: float = 0.25) -> bool:
         """Prefetch registered adapters into free pool rows, warm up pending adapter shapes' prefill kernels, then
@@ -474,10 +472,9 @@ class LLMEngine:
             if time.perf_counter() - started >= budget_s:
                 return True
         pending, wanted = self._graph_plan()
-        if self._runner.static is not None:  # shapes no longer common: their graphs go back to the LRU
-            self._runner.static.graphs.keep(wanted)
+        self._runner.steps.graphs.keep(wanted)  # shapes no longer common: their graphs go back to the LRU
         while pending and not self._has_work():
-            self._runner.static.capture_idle(pending.pop())
+            self._runner.steps.capture_idle(pending.pop())
             if time.perf_counter() - started >= budget_s:
                 break
         return bool(pending)

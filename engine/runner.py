@@ -4,13 +4,14 @@
 `result()` waits for the sampled ids. The engine queues the two halves apart (`forward`, then `sample`) so that
 the previous step is read back on the host while the device runs this step's forward pass. A batch may feed
 tokens that the previous launched step sampled and the host has not read yet (`PENDING_TOKEN`,
-engine/engine.py): they are copied on the device from that step's ids. Decode steps and one sequence's short
-prefill chunks run from static layouts (engine/step/static.py: CUDA graphs, or the same inputs eagerly); the
-rest run eagerly from `prepare_inputs`.
+engine/engine.py): they are copied on the device from that step's ids. Every step runs through the step executor
+(engine/step/executor.py): its inputs filled into one device buffer, then a CUDA graph replayed or the same inputs
+run eagerly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -18,27 +19,20 @@ import numpy as np
 import torch
 
 from kubelora.engine.adapters.pool import SlotView
-from kubelora.engine.model.attention import prepare_attention, prepare_decode_attention, prepare_prefill_attention
 from kubelora.engine.model.config import PROJ_KINDS
-from kubelora.engine.model.llama import DecoderModel, ForwardContext, LoRAContext
+from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.sampler import SampledStep, TokenLogprobs, keep_top, prompt_logprobs, sample_on_device
 from kubelora.engine.sampling_batch import prepare_sampling
 from kubelora.engine.scheduler import Batch
 from kubelora.engine.sequence import PENDING_TOKEN
-from kubelora.engine.step.decode import DecodeStep
-from kubelora.engine.step.prefill import PrefillStep
-from kubelora.engine.step.shape import Phase, StepShape
-from kubelora.engine.step.static import StaticSteps
-from kubelora.kernels.lora import lora_ops, prepare_lora_projs, prepare_lora_step
+from kubelora.engine.step.executor import StepExecutor
+from kubelora.engine.step.inputs import Step
+from kubelora.engine.step.shape import Tables
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
     device: torch.device
-    block_size: int
-    lora_backend: str
-    # Attention reads the paged cache in place (kernels/attention.py) instead of gathering it into a padded batch
-    is_paged_attention: bool = False
     eos_token_ids: tuple[int, ...] = ()  # banned by the sampler while a request has fewer than min_tokens
 
 
@@ -83,23 +77,27 @@ class ForwardStep:
     """A step whose forward pass is queued on the device; `ModelRunner.sample` queues its sampling stage."""
 
     batch: Batch
-    logits: torch.Tensor  # [rows, vocab] float32 on the device
-    plan: LogitsPlan | None  # None: a decode step's (a row per chunk, each sampled)
+    logits: torch.Tensor  # [rows, vocab] float32 on the device: the plan's rows
+    plan: LogitsPlan
 
 
 @dataclass(frozen=True)
 class LogitsPlan:
-    rows: torch.Tensor | None  # [num_rows] int64: batch token rows whose logits are computed (None: a static step's)
+    rows: list[int]  # batch token rows whose logits are computed, ascending
     chunk_rows: list[tuple[int, int]]  # per chunk: (first, end) into the logits rows; empty when none
     sample_rows: list[int | None]  # per chunk: logits row to sample from
 
+    @property
+    def is_every_row_sampled(self) -> bool:
+        """A row per chunk, each sampled (a decode step's): the logits are sampled as they are."""
+        return len(self.rows) == len(self.sample_rows) and None not in self.sample_rows
+
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, config: RunnerConfig, static: StaticSteps | None = None) -> None:
+    def __init__(self, model: DecoderModel, config: RunnerConfig, steps: StepExecutor) -> None:
         self.model = model
         self.config = config
-        self.static = static  # decode steps and short prefill chunks from static layouts; None: every step eager
-        self.lora_ops = lora_ops(config.lora_backend)
+        self.steps = steps
 
     def execute(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step (forward, then sampling); `previous`: the launched step whose ids the batch's pending
@@ -109,118 +107,48 @@ class ModelRunner:
     def forward(self, batch: Batch, previous: LaunchedStep | None = None) -> ForwardStep:
         """Queue the forward pass only: sampling inputs (grammar masks, penalties) may still wait for the host
         to read `previous` back."""
-        pending = _pending_tokens(batch, previous)
-        static = self._static_step(batch) if self.static is not None else None
-        if static is not None:
-            step, shape = static
-            logits = self.static.run(step, shape, pending)
-            plan = None if shape.phase is Phase.DECODE else _one_row_plan(batch.chunks[0].is_sampled)
-            return ForwardStep(batch, logits, plan)
-        token_ids, ctx = self.prepare_inputs(batch)
-        if pending is not None:
-            rows, sources, tokens = pending
-            token_ids[rows] = tokens[sources]
-        plan = prepare_logits_plan(batch, self.config.device)
-        hidden = self.model.forward(token_ids, ctx)
-        return ForwardStep(batch, self.model.compute_logits(hidden[plan.rows]), plan)
+        plan = prepare_logits_plan(batch)
+        logits = self.steps.run(self.step_of(batch, plan.rows), _pending_tokens(batch, previous))
+        return ForwardStep(batch, logits, plan)
 
     def sample(self, forward: ForwardStep) -> LaunchedStep:
         """Queue the sampling stage of a queued forward; the sequences' host state is read now."""
         batch, logits, plan = forward.batch, forward.logits, forward.plan
-        if plan is None:  # a static decode step: one logits row per chunk, every one sampled
-            seqs = [c.seq for c in batch.chunks]
-            sampled = sample_on_device(logits, self._sampling_batch(seqs, logits.device))
-            return LaunchedStep(batch, sampled, list(range(len(seqs))), logits=[None] * len(seqs),
-                                prompt_logprobs=None)
         rows = [r for r in plan.sample_rows if r is not None]
         sampled = None
         if rows:
             seqs = [c.seq for c, r in zip(batch.chunks, plan.sample_rows) if r is not None]
-            sampled = sample_on_device(logits[rows], self._sampling_batch(seqs, logits.device))
+            sampled = sample_on_device(logits if plan.is_every_row_sampled else logits[rows],
+                                       self._sampling_batch(seqs, logits.device))
         order = iter(range(len(rows)))
         return LaunchedStep(batch, sampled, [None if r is None else next(order) for r in plan.sample_rows],
                             logits=_chunk_logits(batch, logits, plan),
                             prompt_logprobs=_prompt_logprobs(batch, logits, plan))
 
-    def _static_step(self, batch: Batch) -> tuple[DecodeStep | PrefillStep, StepShape] | None:
-        """The batch as a static step and its shape, where a layout holds it and its graph runs; else None."""
-        step = self._decode_step(batch)
-        if step is None:
-            step = self._prefill_step(batch)
-        if step is None:
-            return None
-        shape = step.shape(self.static.bucket_for(step.phase, len(step.token_ids)))
-        return (step, shape) if self.static.is_ready(shape) else None
-
-    def _decode_step(self, batch: Batch) -> DecodeStep | None:
-        """One sampled token per sequence, no logits kept, and a bucket that holds the batch."""
+    def step_of(self, batch: Batch, logits_rows: list[int]) -> Step:
+        """The batch as the executor takes it: its adapters' slot tables compacted to the slots its chunks use, and
+        a static decode step's shrinks staged where staging is on."""
         chunks = batch.chunks
-        if (self.static.bucket_for(Phase.DECODE, len(chunks)) is None
-                or not all(len(c.token_ids) == 1 and c.is_sampled and not c.seq.params.return_logits for c in chunks)):
-            return None
-        tables, staged = {}, None
-        if batch.slots:
-            tables = self._slot_tables(batch.slots)
-            if self.static.staging is not None:  # the step's A rows beside the base weights (None: too many)
-                staged = self.static.staging.stage(batch.slots)
-        return DecodeStep(token_ids=[max(c.token_ids[0], 0) for c in chunks], positions=[c.start_pos for c in chunks],
-                          block_tables=[c.block_table for c in chunks], token_slots=[c.slot for c in chunks],
-                          slot_tables=tables, staged=staged)
+        used = sorted({c.slot for c in chunks if c.slot >= 0})
+        index = {slot: i for i, slot in enumerate(used)}
+        slots = tuple(batch.slots[slot] for slot in used)
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        token_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, num_tokens)
+        step = Step(token_ids=np.maximum(token_ids, 0), query_lens=[len(c.token_ids) for c in chunks],
+                    start_pos=[c.start_pos for c in chunks], block_tables=[c.block_table for c in chunks],
+                    seq_slots=[index.get(c.slot, -1) for c in chunks],
+                    slot_tables=self._slot_tables(slots) if slots else {}, logits_rows=logits_rows)
+        if slots and self.steps.staging is not None and self.steps.shape(step) is not None and step.is_decode:
+            # the step's A rows beside the base weights (None: more than the capacity)
+            step = dataclasses.replace(step, staged=self.steps.staging.stage(slots))
+        return step
 
-    def _prefill_step(self, batch: Batch) -> PrefillStep | None:
-        """One sequence's chunk of several tokens that a bucket holds, with only its last token's logits wanted."""
-        if len(batch.chunks) != 1:
-            return None
-        chunk = batch.chunks[0]
-        num = len(chunk.token_ids)
-        if (num < 2 or self.static.bucket_for(Phase.PREFILL, num) is None or chunk.seq.params.return_logits
-                or _num_prompt_targets(chunk)):
-            return None
-        tables = self._slot_tables(batch.slots[chunk.slot : chunk.slot + 1]) if chunk.slot >= 0 else None
-        return PrefillStep(token_ids=[max(t, 0) for t in chunk.token_ids], start_pos=chunk.start_pos,
-                           block_table=tuple(chunk.block_table), slot_tables=tables)
-
-    def _slot_tables(self, slots: tuple[SlotView, ...]) -> dict[str, tuple[list, list, list]]:
+    def _slot_tables(self, slots: tuple[SlotView, ...]) -> Tables:
         return {kind: _kind_tables(slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
 
     def _sampling_batch(self, seqs: list, device: torch.device):
         return prepare_sampling(seqs, self.model.config.vocab_size, device, self.config.eos_token_ids)
 
-    def prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
-        device = self.config.device
-        num_tokens = sum(len(c.token_ids) for c in batch.chunks)
-        token_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in batch.chunks), np.int64, num_tokens)
-        positions = torch.cat([torch.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in batch.chunks])
-        if self.config.is_paged_attention and all(len(c.token_ids) == 1 for c in batch.chunks):
-            attention = prepare_decode_attention([c.start_pos for c in batch.chunks],
-                                                 [list(c.block_table) for c in batch.chunks],
-                                                 self.config.block_size, device)
-        elif self.config.is_paged_attention:
-            attention = prepare_prefill_attention([len(c.token_ids) for c in batch.chunks],
-                                                  [c.start_pos + len(c.token_ids) for c in batch.chunks],
-                                                  [list(c.block_table) for c in batch.chunks],
-                                                  self.config.block_size, device)
-        else:
-            attention = prepare_attention(
-                query_lens=[len(c.token_ids) for c in batch.chunks],
-                context_lens=[c.start_pos + len(c.token_ids) for c in batch.chunks],
-                block_tables=[list(c.block_table) for c in batch.chunks],
-                block_size=self.config.block_size,
-                windows=self.model.windows,
-                device=device,
-            )
-        ctx = ForwardContext(attention=attention, positions=positions.to(device), lora=self.prepare_lora(batch))
-        return torch.from_numpy(token_ids).to(device), ctx
-
-    def prepare_lora(self, batch: Batch) -> LoRAContext | None:
-        """One LoRAStep (token -> slot) and one LoRAProj per projection kind, shared by every layer."""
-        if not batch.slots:
-            return None
-        # Each chunk's slot repeated over its tokens, without a Python loop over a prefill's thousands of tokens.
-        token_slots = np.repeat([c.slot for c in batch.chunks], [len(c.token_ids) for c in batch.chunks])
-        step = prepare_lora_step(token_slots, len(batch.slots), self.config.device)
-        proj = prepare_lora_projs(self._slot_tables(batch.slots), self.config.device)  # one host->device copy
-        return LoRAContext(step=step, proj=proj, ops=self.lora_ops)
 
 def _pending_tokens(batch: Batch, previous: LaunchedStep | None):
     """(rows, sources, tokens): the batch's token rows fed a pending token, and their rows in `previous`'s ids."""
@@ -243,19 +171,14 @@ def _pending_tokens(batch: Batch, previous: LaunchedStep | None):
 
 
 def _kind_tables(slots: tuple[SlotView, ...], modules: tuple[str, ...]) -> tuple[list, list, list]:
-    """One projection kind's (row_start, rank, scale) per slot and module, as `prepare_lora_projs` takes them."""
+    """One projection kind's (row_start, rank, scale) per slot and module."""
     row_start = [[view.row_start.get(m, 0) for m in modules] for view in slots]
     rank = [[view.rank.get(m, 0) for m in modules] for view in slots]
     scale = [[view.scale.get(m, 0.0) for m in modules] for view in slots]
     return row_start, rank, scale
 
 
-def _one_row_plan(is_sampled: bool) -> LogitsPlan:
-    """The logits plan of a static prefill step: its one row, the chunk's last token."""
-    return LogitsPlan(rows=None, chunk_rows=[(0, 1)], sample_rows=[0 if is_sampled else None])
-
-
-def prepare_logits_plan(batch: Batch, device: torch.device) -> LogitsPlan:
+def prepare_logits_plan(batch: Batch) -> LogitsPlan:
     """Logits only where needed: the last token of sampled chunks, every token with return_logits or with
     prompt logprobs still to compute."""
     rows, chunk_rows, sample_rows = [], [], []
@@ -270,8 +193,7 @@ def prepare_logits_plan(batch: Batch, device: torch.device) -> LogitsPlan:
         chunk_rows.append((first, len(rows)))
         sample_rows.append(len(rows) - 1 if chunk.is_sampled else None)
         token += num
-    return LogitsPlan(rows=torch.tensor(rows, dtype=torch.int64, device=device), chunk_rows=chunk_rows,
-                      sample_rows=sample_rows)
+    return LogitsPlan(rows=rows, chunk_rows=chunk_rows, sample_rows=sample_rows)
 
 
 def _chunk_logits(batch: Batch, logits: torch.Tensor, plan: LogitsPlan) -> list[torch.Tensor | None]:

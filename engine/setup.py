@@ -13,10 +13,9 @@ from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
 from kubelora.engine.model.attention import KVCache
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.model.llama import DecoderModel
-from kubelora.engine.step.decode import DecodeInputs
-from kubelora.engine.step.prefill import PrefillInputs
+from kubelora.engine.step.executor import StepExecutor
+from kubelora.engine.step.inputs import StepInputs
 from kubelora.engine.step.shape import prefill_buckets
-from kubelora.engine.step.static import StaticSteps
 
 log = logging.getLogger(__name__)
 CPU_KV_CAP_BYTES = 4 << 30
@@ -105,9 +104,9 @@ def allocate_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dty
 
 
 def uses_static_steps(config: EngineConfig) -> bool:
-    """Decode steps and short prefill chunks from static layouts (engine/step/static.py) unless enforce_eager, on
-    every device: CUDA replays their graphs, elsewhere the same inputs run eagerly, so the CPU suite runs what CUDA
-    replays."""
+    """Decode steps and short prefill chunks padded to static shapes (engine/step/executor.py) unless enforce_eager,
+    on every device: CUDA replays their graphs, elsewhere the same inputs run eagerly, so the CPU suite runs what
+    CUDA replays."""
     return not config.enforce_eager
 
 
@@ -130,34 +129,35 @@ def staged_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) ->
     return {kind: per_module * len(model.kind_modules(kind)) for kind in STAGED_KINDS}
 
 
-def build_static_steps(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
-                       lora_backend: str, use_graphs: bool | None = None,
-                       staging: ShrinkStaging | None = None) -> StaticSteps:
-    """Decode steps, and short prefill chunks unless use_prefill_graphs is off, from static layouts; with graphs
-    (by default on CUDA) every bucket's base-model graph is captured now."""
+def build_step_executor(config: EngineConfig, model: DecoderModel, max_model_len: int, pad_block: int,
+                        lora_backend: str, use_graphs: bool | None = None,
+                        staging: ShrinkStaging | None = None) -> StepExecutor:
+    """The step executor over its two step inputs: decode steps (max_num_seqs sequences of one token) and the
+    rest (up to the step budget; short prefill chunks static unless use_prefill_graphs is off). Graphs: by default
+    on CUDA, never with enforce_eager; the base-model ones are captured by `capture_base`."""
     device = torch.device(config.device)
+    is_static = uses_static_steps(config)
     max_blocks = math.ceil(max_model_len / config.kv_block_size)
     kind_slices = {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}  # LoRA slot tables' width
-    layouts = [DecodeInputs(max_seqs=config.max_num_seqs, max_blocks=max_blocks, block_size=config.kv_block_size,
-                            pad_block=pad_block, kind_slices=kind_slices, device=device,
-                            staged_kinds=tuple(staging.modules) if staging is not None else ())]
-    if config.use_prefill_graphs:
-        layouts.append(PrefillInputs(max_tokens=prefill_buckets(config.max_num_batched_tokens)[-1],
-                                     max_blocks=max_blocks, block_size=config.kv_block_size, pad_block=pad_block,
-                                     kind_slices=kind_slices, device=device))
-    use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-    steps = StaticSteps(model, layouts, lora_backend, use_graphs=use_graphs, staging=staging)
-    if use_graphs:
-        _capture_base(steps, device)
-    return steps
+    shared = dict(max_seqs=config.max_num_seqs, max_blocks=max_blocks, block_size=config.kv_block_size,
+                  pad_block=pad_block, kind_slices=kind_slices, device=device)
+    decode = StepInputs(max_tokens=config.max_num_seqs, **shared,
+                        staged_kinds=tuple(staging.modules) if staging is not None else ())
+    prefill_top = prefill_buckets(config.max_num_batched_tokens)[-1] if config.use_prefill_graphs else 0
+    general = StepInputs(max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs, prefill_top), **shared)
+    use_graphs = is_static and (device.type == "cuda" if use_graphs is None else use_graphs)
+    return StepExecutor(model, decode, general, lora_backend, use_graphs=use_graphs, is_static=is_static,
+                        prefill_max_tokens=prefill_top, staging=staging)
 
 
-def _capture_base(steps: StaticSteps, device: torch.device) -> None:
-    """Capture the base-model graph of every bucket now (start-up, not a request), its time and memory logged."""
-    free_before = torch.cuda.mem_get_info(device)[0]
+def capture_base(steps: StepExecutor, device: torch.device) -> None:
+    """Capture the base-model graph of every bucket now (start-up, not a request), its time and (CUDA) device
+    memory logged."""
+    is_cuda = device.type == "cuda"
+    free_before = torch.cuda.mem_get_info(device)[0] if is_cuda else 0
     steps.capture_base()
-    used = free_before - torch.cuda.mem_get_info(device)[0]
-    buckets = {phase.value: layout.buckets for phase, layout in steps.layouts.items()}
+    used = free_before - torch.cuda.mem_get_info(device)[0] if is_cuda else 0
+    buckets = {phase.value: steps.buckets(phase) for phase in steps.inputs}
     log.info("captured %d base graphs (buckets %s) in %.1f s, %.2f GiB of device memory", steps.graphs.num_captures,
              buckets, steps.graphs.capture_seconds, used / (1 << 30))
 

@@ -23,9 +23,7 @@ import time
 import torch
 
 from kubelora.engine.adapters.pool import SlotView
-from kubelora.engine.model.attention import prepare_prefill_attention
 from kubelora.engine.model.config import LORA_MODULES
-from kubelora.engine.model.llama import ForwardContext
 from kubelora.engine.runner import ModelRunner
 from kubelora.engine.sampling_params import SamplingParams
 from kubelora.engine.scheduler import Batch
@@ -60,27 +58,24 @@ def warm_up_adapter_shape(runner: ModelRunner, sizes: list[int], pad_block: int,
 
 
 def _run_sizes(runner: ModelRunner, sizes: list[int], pad_block: int, shapes: list[dict[str, int] | None]) -> float:
-    """Returns the seconds it took; shapes: module ranks of the one LoRA slot (scale 0), None: no LoRA."""
+    """Returns the seconds it took; shapes: module ranks of the one LoRA slot (scale 0), None: no LoRA. Each step
+    runs through the step executor at its own sizes, as an eager step of a request does."""
     started = time.perf_counter()
-    model, device = runner.model, runner.config.device
-    block_size = runner.config.block_size
     views = [None if ranks is None else SlotView(row_start={m: 0 for m in ranks}, rank=dict(ranks),
                                                  scale={m: 0.0 for m in ranks}) for ranks in shapes]
+    block_size = runner.steps.general.block_size
     with torch.inference_mode():
         for num in sizes:
-            table = [pad_block] * math.ceil(num / block_size)
-            attention = prepare_prefill_attention([num], [num], [table], block_size, device)
-            token_ids = torch.zeros(num, dtype=torch.int64, device=device)
-            positions = torch.arange(num, device=device)
-            batches = [None if view is None else _one_slot_batch(num, view) for view in views]
-            if num == sizes[-1]:  # a prefill of base-model and adapter tokens (the rotary kernel's token mask)
-                batches += [_mixed_batch(num, view) for view in views if view is not None]
+            table = (pad_block,) * math.ceil(num / block_size)
+            batches = [Batch(chunks=(_Chunk(num, table, -1 if view is None else 0),),
+                             slots=() if view is None else (view,)) for view in views]
+            if num == sizes[-1]:  # base-model and adapter tokens in one step (the rotary kernel's token mask)
+                batches += [Batch(chunks=(_Chunk(num // 2, table, 0), _Chunk(num - num // 2, table, -1)), slots=(view,))
+                            for view in views if view is not None]
             for batch in batches:
-                lora = None if batch is None else runner.prepare_lora(batch)
-                ctx = ForwardContext(attention=attention, positions=positions, lora=lora)
-                model.compute_logits(model.forward(token_ids, ctx)[-1:])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+                runner.steps.run(runner.step_of(batch, [num - 1]), is_eager=True)
+    if runner.config.device.type == "cuda":
+        torch.cuda.synchronize(runner.config.device)
     return time.perf_counter() - started
 
 
@@ -116,17 +111,11 @@ def warm_up_requests(engine) -> float:
 
 
 class _Chunk:
-    """The fields of a ScheduledChunk that `ModelRunner.prepare_lora` reads."""
+    """The fields of a ScheduledChunk that `ModelRunner.step_of` reads: a prompt's first num tokens, written into
+    the pad block."""
 
-    def __init__(self, num: int, slot: int = 0) -> None:
+    def __init__(self, num: int, block_table: tuple[int, ...], slot: int) -> None:
+        self.token_ids = [0] * num
+        self.start_pos = 0
+        self.block_table = block_table
         self.slot = slot
-        self.token_ids = range(num)
-
-
-def _one_slot_batch(num: int, view: SlotView) -> Batch:
-    return Batch(chunks=(_Chunk(num),), slots=(view,))
-
-
-def _mixed_batch(num: int, view: SlotView) -> Batch:
-    """The first half of the tokens on the slot, the rest without an adapter."""
-    return Batch(chunks=(_Chunk(num // 2), _Chunk(num - num // 2, slot=-1)), slots=(view,))

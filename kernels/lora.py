@@ -126,6 +126,29 @@ def tile_table(counts: np.ndarray, order: np.ndarray, block_m: int, is_slot_tile
     return np.concatenate([rows, pad])
 
 
+@dataclass(frozen=True)
+class TilePlan:
+    """A step's LoRA tokens grouped by slot and cut into tiles, on the host (what `LoRAStep` holds on the device)."""
+
+    order: np.ndarray  # [num_lora_tokens] int64: token ids grouped by slot, stable
+    tiles: np.ndarray  # [num_tiles, TILE_HEAD + block_m] int64 (tile_table)
+    block_m: int
+    is_slot_tiles: bool
+    max_tile_count: int  # the most tokens in one tile
+
+
+def plan_tiles(token_slots: Sequence[int] | np.ndarray, num_slots: int, *, tile_heights: tuple[int, ...] = TILE_HEIGHTS,
+               max_tiles: int = MAX_TILES) -> TilePlan:
+    """The tile height (the smallest of tile_heights that cuts the slot groups into at most max_tiles tiles) and the
+    tile table of an eager step; a decode step whose every slot fits one tile gets slot tiles (tile i is slot i)."""
+    order, counts = sort_by_slot(token_slots, num_slots)
+    counts_list = counts.tolist() if order.size else []
+    block_m = _tile_height(counts_list, tile_heights, max_tiles)
+    is_slot_tiles = bool(counts_list) and max(counts_list) <= block_m
+    tiles = tile_table(counts if order.size else counts[:0], order, block_m, is_slot_tiles)
+    return TilePlan(order, tiles, block_m, is_slot_tiles, min(max(counts_list, default=0), block_m))
+
+
 def prepare_lora_step(
     token_slots: Sequence[int] | np.ndarray,
     num_slots: int,
@@ -134,31 +157,25 @@ def prepare_lora_step(
     tile_heights: tuple[int, ...] = TILE_HEIGHTS,
     max_tiles: int = MAX_TILES,
 ) -> LoRAStep:
-    """Pack the token -> slot map and its slot-sorted tile table into one host buffer, one copy to device.
+    """A LoRAStep of its own device buffer (kernel tests and benchmarks; the engine's steps lay theirs out in
+    engine/step/inputs.py): `plan_tiles`, packed into one host buffer, one copy to the device.
 
-    token_slots: a list or an int array (a prefill's is built from its chunks with np.repeat: no per-token Python).
-    tile_heights, max_tiles: the tile heights to choose from (each a power of two >= 16) and the tile count
-    a height may make; the benchmark varies them.
+    token_slots: a list or an int array. tile_heights, max_tiles: as `plan_tiles` (the benchmark varies them).
     """
     slots = np.asarray(token_slots, dtype=np.int64).reshape(-1)
-    order, counts = sort_by_slot(slots, num_slots)
-    num_lora_tokens = order.size
-    counts_list = counts.tolist() if num_lora_tokens else []
-    block_m = _tile_height(counts_list, tile_heights, max_tiles)
-    is_slot_tiles = bool(counts_list) and max(counts_list) <= block_m
-    tiles = tile_table(counts if num_lora_tokens else counts[:0], order, block_m, is_slot_tiles)
-    packed = torch.from_numpy(np.concatenate([slots, order, tiles.reshape(-1)])).to(device)
-    num_tokens = slots.size
+    plan = plan_tiles(slots, num_slots, tile_heights=tile_heights, max_tiles=max_tiles)
+    num_tokens, num_lora_tokens = slots.size, plan.order.size
+    packed = torch.from_numpy(np.concatenate([slots, plan.order, plan.tiles.reshape(-1)])).to(device)
     return LoRAStep(
         token_slots=packed[:num_tokens],
         num_slots=num_slots,
         has_lora=num_lora_tokens > 0,
         sorted_tokens=packed[num_tokens : num_tokens + num_lora_tokens],
-        tiles=packed[num_tokens + num_lora_tokens :].view(-1, TILE_HEAD + block_m),
-        block_m=block_m,
-        is_slot_tiles=is_slot_tiles,
+        tiles=packed[num_tokens + num_lora_tokens :].view(-1, TILE_HEAD + plan.block_m),
+        block_m=plan.block_m,
+        is_slot_tiles=plan.is_slot_tiles,
         num_lora_tokens=num_lora_tokens,
-        max_tile_count=min(max(counts_list, default=0), block_m),
+        max_tile_count=plan.max_tile_count,
     )
 
 

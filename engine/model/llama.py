@@ -51,7 +51,8 @@ class LoRAContext:
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """Everything a layer needs for one step, built once by the runner's prepare_* functions."""
+    """Everything a layer needs for one step: views of the step's inputs (engine/step/inputs.py), shared by every
+    layer."""
 
     attention: AttentionMetadata
     positions: torch.Tensor  # [num_tokens] int64
@@ -82,7 +83,6 @@ class DecoderModel:
         self.kv_cache = kv_cache
         self.lora_buffers = lora_buffers
         self.scale = config.head_dim**-0.5
-        self.windows = set(config.sliding_windows)
         self.is_fused = weights.embed.is_cuda  # Triton small ops (kernels/fused.py) on CUDA
         self.is_gemv = self.is_fused and use_gemv  # Triton GEMVs for one-token steps (kernels/gemv.py) on CUDA
 

@@ -1,6 +1,6 @@
-"""One step pipeline for static steps (decode, one sequence's short prefill chunk).
+"""One step pipeline: every forward pass built one way.
 
-shape.py: a step's `StepShape`, the one place its sizes are rounded; plan.py: the shapes planned for the registered
-adapters; layout.py, decode.py, prefill.py: the static layouts a step is filled into; graphs.py: the one cache
-of captured graphs; static.py: the executor (fill, replay, or run the same inputs eagerly).
+inputs.py: a step's inputs in one device buffer, read alike by eager and replayed steps; shape.py: a static step's
+`StepShape`, the one place its sizes are rounded; plan.py: the shapes planned for the registered adapters;
+graphs.py: the one cache of captured graphs; executor.py: fill, then replay or run the same inputs eagerly.
 """

@@ -1,6 +1,6 @@
 """Captured CUDA graphs by step shape, decode and prefill alike: capture, keep or evict, replay.
 
-A captured graph reads its inputs from a static layout's fixed addresses (engine/step/layout.py) and writes its
+A captured graph reads its inputs from the step inputs' fixed addresses (engine/step/inputs.py) and writes its
 logits into a static output. Base-model graphs (`StepShape.lora` None) are captured at start-up and kept for good.
 LoRA graphs are captured while the engine is idle for the shapes planned for the registered adapters
 (engine/step/plan.py), which stay while they are planned (`keep`), and on a decode step's first use of another

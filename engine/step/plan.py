@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from kubelora.engine.adapters.types import AdapterInfo
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.step.shape import Phase, StepShape, plan_decode_shapes, plan_prefill_shapes, rank_lanes
-from kubelora.engine.step.static import StaticSteps
+from kubelora.engine.step.executor import StepExecutor
 
 MAX_GRAPH_SHAPES = 2  # adapter shapes whose LoRA decode and prefill graphs are captured before their first step
 MAX_WARM_SHAPES = 8  # adapters' module ranks whose prefill kernels are run ahead of their first request (CUDA)
@@ -40,15 +40,15 @@ def adapter_shape(info: AdapterInfo, model: ModelConfig) -> tuple[tuple[str, ...
     return (kinds, rank_lanes(info.rank)) if kinds else None
 
 
-def plan_graphs(infos: list[AdapterInfo], model: ModelConfig, static: StaticSteps | None
+def plan_graphs(infos: list[AdapterInfo], model: ModelConfig, steps: StepExecutor
                 ) -> tuple[list[StepShape], list[StepShape]]:
     """(the graphs not captured yet, every graph wanted) for the MAX_GRAPH_SHAPES most common adapter shapes: each
     shape's decode and prefill step shapes (engine/step/shape.py); none without graphs."""
-    if static is None or not static.use_graphs:
+    if not steps.use_graphs:
         return [], []
     shapes = [shape for shape in (adapter_shape(info, model) for info in infos) if shape is not None]
     common, counts = _most_common(shapes, MAX_GRAPH_SHAPES)
-    decode, prefill = static.buckets(Phase.DECODE), static.buckets(Phase.PREFILL)
-    wanted = [step for shape in common for step in plan_decode_shapes(decode, *shape, counts[shape], static.staging)]
+    decode, prefill = steps.buckets(Phase.DECODE), steps.buckets(Phase.PREFILL)
+    wanted = [step for shape in common for step in plan_decode_shapes(decode, *shape, counts[shape], steps.staging)]
     wanted += [step for shape in common for step in plan_prefill_shapes(prefill, *shape)]
-    return [step for step in wanted if not static.has_graph(step)], wanted
+    return [step for step in wanted if not steps.has_graph(step)], wanted

@@ -156,12 +156,11 @@ def cpu_graphs(monkeypatch):
 
     monkeypatch.setattr(graphs, "capture_graph", _fake_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    build = setup.build_static_steps
+    build = setup.build_step_executor
 
     def build_graphed(*args, **kwargs):
         steps = build(*args, **kwargs)
-        steps.use_graphs = True
-        steps.capture_base()  # what build_static_steps does on CUDA (where it measures the device memory too)
+        steps.use_graphs = steps.is_static  # the engine then captures the base graphs, as on CUDA
         return steps
 
-    monkeypatch.setattr(setup, "build_static_steps", build_graphed)
+    monkeypatch.setattr(setup, "build_step_executor", build_graphed)

@@ -20,8 +20,8 @@ def _generate(material, prompts, dtype: str, enforce_eager: bool, adapters=BATCH
     for name, path in material.adapters.items():
         llm.load_adapter(name, path)
     try:
-        static = llm.engine._runner.static
-        assert (static is None) == enforce_eager
+        static = llm.engine._runner.steps
+        assert static.use_graphs != enforce_eager
         results = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
                                adapters=adapters)
         return [r.token_ids for r in results], static
@@ -77,27 +77,28 @@ def test_prefill_graphs_give_the_eager_prefill_tokens(llama, prompt_ids, monkeyp
     replayed a graph (generate captures the adapters' graphs first). Counted per request: start-up's own warm-up
     requests (engine/warmup.py) replay the base graph too, before any request of the test."""
     from kubelora.engine.step import plan
-    from kubelora.engine.step.static import StaticSteps
+    from kubelora.engine.step.executor import StepExecutor
 
     monkeypatch.setattr(plan, "MAX_GRAPH_SHAPES", 3)  # graphs for each of the adapters' three shapes
     names = [None, "r4-qv", "r8-all", "r16-all-rs", "r32-attn"]
     prompts = [prompt_ids(i, n) for i, n in enumerate((5, 17, 40, 100, 300))]
     results, runs = {}, []
-    run = StaticSteps.run
+    run = StepExecutor.run
 
-    def counted(self, step, shape, pending=None):
-        if shape.phase is Phase.PREFILL:
+    def counted(self, step, pending=None, is_eager=False):
+        shape = None if is_eager else self.shape(step)
+        if shape is not None and shape.phase is Phase.PREFILL:
             runs.append(1)
-        return run(self, step, shape, pending)
+        return run(self, step, pending, is_eager)
 
-    monkeypatch.setattr(StaticSteps, "run", counted)
+    monkeypatch.setattr(StepExecutor, "run", counted)
     for enabled in ("0", "1"):
         llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_num_seqs=32, device="cuda", dtype=dtype,
                   use_prefill_graphs=enabled == "1")
         for name in names[1:]:
             llm.load_adapter(name, llama.adapters[name])
         try:
-            assert (Phase.PREFILL in llm.engine._runner.static.layouts) == (enabled == "1")
+            assert bool(llm.engine._runner.steps.buckets(Phase.PREFILL)) == (enabled == "1")
             params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
             results[enabled] = []
             for prompt, name in zip(prompts, names):

@@ -1,14 +1,17 @@
-"""The static decode path (the inputs CUDA graphs replay over), run eagerly on CPU against the eager engine."""
+"""Static decode steps (the inputs CUDA graphs replay over), run eagerly on CPU against the engine at each step's
+own sizes (enforce_eager)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kubelora.engine import LLM, SamplingParams
 from kubelora.engine import setup
-from kubelora.engine.step.decode import DecodeInputs, DecodeStep
-from kubelora.engine.step.shape import LoRAShape, Phase, StepShape, decode_buckets, max_tiles
+from kubelora.engine.step.executor import StepExecutor
+from kubelora.engine.step.inputs import Step, StepInputs
+from kubelora.engine.step.shape import LoRAShape, Phase, StepShape, decode_buckets, decode_shape, max_tiles
 from kubelora.kernels.lora import TILE_HEAD
 
 # Adapters mixed with base rows, one adapter on more rows than a LoRA tile holds.
@@ -22,41 +25,89 @@ def test_buckets_cover_every_size_up_to_max():
     assert decode_buckets(16) == [1, 2, 4, 8, 16]
 
 
-def _step(num: int, slots: list[int], ranks: list[int]) -> DecodeStep:
+def _step(num: int, slots: list[int], ranks: list[int]) -> Step:
     tables = {"qkv": ([[10 * s, 0, 10 * s] for s in range(len(ranks))], [[r, 0, r] for r in ranks],
                       [[0.5, 0.0, 0.5] for _ in ranks])}
-    return DecodeStep(token_ids=list(range(100, 100 + num)), positions=[3 + i % 2 for i in range(num)],
-                      block_tables=[(i, 7) for i in range(num)], token_slots=slots, slot_tables=tables)
+    return Step(token_ids=np.arange(100, 100 + num), query_lens=[1] * num, start_pos=[3 + i % 2 for i in range(num)],
+                block_tables=[(i, 7) for i in range(num)], seq_slots=slots, slot_tables=tables,
+                logits_rows=list(range(num)))
+
+
+def _shape(step: Step, bucket: int) -> StepShape:
+    return decode_shape(bucket, step.seq_slots, step.slot_tables)
 
 
 def test_fill_pads_rows_and_tiles():
-    inputs = DecodeInputs(max_seqs=24, max_blocks=4, block_size=4, pad_block=9, kind_slices={"qkv": 3},
-                          device=torch.device("cpu"))
+    inputs = StepInputs(max_tokens=24, max_seqs=24, max_blocks=4, block_size=4, pad_block=9, kind_slices={"qkv": 3},
+                        device=torch.device("cpu"))
     slots = [0] * 18 + [-1, 1]  # slot 0 needs two tiles
     step = _step(20, slots, ranks=[4, 20])
-    key = step.shape(24).lora
-    assert key.kinds == ("qkv",) and key.lanes == 32 and key.rows == 16
-    inputs.fill(step, step.shape(24))
-    assert inputs.token_ids(24)[20:].tolist() == [0] * 4
-    assert inputs.slot_mapping(24)[:2].tolist() == [0 * 4 + 3, 7 * 4 + 0]  # position 3: first block; 4: second
-    assert inputs.slot_mapping(24)[20:].tolist() == [36] * 4  # the pad block's first slot
-    assert inputs.context_lens(24)[20:].tolist() == [1] * 4
-    assert inputs.block_tables(24)[21].tolist() == [9] * 4
-    lora = inputs.lora_step(24, key)
+    shape = _shape(step, 24)
+    assert shape.lora.kinds == ("qkv",) and shape.lora.lanes == 32 and shape.lora.rows == 16
+    extent = inputs.static_extent(shape)
+    inputs.fill(step, extent)
+    ctx = inputs.context(extent, None)
+    assert inputs.token_ids(extent)[20:].tolist() == [0] * 4
+    meta = ctx.attention
+    assert meta.max_query_len == 1 and inputs.logits_rows(extent) is None  # the decode kernel; every row's logits
+    assert meta.slot_mapping[:2].tolist() == [0 * 4 + 3, 7 * 4 + 0]  # position 3: first block; 4: second
+    assert meta.slot_mapping[20:].tolist() == [36] * 4  # the pad block's first slot
+    assert meta.context_lens[:2].tolist() == [4, 5] and meta.context_lens[20:].tolist() == [1] * 4
+    assert meta.query_start_loc.tolist() == list(range(25)) and meta.seq_lens.tolist() == [1] * 24
+    assert meta.block_tables[21].tolist() == [9] * 4 and meta.block_tables[1].tolist() == [1, 7, 9, 9]
+    lora = ctx.lora.step
     assert lora.tiles.shape == (max_tiles(24, 24), TILE_HEAD + 16)
     tiles = lora.tiles.tolist()
     assert tiles[0][:3] == [0, 0, 16] and tiles[1][:3] == [0, 16, 2] and tiles[2][:3] == [1, 18, 1]
     assert tiles[2][TILE_HEAD] == 19
     assert all(t[0] == 24 and t[2] == 0 for t in tiles[3:])  # empty tiles on the rank-0 pad slot
-    proj = inputs.lora_projs(key)["qkv"]
+    proj = ctx.lora.proj["qkv"]
     assert proj.rank[:2].tolist() == [[4, 0, 4], [20, 0, 20]] and not proj.rank[2:].any()
     assert proj.scale[1].tolist() == [0.5, 0.0, 0.5]
     assert proj.max_rank == (32, 32, 32)
 
 
+def test_eager_extent_is_the_step_itself():
+    """A step no static shape holds is read at its own sizes: its tiles as kernels/lora.py plans them, its lanes
+    each slice's highest rank, its slot tables as many rows as its adapters."""
+    inputs = StepInputs(max_tokens=64, max_seqs=8, max_blocks=4, block_size=4, pad_block=9, kind_slices={"qkv": 3},
+                        device=torch.device("cpu"))
+    tables = {"qkv": ([[0, 0, 0], [8, 8, 8]], [[8, 0, 8], [4, 4, 4]], [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])}
+    step = Step(token_ids=np.arange(1, 12), query_lens=[6, 1, 4], start_pos=[0, 9, 2],
+                block_tables=[(3, 4), (5, 6, 1), (2, 7)], seq_slots=[1, -1, 0], slot_tables=tables,
+                logits_rows=[5, 6, 10])
+    extent = inputs.eager_extent(step)
+    assert (extent.tokens, extent.seqs, extent.max_query_len, extent.logits) == (11, 3, 6, 3)
+    inputs.fill(step, extent)
+    ctx = inputs.context(extent, None)
+    meta = ctx.attention
+    assert ctx.positions.tolist() == [0, 1, 2, 3, 4, 5, 9, 2, 3, 4, 5]
+    assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 16, 17, 5, 10, 11, 28, 29]
+    assert meta.query_start_loc.tolist() == [0, 6, 7, 11] and meta.context_lens.tolist() == [6, 10, 6]
+    assert inputs.logits_rows(extent).tolist() == [5, 6, 10]
+    lora = ctx.lora
+    assert lora.step.token_slots.tolist() == [1] * 6 + [-1] + [0] * 4 and lora.step.num_slots == 2
+    assert lora.step.is_slot_tiles and lora.step.tiles[:, :3].tolist() == [[0, 0, 4], [1, 4, 6]]
+    assert lora.proj["qkv"].max_rank == (8, 4, 8) and lora.proj["qkv"].rank.tolist() == [[8, 0, 8], [4, 4, 4]]
+
+
 def test_no_adapter_means_the_base_graph():
-    assert _step(3, [-1, -1, -1], ranks=[8]).shape(4) == StepShape(Phase.DECODE, 4, None)
-    assert _step(2, [0, 0], ranks=[0]).shape(2).lora is None  # the adapter adapts no projection kind of the table
+    assert _shape(_step(3, [-1, -1, -1], ranks=[8]), 4) == StepShape(Phase.DECODE, 4, None)
+    assert _shape(_step(2, [0, 0], ranks=[0]), 2).lora is None  # the adapter adapts no projection kind of the table
+
+
+def spy_phases(monkeypatch) -> list:
+    """Each step's static phase (None: run at its own sizes), as StepExecutor.run takes it."""
+    phases = []
+    run = StepExecutor.run
+
+    def spy(self, step, pending=None, is_eager=False):
+        shape = None if is_eager else self.shape(step)
+        phases.append(None if shape is None else shape.phase)
+        return run(self, step, pending, is_eager)
+
+    monkeypatch.setattr(StepExecutor, "run", spy)
+    return phases
 
 
 def _generate(llama, is_static: bool, **options):
@@ -64,7 +115,7 @@ def _generate(llama, is_static: bool, **options):
     for name, path in llama.adapters.items():
         llm.load_adapter(name, path)
     try:
-        assert (llm.engine._runner.static is not None) == is_static
+        assert llm.engine._runner.steps.is_static == is_static
         prompts = [[1] + [(13 + 7 * i + 5 * j) % 480 + 10 for j in range(3 + i % 5)] for i in range(len(BATCH))]
         return llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), adapters=BATCH)
     finally:
@@ -74,42 +125,12 @@ def _generate(llama, is_static: bool, **options):
 def test_static_decode_matches_eager_engine(llama, monkeypatch):
     """The CPU engine's default path is the static one (the layouts CUDA replays, run eagerly): every decode step
     of the batch takes it, with the tokens of enforce_eager's per-step tensors."""
-    from kubelora.engine.step.static import StaticSteps
-
     eager = _generate(llama, is_static=False, enforce_eager=True)
-    phases = []
-    run = StaticSteps.run
-    monkeypatch.setattr(StaticSteps, "run", lambda self, step, shape, *a: phases.append(shape.phase) or run(
-        self, step, shape, *a))
+    phases = spy_phases(monkeypatch)
     static = _generate(llama, is_static=True)
     assert phases.count(Phase.DECODE) >= 19  # 20 tokens: the first from the prefill, the rest from decode steps
     for name, a, b in zip(BATCH, eager, static):
         assert a.token_ids == b.token_ids, name
-
-
-@pytest.mark.parametrize("window", [None, 5])
-def test_paged_metadata_matches_the_gather_path(window):
-    from kubelora.engine.model.attention import (paged_attention, prepare_attention, prepare_decode_attention,
-                                                 prepare_prefill_attention)
-
-    gen = torch.Generator().manual_seed(0)
-    block_size, heads, kv_heads, dim = 4, 4, 2, 8
-    key_cache = torch.randn(12, block_size, kv_heads, dim, generator=gen)
-    value_cache = torch.randn(12, block_size, kv_heads, dim, generator=gen)
-    tables = [[3, 7, 1], [0, 11], [5, 2, 9]]
-    query_lens, context_lens = [3, 1, 9], [10, 6, 9]  # a chunk after a prefix, a decode row, a whole prompt
-    query = torch.randn(sum(query_lens), heads, dim, generator=gen)
-    gathered = paged_attention(query, key_cache, value_cache,
-                               prepare_attention(query_lens, context_lens, tables, block_size, {window}, "cpu"),
-                               window, 0.3)
-    paged = paged_attention(query, key_cache, value_cache,
-                            prepare_prefill_attention(query_lens, context_lens, tables, block_size, "cpu"), window, 0.3)
-    torch.testing.assert_close(paged, gathered)
-    # one token per sequence (the last of the first sequence, the decode row): the decode metadata
-    decode_q = query[[2, 3]]
-    decode = paged_attention(decode_q, key_cache, value_cache,
-                             prepare_decode_attention([9, 5], tables[:2], block_size, "cpu"), window, 0.3)
-    torch.testing.assert_close(decode, gathered[[2, 3]])
 
 
 def test_warm_up_writes_only_the_pad_block(llama):
@@ -124,13 +145,13 @@ def test_warm_up_writes_only_the_pad_block(llama):
         pad = engine.num_kv_blocks
         before = [k[:pad].clone() for k in cache.key]
         batches = []
-        prepare = engine._runner.prepare_lora
-        engine._runner.prepare_lora = lambda batch: batches.append(batch) or prepare(batch)
+        step_of = engine._runner.step_of
+        engine._runner.step_of = lambda batch, rows: batches.append(batch) or step_of(batch, rows)
         assert warm_up(engine._runner, [16, 40], pad, 8) > 0
-        del engine._runner.prepare_lora
-        # one LoRA step a size, and at the largest one a step whose second half has no adapter
-        assert [[(c.slot, len(c.token_ids)) for c in b.chunks] for b in batches] == [[(0, 16)], [(0, 40)],
-                                                                                    [(0, 20), (-1, 20)]]
+        del engine._runner.step_of
+        # a base and a LoRA step a size, and at the largest one a step whose second half has no adapter
+        assert [[(c.slot, len(c.token_ids)) for c in b.chunks] for b in batches] == [
+            [(-1, 16)], [(0, 16)], [(-1, 40)], [(0, 40)], [(0, 20), (-1, 20)]]
         assert all(torch.equal(b, k[:pad]) for b, k in zip(before, cache.key))
         assert any(k[pad].abs().sum() > 0 for k in cache.key)
         # A registered adapter's own ranks (the idle engine thread's warm-up on CUDA): again only the pad block.
@@ -168,7 +189,7 @@ def test_idle_capture_covers_the_registered_adapter_shapes(llama, cpu_graphs):
         pending = engine.pending_graphs()
         shapes = {(shape.lora.kinds, shape.lora.lanes) for shape in pending}
         assert shapes == {(("qkv", "o", "gate_up", "down"), 16), (("qkv",), 16)}
-        static = engine._runner.static
+        static = engine._runner.steps
         assert {shape.bucket for shape in pending if shape.phase is Phase.DECODE} == set(static.buckets(Phase.DECODE))
         assert {shape.lora.rows for shape in pending if shape.bucket == 16 and shape.phase is Phase.DECODE} == {
             1, 2, 16}
@@ -193,7 +214,7 @@ def test_graphs_captured_ahead_stay_beside_the_lru(llama, monkeypatch, cpu_graph
     try:
         llm.load_adapter("r4-qv", llama.adapters["r4-qv"])
         llm.capture_graphs()
-        cache = llm.engine._runner.static.graphs
+        cache = llm.engine._runner.steps.graphs
         ahead = set(cache.pinned)
         assert ahead and not llm.engine.pending_graphs()
 

@@ -4,13 +4,14 @@ static output (`cpu_graphs`: the path's bookkeeping, which chunks take it, idle 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kubelora.engine import LLM, SamplingParams
-from kubelora.engine.step.prefill import PrefillInputs, PrefillStep
+from kubelora.engine.step.executor import StepExecutor
+from kubelora.engine.step.inputs import Step, StepInputs
 from kubelora.engine.step.shape import TILE_M, LoRAShape, Phase, prefill_buckets, prefill_shape
-from kubelora.engine.step.static import StaticSteps
 from kubelora.kernels.lora import TILE_HEAD
 
 ADAPTERS = [None, "r4-qv", "r8-all", "r16-all-rs", "r32-attn"]
@@ -38,33 +39,39 @@ def test_prefill_shape_is_the_adapted_kinds_and_rank_lanes():
     assert prefill_shape(32, _tables([20, 0, 20])).lora == _lora(("qkv",), 32)
 
 
+def _chunk(token_ids: list[int], start_pos: int, block_table: tuple[int, ...], tables) -> Step:
+    return Step(token_ids=np.asarray(token_ids), query_lens=[len(token_ids)], start_pos=[start_pos],
+                block_tables=[block_table], seq_slots=[0], slot_tables=tables, logits_rows=[len(token_ids) - 1])
+
+
 def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
-    inputs = PrefillInputs(max_tokens=64, max_blocks=5, block_size=8, pad_block=9, kind_slices={"qkv": 3, "o": 1},
-                           device=torch.device("cpu"))
-    step = PrefillStep(token_ids=list(range(100, 120)), start_pos=5, block_table=(3, 6, 2, 5),
-                       slot_tables=_tables([20, 0, 20]))
-    key = step.shape(32).lora
-    inputs.fill(step, step.shape(32))
-    assert inputs.token_ids(32).tolist() == list(range(100, 120)) + [0] * 12
-    assert inputs.positions(32).tolist() == list(range(5, 25)) + [0] * 12
-    meta = inputs.attention(32)
+    inputs = StepInputs(max_tokens=64, max_seqs=4, max_blocks=5, block_size=8, pad_block=9,
+                        kind_slices={"qkv": 3, "o": 1}, device=torch.device("cpu"))
+    step = _chunk(list(range(100, 120)), 5, (3, 6, 2, 5), _tables([20, 0, 20]))
+    extent = inputs.static_extent(prefill_shape(32, step.slot_tables))
+    inputs.fill(step, extent)
+    ctx = inputs.context(extent, None)
+    assert inputs.token_ids(extent).tolist() == list(range(100, 120)) + [0] * 12
+    assert ctx.positions.tolist() == list(range(5, 25)) + [0] * 12
+    meta = ctx.attention
     # positions 5..7 in block 3, 8..15 in block 6, 16..23 in block 2, 24 in block 5; padding on the pad block
     assert meta.slot_mapping.tolist() == [29, 30, 31] + list(range(48, 56)) + list(range(16, 24)) + [40] + [72] * 12
     assert meta.query_start_loc.tolist() == [0, 20] and meta.seq_lens.tolist() == [20]
-    assert meta.context_lens.tolist() == [25] and meta.max_query_len == 32
+    assert meta.context_lens.tolist() == [25] and meta.max_query_len == 32 and meta.is_padded
     assert meta.block_tables.tolist() == [[3, 6, 2, 5, 9]]
-    assert inputs.logits_rows().tolist() == [19]
-    lora = inputs.lora_step(32, key)
+    assert inputs.logits_rows(extent).tolist() == [19]
+    lora = ctx.lora.step
     assert lora.tiles.shape == (2, TILE_HEAD + 16) and lora.token_slots.tolist() == [0] * 20 + [-1] * 12
     tiles = lora.tiles.tolist()
     assert tiles[0][:3] == [0, 0, 16] and tiles[0][TILE_HEAD:] == list(range(16))
     assert tiles[1][:3] == [0, 16, 4] and tiles[1][TILE_HEAD : TILE_HEAD + 4] == list(range(16, 20))
-    proj = inputs.lora_projs(key)
+    proj = ctx.lora.proj
     assert proj["qkv"].rank.tolist() == [[20, 0, 20], [0, 0, 0]] and proj["qkv"].max_rank == (32, 32, 32)
     assert proj["qkv"].scale[0].tolist() == [0.5, 0.0, 0.5] and proj["o"].max_rank == (0,)
-    step = PrefillStep(token_ids=[7] * 3, start_pos=0, block_table=(1,), slot_tables=_tables([4, 0, 4]))
-    inputs.fill(step, step.shape(32))
-    tiles = inputs.lora_step(32, step.shape(32).lora).tiles.tolist()
+    step = _chunk([7] * 3, 0, (1,), _tables([4, 0, 4]))
+    extent = inputs.static_extent(prefill_shape(32, step.slot_tables))
+    inputs.fill(step, extent)
+    tiles = inputs.context(extent, None).lora.step.tiles.tolist()
     assert tiles[0][:3] == [0, 0, 3] and tiles[1][:3] == [1, 0, 0]  # the second tile empty, on the rank-0 slot
 
 
@@ -84,14 +91,15 @@ def _one_at_a_time(llm: LLM, prompts, params: SamplingParams):
 def _spy_runs(monkeypatch) -> list[int]:
     """The token counts of the static prefill steps run."""
     calls = []
-    run = StaticSteps.run
+    run = StepExecutor.run
 
-    def spy(self, step, shape, pending=None):
-        if shape.phase is Phase.PREFILL:
-            calls.append(len(step.token_ids))
-        return run(self, step, shape, pending)
+    def spy(self, step, pending=None, is_eager=False):
+        shape = None if is_eager else self.shape(step)
+        if shape is not None and shape.phase is Phase.PREFILL:
+            calls.append(step.num_tokens)
+        return run(self, step, pending, is_eager)
 
-    monkeypatch.setattr(StaticSteps, "run", spy)
+    monkeypatch.setattr(StepExecutor, "run", spy)
     return calls
 
 
@@ -109,7 +117,7 @@ def test_static_prefill_gives_the_eager_tokens_and_logprobs(llama, monkeypatch, 
     static_llm = _llm(llama, is_static=True, max_num_batched_tokens=max_num_batched_tokens)
     calls = _spy_runs(monkeypatch)
     try:
-        assert Phase.PREFILL in static_llm.engine._runner.static.layouts
+        assert static_llm.engine._runner.steps.buckets(Phase.PREFILL)
         static = _one_at_a_time(static_llm, PROMPTS, params)
     finally:
         static_llm.close()
@@ -143,7 +151,7 @@ def test_adapter_graphs_are_captured_when_idle_and_replayed(llama, monkeypatch, 
     llm = _llm(llama, is_static=True)
     calls = _spy_runs(monkeypatch)
     try:
-        engine, static = llm.engine, llm.engine._runner.static
+        engine, static = llm.engine, llm.engine._runner.steps
         assert static.graphs.num_captures == len(static.buckets(Phase.DECODE)) + len(static.buckets(Phase.PREFILL))
         pending = [shape for shape in engine.pending_graphs() if shape.phase is Phase.PREFILL]
         shapes = {shape.lora for shape in pending}  # the two most common: every kind at 16 lanes, and one more

@@ -42,7 +42,7 @@ def test_warm_ups_are_the_common_rank_sets_not_yet_run():
 
 
 class _Static:
-    """A StaticSteps stand-in: its buckets per phase, some shapes captured."""
+    """A StepExecutor stand-in: its buckets per phase, some shapes captured."""
 
     def __init__(self, buckets: dict, captured=(), use_graphs: bool = True) -> None:
         self._buckets, self.captured, self.use_graphs = buckets, set(captured), use_graphs
@@ -75,4 +75,3 @@ def test_graphs_of_the_two_common_shapes_decode_then_prefill():
     no_prefill = _Static({Phase.DECODE: [1, 2]})  # use_prefill_graphs off: decode graphs only
     assert all(shape.phase is Phase.DECODE for shape in plan_graphs(infos, model, no_prefill)[1])
     assert plan_graphs(infos, model, _Static({Phase.DECODE: [1, 2]}, use_graphs=False)) == ([], [])
-    assert plan_graphs(infos, model, None) == ([], [])

@@ -139,3 +139,25 @@ def run_tiny(tiny, prompts, params, batch, inspect=None, **engine_args):
         return results, (inspect(llm) if inspect is not None else None)
     finally:
         llm.close()
+
+
+def decode_step(slots: list[int], tables: dict, staged=None):
+    """A decode Step (engine/step/inputs.py) of one token per slot, each at position 0 of block 0."""
+    import numpy as np
+
+    from kubelora.engine.step.inputs import Step
+
+    num = len(slots)
+    return Step(token_ids=np.ones(num, dtype=np.int64), query_lens=[1] * num, start_pos=[0] * num,
+                block_tables=[(0,)] * num, seq_slots=list(slots), slot_tables=tables, logits_rows=list(range(num)),
+                staged=staged)
+
+
+def decode_inputs(device, staged_kinds: tuple[str, ...] = ()):
+    """Decode step inputs of up to 32 sequences with one qkv kind of three slices."""
+    import torch
+
+    from kubelora.engine.step.inputs import StepInputs
+
+    return StepInputs(max_tokens=32, max_seqs=32, max_blocks=2, block_size=16, pad_block=5, kind_slices={"qkv": 3},
+                      device=torch.device(device), staged_kinds=staged_kinds)

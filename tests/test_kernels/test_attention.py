@@ -194,26 +194,6 @@ def test_prefill_reference_matches_sdpa(attention, window):
         start += n
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_references_match_engine_gather_path(attention, window):
-    """The references agree with the engine's portable path (gather into a padded batch + SDPA) on a mixed step."""
-    from kubelora.engine.model.attention import paged_attention, prepare_attention
-
-    seqs = PREFILL_SEQS
-    query, key, value, tables, starts, q_lens, lens, max_q, scale = prefill_problem(
-        seqs, 4, 2, 16, 4, window, torch.float32, "cpu", is_poisoned=False)
-    block_lists = [tables[s, : -(-n // 4)].tolist() for s, (_, n) in enumerate(seqs)]
-    meta = prepare_attention(q_lens.tolist(), lens.tolist(), block_lists, 4, {window}, torch.device("cpu"))
-    engine = paged_attention(query, key, value, meta, window, scale).view_as(query)
-    ours = attention.paged_prefill_attention_torch(query, key, value, tables, starts, q_lens, lens, max_q, scale,
-                                                   window=window)
-    torch.testing.assert_close(ours, engine, rtol=1e-5, atol=1e-5)
-    decode_rows = (q_lens == 1).nonzero().flatten()
-    decode = attention.paged_decode_attention_torch(query[starts[decode_rows].long()], key, value,
-                                                    tables[decode_rows], lens[decode_rows], scale, window=window)
-    torch.testing.assert_close(decode, engine[starts[decode_rows].long()], rtol=1e-5, atol=1e-5)
-
-
 GPU_DTYPES = [torch.bfloat16, torch.float16]
 GPU_HEADS = [(32, 32, 128), (32, 8, 128), (16, 2, 64), (8, 8, 256)]  # (heads, kv heads, head_dim)
 

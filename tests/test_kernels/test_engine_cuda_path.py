@@ -1,10 +1,8 @@
-"""The engine's CUDA path (paged attention kernels, fused small ops, Triton LoRA; eager and from static decode
-buffers) under Triton's CPU interpreter gives the reference path's greedy tokens, with chunked prefill, decode
+"""The engine's CUDA path (the paged attention kernels, fused small ops, Triton LoRA; at each step's own sizes and
+at static shapes) under Triton's CPU interpreter gives the reference path's greedy tokens, with chunked prefill, decode
 rows mixed into prefill steps and mixed adapters."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 import torch
@@ -39,7 +37,6 @@ def _generate(tiny, is_cuda_path: bool, is_static: bool = False, is_alone: bool 
     try:
         if is_cuda_path:
             engine._runner.model.is_fused = True
-            engine._runner.config = replace(engine._runner.config, is_paged_attention=True)
         for name, path in adapters.items():
             llm.load_adapter(name, path)
         prompts = [[1] + [(11 * i + 7 * j) % 480 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]

@@ -1,14 +1,15 @@
-"""The LoRA kernels on a decode step laid out for CUDA graphs (DecodeInputs: a fixed tile count per bucket,
-empty tiles on a rank-0 pad slot, rank lanes fixed by the graph's key) give the reference's result on the
-step's real layout (prepare_lora_step)."""
+"""The LoRA kernels on a decode step laid out for CUDA graphs (engine/step/inputs.py at a decode shape's extent: a
+fixed tile count per bucket, empty tiles on a rank-0 pad slot, rank lanes fixed by the shape) give the reference's
+result on the step's real layout (prepare_lora_step)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kubelora.engine.step.decode import DecodeInputs, DecodeStep
+from kubelora.engine.step.shape import decode_shape
 from kubelora.kernels.lora import add_lora_torch, prepare_lora_proj, prepare_lora_step
+from lora_problems import decode_inputs, decode_step
 
 IN_DIM, WIDTHS = 64, [64, 32, 32]  # a GQA-shaped qkv: q 64 wide, k and v 32
 
@@ -39,13 +40,12 @@ def test_graph_step_matches_reference(triton_backend, device, slots, bucket):
     step = prepare_lora_step(slots, len(ranks), device)
     add_lora_torch(expected, x[:num], lora_a, lora_b, prepare_lora_proj(row_start, ranks, scale, device), step)
 
-    inputs = DecodeInputs(max_seqs=32, max_blocks=2, block_size=16, pad_block=5, kind_slices={"qkv": 3},
-                          device=torch.device(device))
-    decode = DecodeStep(token_ids=[1] * num, positions=[0] * num, block_tables=[(0,)] * num, token_slots=slots,
-                        slot_tables={"qkv": (row_start, ranks, scale)})
-    key = decode.shape(bucket).lora
-    inputs.fill(decode, decode.shape(bucket))
+    inputs = decode_inputs(device)
+    decode = decode_step(slots, {"qkv": (row_start, ranks, scale)})
+    extent = inputs.static_extent(decode_shape(bucket, slots, decode.slot_tables))
+    inputs.fill(decode, extent)
+    lora = inputs.context(extent, None).lora
     got = y.clone()
-    triton_backend.add_lora_triton(got, x, lora_a, lora_b, inputs.lora_projs(key)["qkv"], inputs.lora_step(bucket, key))
+    triton_backend.add_lora_triton(got, x, lora_a, lora_b, lora.proj["qkv"], lora.step)
     torch.testing.assert_close(got[:num], expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[num:], y[num:])  # padded rows untouched

@@ -1,6 +1,6 @@
 """The expand of a staged shrink (kernels/lora_triton.py: add_lora_staged_triton): each token's shrink rows read
 from its own output row past the base columns, where a matmul over [W; staged A rows] put them; against float64
-and against the expand's reference, on the step layouts of eager calls and of CUDA graphs (DecodeInputs)."""
+and against the expand's reference, on the step layouts of eager calls and of CUDA graphs (engine/step/inputs.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kubelora.engine.adapters.staging import StagedStep
-from kubelora.engine.step.decode import DecodeInputs, DecodeStep
+from kubelora.engine.step.shape import decode_shape
 from kubelora.kernels.lora import prepare_lora_proj
-from lora_problems import build_problem, check_y
+from lora_problems import build_problem, check_y, decode_inputs, decode_step
 
 ODD_RANKS = [[3, 3, 0], [12, 12, 12], [24, 5, 24], [1, 0, 17]]
 CASES = [
@@ -67,7 +67,7 @@ def test_staged_expand_matches_float64(triton_backend, device, case):
 
 
 def test_staged_expand_on_the_graph_layout(triton_backend, device):
-    """DecodeInputs with a staged kind: t_col filled per slot, read through the graph's LoRAProj; padded rows
+    """Decode step inputs with a staged kind: t_col filled per slot, read through the graph's LoRAProj; padded rows
     and the rank-0 pad slot's empty tiles leave y alone."""
     ranks = [[8, 0, 8], [20, 20, 20], [4, 4, 0]]
     p = build_problem(7, ranks, [64, 32, 32], 64, "uniform", torch.float32, seed=22, device=device)
@@ -75,29 +75,27 @@ def test_staged_expand_on_the_graph_layout(triton_backend, device):
     p.slots = slots
     bucket = 8
     y_real, t_col, width = staged_output(p)
-    inputs = DecodeInputs(max_seqs=32, max_blocks=2, block_size=16, pad_block=5, kind_slices={"qkv": 3},
-                          device=torch.device(device), staged_kinds=("qkv",))
-    decode = DecodeStep(token_ids=[1] * 7, positions=[0] * 7, block_tables=[(0,)] * 7, token_slots=slots,
-                        slot_tables={"qkv": (p.row_start, ranks, p.scale)},
-                        staged=StagedStep(rows={"qkv": 96}, t_col={"qkv": t_col}))
-    key = decode.shape(bucket).lora
-    assert key.stage == (("qkv", 96),)
-    inputs.fill(decode, decode.shape(bucket))
-    proj = inputs.lora_projs(key)["qkv"]
+    inputs = decode_inputs(device, staged_kinds=("qkv",))
+    decode = decode_step(slots, {"qkv": (p.row_start, ranks, p.scale)},
+                         StagedStep(rows={"qkv": 96}, t_col={"qkv": t_col}))
+    shape = decode_shape(bucket, slots, decode.slot_tables, decode.staged.rows)
+    assert shape.lora.stage == (("qkv", 96),)
+    extent = inputs.static_extent(shape)
+    inputs.fill(decode, extent)
+    lora = inputs.context(extent, None).lora
+    proj = lora.proj["qkv"]
     assert proj.t_col[:3].tolist() == t_col and not proj.t_col[3:].any()
     y = torch.cat([y_real, torch.randn(bucket - 7, y_real.shape[1], device=device)])
     padded = y[7:].clone()
     from kubelora.kernels.lora import prepare_lora_step
 
     p.step = prepare_lora_step(slots, len(ranks), device)
-    triton_backend.add_lora_staged_triton(y, width, p.lora_b, proj, inputs.lora_step(bucket, key))
+    triton_backend.add_lora_staged_triton(y, width, p.lora_b, proj, lora.step)
     check_y(p, y[:7, :width])
     assert torch.equal(y[7:], padded)
 
 
 def test_unstaged_key_is_the_old_graph():
-    decode = DecodeStep(token_ids=[1], positions=[0], block_tables=[(0,)], token_slots=[0],
-                        slot_tables={"qkv": ([[0, 0, 0]], [[8, 8, 8]], [[1.0] * 3])})
-    assert decode.shape(1).lora.stage == ()
+    assert decode_shape(1, [0], {"qkv": ([[0, 0, 0]], [[8, 8, 8]], [[1.0] * 3])}).lora.stage == ()
     proj = prepare_lora_proj([[0, 0, 0]], [[8, 8, 8]], [[1.0] * 3], "cpu")
     assert proj.t_col is None
