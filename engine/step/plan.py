@@ -7,6 +7,7 @@ The idle engine thread captures what `plan_graphs` lists and runs the prefill si
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from kubelora.engine.adapters.types import AdapterInfo
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
@@ -17,6 +18,12 @@ MAX_GRAPH_SHAPES = 2  # adapter shapes whose LoRA decode and prefill graphs are 
 MAX_WARM_SHAPES = 8  # adapters' module ranks whose prefill kernels are run ahead of their first request (CUDA)
 
 Ranks = tuple[tuple[str, int], ...]  # (module, rank) of the modules an adapter adapts, sorted
+
+
+class AdapterShape(NamedTuple):
+    kinds: tuple[str, ...]  # projection kinds adapted
+    lanes: int  # max rank rounded up to RANK_LANE
+    staged_rows: tuple[tuple[str, int], ...]  # (kind, its ranks summed over the kind's modules) per kind adapted
 
 
 def _most_common(items: Iterable, limit: int) -> tuple[list, dict]:
@@ -34,10 +41,13 @@ def plan_warm_ups(infos: list[AdapterInfo], warmed: set[Ranks]) -> list[Ranks]:
     return [ranks for ranks in common if ranks and ranks not in warmed]
 
 
-def adapter_shape(info: AdapterInfo, model: ModelConfig) -> tuple[tuple[str, ...], int] | None:
-    """(projection kinds adapted, max rank rounded up to 16): what an adapter's graphs are specialised on."""
-    kinds = tuple(k for k in PROJ_KINDS if any(info.ranks.get(m, 0) > 0 for m in model.kind_modules(k)))
-    return (kinds, rank_lanes(info.rank)) if kinds else None
+def adapter_shape(info: AdapterInfo, model: ModelConfig) -> AdapterShape | None:
+    """What an adapter's graphs are specialised on: the projection kinds it adapts, its max rank rounded up to 16,
+    and per kind the rows its A takes when staged (its ranks over the kind's modules, as engine/adapters/staging.py
+    stages them)."""
+    rows = tuple((k, sum(info.ranks.get(m, 0) for m in model.kind_modules(k))) for k in PROJ_KINDS)
+    kinds = tuple(k for k, n in rows if n > 0)
+    return AdapterShape(kinds, rank_lanes(info.rank), tuple((k, n) for k, n in rows if n > 0)) if kinds else None
 
 
 def plan_graphs(infos: list[AdapterInfo], model: ModelConfig, steps: StepExecutor
@@ -49,6 +59,7 @@ def plan_graphs(infos: list[AdapterInfo], model: ModelConfig, steps: StepExecuto
     shapes = [shape for shape in (adapter_shape(info, model) for info in infos) if shape is not None]
     common, counts = _most_common(shapes, MAX_GRAPH_SHAPES)
     decode, prefill = steps.buckets(Phase.DECODE), steps.buckets(Phase.PREFILL)
-    wanted = [step for shape in common for step in plan_decode_shapes(decode, *shape, counts[shape], steps.staging)]
-    wanted += [step for shape in common for step in plan_prefill_shapes(prefill, *shape)]
+    wanted = [step for shape in common for step in plan_decode_shapes(
+        decode, shape.kinds, shape.lanes, counts[shape], steps.staging, dict(shape.staged_rows))]
+    wanted += [step for shape in common for step in plan_prefill_shapes(prefill, shape.kinds, shape.lanes)]
     return [step for step in wanted if not steps.has_graph(step)], wanted

@@ -136,29 +136,31 @@ def prefill_shape(bucket: int, tables: Tables | None) -> StepShape:
 # ---- shapes planned ahead ----
 
 def plan_decode_shapes(buckets: list[int], kinds: tuple[str, ...], max_rank: int, num_adapters: int | None = None,
-                       staging=None) -> list[StepShape]:
-    """The decode shapes steps over adapters of one kind set and rank use most (num_adapters registered): per
-    bucket, one token per adapter, two, and as many as a tile holds; with staging (ShrinkStaging: modules and
-    capacity per kind), the rows a full bucket of such steps stages."""
+                       staging=None, staged_rows: Mapping[str, int] | None = None) -> list[StepShape]:
+    """The decode shapes steps over adapters of one shape use most (num_adapters registered): per bucket, one token
+    per adapter, two, and as many as a tile holds; with staging (ShrinkStaging: modules and capacity per kind), the
+    rows a step over that many such adapters stages (staged_rows: kind -> one adapter's rows; its lanes on every
+    module of the kind where not given)."""
     shapes = []
     for bucket in buckets:
         for tokens in sorted({1, min(2, tile_rows(bucket)), tile_rows(bucket)}):
             adapters = -(-bucket // tokens)  # at least this many adapters fill the bucket at `tokens` each
             if num_adapters is not None:
                 adapters = min(adapters, num_adapters)
-            stage = _planned_stage(kinds, rank_lanes(max_rank), adapters, staging)
+            stage = _planned_stage(kinds, rank_lanes(max_rank), adapters, staging, staged_rows or {})
             shapes.append(StepShape(Phase.DECODE, bucket, lora_shape(kinds, max_rank, tokens, stage)))
     return shapes
 
 
-def _planned_stage(kinds: tuple[str, ...], lanes: int, num_adapters: int, staging) -> tuple[tuple[str, int], ...]:
-    """Staged rows of a step over num_adapters adapters of `lanes` rank on every module of these kinds."""
+def _planned_stage(kinds: tuple[str, ...], lanes: int, num_adapters: int, staging,
+                   staged_rows: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """Staged rows of a step over num_adapters adapters each staging staged_rows[kind] rows of a kind."""
     if staging is None:
         return ()
     stage = []
     for kind in kinds:
         if kind in staging.modules:
-            rows = num_adapters * lanes * len(staging.modules[kind])
+            rows = num_adapters * staged_rows.get(kind, lanes * len(staging.modules[kind]))
             if rows > staging.capacity[kind]:
                 return ()  # such a step runs its shrink launches (ShrinkStaging.stage: None)
             stage.append((kind, stage_bucket(rows, staging.capacity[kind])))

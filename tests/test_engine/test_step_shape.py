@@ -31,17 +31,18 @@ def test_rounding():
 @pytest.mark.parametrize("num_adapters", [1, 3, 40])
 def test_planned_decode_shapes_are_the_shapes_of_full_steps(rank, num_adapters):
     """A bucket of steps spreading its rows over adapters of one shape, one, two or a tile's tokens each, keys
-    to a shape planned ahead, staged rows included."""
+    to a shape planned ahead, staged rows included: staging takes each adapter's own ranks (not its rank lanes),
+    so ranks that are no multiple of 16 plan the rows their steps stage."""
     modules = {"qkv": ("q_proj", "k_proj", "v_proj")}
     staging = SimpleNamespace(modules=modules, capacity={"qkv": 3 * 1024})
     buckets = decode_buckets(64)
-    planned = set(plan_decode_shapes(buckets, ("qkv",), rank, num_adapters, staging))
+    planned = set(plan_decode_shapes(buckets, ("qkv",), rank, num_adapters, staging, {"qkv": 3 * rank}))
     for bucket in buckets:
         for tokens in {1, min(2, tile_rows(bucket)), tile_rows(bucket)}:
             adapters = min(-(-bucket // tokens), num_adapters)
             slots = [i % adapters for i in range(bucket)] if adapters * tokens >= bucket else [
                 i // tokens for i in range(bucket)]
-            rows = adapters * rank_lanes(rank) * 3  # past the capacity the step is not staged (ShrinkStaging.stage)
+            rows = adapters * rank * 3  # past the capacity the step is not staged (ShrinkStaging.stage)
             staged = {"qkv": stage_bucket(rows, 3 * 1024)} if rows <= 3 * 1024 else None
             shape = decode_shape(bucket, slots, _tables(adapters, rank), staged)
             if max(slots.count(s) for s in set(slots)) == tokens:
