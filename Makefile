@@ -42,8 +42,9 @@ test-gpu: venv
 demo: venv k8s images
 	$(VENV)/bin/kubelora demo
 
-# The three container images (images/), built with podman from a Debian rootfs, no container registry needed;
-# archives in build/images/kubelora-{operator,router,engine}.tar, rebuilt only when their inputs change.
+# The two container images (images/): the operator image (operator and router) and the engine image, built with
+# podman from a Debian rootfs, no container registry needed; archives in build/images/kubelora-{operator,engine}.tar,
+# rebuilt only when their inputs change.
 # KUBELORA_IMAGES picks a subset. docs/chart.md.
 images:
 	images/build.sh
