@@ -80,6 +80,12 @@ def _run_bench_router_keys(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def _run_bench_operator(args: argparse.Namespace) -> int:
+    from kubelora.bench.operator import main as bench_main
+
+    return bench_main(args.rest)
+
+
 _SIZE_FLAGS = {
     "hidden_size": "--hidden",
     "num_layers": "--layers",
@@ -161,6 +167,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                      "simulated (no cluster)", _run_bench_placement)
     _add_passthrough(kinds, "router-keys", "tenant API keys at the router: its CPU per request and the latency "
                      "added, keys on against off", _run_bench_router_keys)
+    _add_passthrough(kinds, "operator", "the operator at fleet scale against a real API server, engine pods stood "
+                     "in by fakes", _run_bench_operator)
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -185,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Command words whose module owns its parser; argparse's REMAINDER would refuse options right after them.
 _PASSTHROUGH = {("operator",): _run_operator, ("router",): _run_router, ("bench", "kernels"): _run_bench_kernels,
                 ("bench", "engine"): _run_bench_engine, ("bench", "hostile"): _run_bench_hostile,
-                ("bench", "router-keys"): _run_bench_router_keys, ("bench", "placement"): _run_bench_placement}
+                ("bench", "router-keys"): _run_bench_router_keys, ("bench", "placement"): _run_bench_placement,
+                ("bench", "operator"): _run_bench_operator}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,149 @@
+"""The operator benchmark's tables, its targets and the markdown report."""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from kubelora.bench.router_keys_report import format_table, percentile
+
+if TYPE_CHECKING:
+    from kubelora.bench.operator import OperatorReport
+    from kubelora.bench.operator_measure import PhaseResult
+
+MAX_SINGLE_P50_S = 1.0  # one adapter into a steady fleet, create -> Ready
+MIB = 2**20
+PHASE_COLUMNS = ("phase", "adapters", "wall s", "all done s", "per adapter p50 / p90 / max s", "passes",
+                 "mean pass s", "engine calls: preload / register / unload", "GETs per pod per pass",
+                 "operator CPU s", "operator cores", "operator RSS MiB")
+CPU_COLUMNS = ("phase", "operator", "kube-apiserver", "etcd", "fake engines", "routers")
+TARGET_COLUMNS = ("target", "measured", "verdict")
+
+
+def phase(report: OperatorReport, name: str) -> PhaseResult:
+    return next(p for p in report.phases if p.name == name)
+
+
+def gets_per_pass(result: PhaseResult) -> str:
+    """The pods' plain model lists over the phase's passes: 'n' when every pod has the same ratio, else a range."""
+    if not result.passes:
+        return "-"
+    ratios = sorted({count / result.passes for count in result.calls.lists.values()})
+    return f"{ratios[0]:.2f}" if len(ratios) == 1 else f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+
+
+def spread_s(times: tuple[float, ...]) -> str:
+    if not times:
+        return "-"
+    return f"{percentile(times, 50):.2f} / {percentile(times, 90):.2f} / {max(times):.2f}"
+
+
+def phase_row(result: PhaseResult) -> dict[str, str]:
+    calls = result.calls
+    operator_cpu = result.cpu_s.get("operator", 0.0)
+    done = "-" if result.all_done_s is None else f"{result.all_done_s:.1f}"
+    if result.all_unloaded_s is not None:
+        done += f" (unloaded {result.all_unloaded_s:.1f})"
+    values = (result.name, str(result.num_adapters), f"{result.wall_s:.1f}", done, spread_s(result.times_s),
+              str(result.passes), f"{result.pass_seconds / result.passes:.2f}" if result.passes else "-",
+              f"{calls.preloads} / {calls.registrations} / {calls.unloads}", gets_per_pass(result),
+              f"{operator_cpu:.1f}", f"{operator_cpu / result.window_s:.2f}" if result.window_s else "-",
+              f"{result.operator_memory.rss_bytes / MIB:.0f}")
+    return dict(zip(PHASE_COLUMNS, values))
+
+
+def cpu_row(result: PhaseResult) -> dict[str, str]:
+    def seconds(*prefixes: str) -> str:
+        total = sum(v for k, v in result.cpu_s.items() if k.startswith(prefixes))
+        return f"{total:.1f}"
+
+    return dict(zip(CPU_COLUMNS, (result.name, seconds("operator"), seconds("kube-apiserver"), seconds("etcd"),
+                                  seconds("fake-engines"), seconds("router-"))))
+
+
+def one_call_each(result: PhaseResult, num_pods: int) -> tuple[str, bool]:
+    """Whether every (pod, adapter) of the phase got exactly one engine call and no other adapter got any."""
+    calls = result.calls
+    wanted = result.num_adapters * num_pods
+    is_met = calls.pairs_once == wanted and calls.other_calls == 0 and calls.engine_calls == wanted
+    text = (f"{calls.engine_calls} calls for {result.num_adapters} adapters x {num_pods} pods: {calls.pairs_once} "
+            f"pairs with one call, {calls.pairs_repeated} with more, {calls.pairs_missing} with none; "
+            f"{calls.other_calls} calls for other adapters")
+    return text, is_met
+
+
+def verdict(is_met: bool) -> str:
+    return "met" if is_met else "MISSED"
+
+
+def target_rows(report: OperatorReport) -> list[dict[str, str]]:
+    config = report.config
+    singles, steady = phase(report, "singles"), phase(report, "steady")
+    bulk_apply, bulk_delete = phase(report, "bulk-apply"), phase(report, "bulk-delete")
+    p50 = statistics.median(singles.times_s)
+    rows = [(f"one adapter into a steady fleet of {config.num_adapters}: create -> Ready p50 <= "
+             f"{MAX_SINGLE_P50_S:g} s", f"p50 {p50:.2f} s over {len(singles.times_s)} (p90 / max "
+             f"{percentile(singles.times_s, 90):.2f} / {max(singles.times_s):.2f} s)",
+             verdict(p50 <= MAX_SINGLE_P50_S))]
+    done = sum(1 for _ in bulk_apply.times_s)
+    rows.append((f"a bulk apply of {config.num_bulk}: all Ready within a reported time",
+                 f"{done} of {config.num_bulk} Ready {bulk_apply.all_done_s:.1f} s after the first create",
+                 "reported"))
+    for result in (steady, singles):
+        counts = set(result.calls.lists.values())
+        is_met = result.passes > 0 and counts == {result.passes}
+        rows.append((f"{result.name}: one GET /v1/models per pod per pass",
+                     f"{result.passes} passes; GETs per pod {min(counts)}-{max(counts)} "
+                     f"({gets_per_pass(result)} per pass); {result.calls.engine_calls} engine calls"
+                     + ("" if result.name != "steady" else ""), verdict(is_met)))
+    for result in (bulk_apply, bulk_delete):
+        text, is_met = one_call_each(result, config.num_replicas)
+        rows.append((f"{result.name} of {config.num_bulk}: one engine call per adapter and pod", text,
+                     verdict(is_met)))
+    rows.append((f"a bulk delete of {config.num_bulk}: gone, and unloaded from every pod, within a reported time",
+                 f"gone from the API server {bulk_delete.all_done_s:.1f} s after the first delete, unloaded from "
+                 f"every pod {bulk_delete.all_unloaded_s:.1f} s after it", "reported"))
+    fill = phase(report, "fill")
+    rows.append(("operator CPU and memory reported",
+                 f"steady {steady.cpu_s.get('operator', 0.0) / steady.window_s:.3f} cores, fill "
+                 f"{fill.cpu_s.get('operator', 0.0):.1f} CPU s; RSS {steady.operator_memory.rss_bytes / MIB:.0f} MiB "
+                 f"steady, peak {report.operator_peak_rss_bytes / MIB:.0f} MiB", "reported"))
+    return [dict(zip(TARGET_COLUMNS, row)) for row in rows]
+
+
+def render_markdown(report: OperatorReport) -> str:
+    config = report.config
+    routers = (f"{config.num_routers} real `kubelora router` process{'es' if config.num_routers > 1 else ''}"
+               if config.num_routers else "no router")
+    text = [
+        f"# Operator benchmark: {config.num_replicas} engine pods x {config.num_adapters} adapters against a real "
+        "API server", "",
+        "Written by `kubelora bench operator --write docs/benchmarks-operator.md` (`bench/operator.py`). The operator",
+        "runs as its CLI runs it (`kubelora operator --namespace bench --metrics-port P`) against the bench's own",
+        "etcd and kube-apiserver (e2e/localcluster's binaries; no controller-manager, scheduler or kubelet). The",
+        "bench makes the engine and router pods from the Deployments the operator applies and marks them Ready on",
+        "loopback addresses. Engine pods are stood in by fake engines, a test double (`bench/operator_engines.py`):",
+        "the engine's own admin HTTP layer (model list with `ETag` and long poll, load, unload, API key table, the",
+        "admin token, error middleware, request parsers, local source confinement) over a stand-in adapter manager",
+        "that reads no weights; the real engine is covered by the e2e tests. Routers: "
+        + routers + " reading the placement ConfigMap as in a cluster.", "",
+        "Times are this process's clock: from just before a create (or delete) request to the arrival of the watch",
+        "event showing the adapter Ready (or deleted); status conditions carry one-second timestamps only. Calls",
+        "are counted at the fakes; passes and their durations are the operator's own metrics; CPU is each",
+        "process's CPU clock (every thread); RSS is the operator's at the end of each phase.", "",
+        *[f"- {k}: {v}" for k, v in report.env.items()],
+        f"- shapes: {config.num_replicas} engine pods, {config.num_adapters} adapters in the steady fleet "
+        f"(`replicas: {config.copies}`, rank {config.rank}), {config.num_singles} singles "
+        f"({config.settle_s:g} s quiet before each), a bulk of {config.num_bulk} created then deleted at once; "
+        f"engine `maxLoras` {config.max_loras}, `maxLoraRank` {config.max_lora_rank}, `maxCpuLoras` "
+        f"{config.max_cpu_loras}; resync {'30 (default)' if config.resync_s is None else f'{config.resync_s:g}'} s; "
+        f"the bench sends {config.create_concurrency} API requests at once",
+        f"- setup (API server up to the pool Ready with its pods, before any adapter): {report.setup_s:.1f} s", "",
+    ]
+    if report.note:
+        text += [report.note, ""]
+    text += ["## Targets", "", format_table(TARGET_COLUMNS, target_rows(report)), "",
+             "## Phases", "", format_table(PHASE_COLUMNS, [phase_row(p) for p in report.phases]), "",
+             "CPU seconds per phase, by process:", "",
+             format_table(CPU_COLUMNS, [cpu_row(p) for p in report.phases]), ""]
+    return "\n".join(text)
