@@ -6,6 +6,7 @@ that nothing handed in changed.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import replace
 
 from kubelora.contract.load import S3Access
@@ -186,6 +187,20 @@ def test_an_unload_forgets_what_was_served_there():
     after, events = record_result(memory, CallResult(Unload("e0", "a")), plan_for(), now=0.0, backoff_s=backoff_s)
     assert after.served == {("e1", "a"): "rev-a"}
     assert events == [Event("a", False, "Unloaded", "unloaded from pod e0")]
+
+
+def test_unloads_over_a_fleet_sized_memory_cost_a_copy_each_not_a_scan():
+    """A bulk delete records one unload per adapter and pod into a memory holding every (pod, adapter) of the pool:
+    each must stay a clone of the table (about 0.15 ms here for 40,000 entries), not a re-insertion of every entry
+    (1.2 ms) or a Python-level filter (3 ms)."""
+    served = {(f"e{p}", f"a{i}"): "rev" for p in range(16) for i in range(2500)}
+    memory, plan = ReconcileMemory(served=served), plan_for()
+    started = time.perf_counter()
+    for i in range(1000):
+        memory, _ = record_result(memory, CallResult(Unload("e3", f"a{i}")), plan, now=0.0, backoff_s=backoff_s)
+    assert time.perf_counter() - started < 1.0  # a re-insertion takes over 1.2 s, a filter over 3 s
+    assert len(memory.served) == 39000 and ("e3", "a0") not in memory.served and ("e2", "a0") in memory.served
+    assert len(served) == 40000  # the input memory stays as it was
 
 
 def test_a_400_from_a_current_pod_is_a_refusal_of_that_revision_under_this_pool():
