@@ -59,10 +59,12 @@ the operator preloads those again every pass (run with `--max-cpu-loras 16` to s
 SPREAD_NOTE = """
 **What decides ours' spread.** An adapter's requests go only to its holders: the router's bound (`load factor
 x` the holders' mean in flight) always admits one of them, so it evens holders against each other, not against
-the fleet; and `size` gives an adapter a second copy only once its share of demand exceeds 1 / replicas. So every adapter below that share is pinned to
-one replica, whatever that replica's load, and a replica that holds a few warm ones (plus a copy of a hot one)
-runs above the mean; the placement evens out copies per replica, not demand. Least-loaded routing looks at load
-on every request and pays for it in loads and misses; the random split shows what no look at load gives.
+the fleet. So `size` gives copies at `SPREAD` (8) times an adapter's share of pods: an adapter with 1/8 of the
+demand is on every replica, one with 1/128 on two of 16, and the router's strict bound (load factor 1) moves
+each hot adapter's requests to the holders with fewest in flight, which evens out the replicas that also hold
+adapters pinned to one copy. The extra copies are the preloads above single-copy's loads. Least-loaded routing
+looks at load on every request and pays for it in loads and misses; the random split shows what no look at load
+gives.
 """
 
 COLUMNS = ("policy", "requests", "loads / h", "of which preloads / h", "misses", "device swaps / h",

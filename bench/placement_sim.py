@@ -2,7 +2,7 @@
 same traces, with no cluster.
 
     kubelora bench placement [--quick] [--replicas 16] [--adapters 2000] [--hours 6] [--rate 4] [--zipf 1.1]
-        [--max-loras 4] [--max-cpu-loras 256] [--load-factor 1.25] [--seed 0] [--write docs/benchmarks-placement.md]
+        [--max-loras 4] [--max-cpu-loras 256] [--load-factor 1] [--seed 0] [--write docs/benchmarks-placement.md]
 
 Traces: bench/placement_traces.py; replicas and their tiers: bench/placement_fleet.py; the policies:
 bench/placement_policies.py. Time is simulated: events (arrivals, completions, failures, operator passes, load
@@ -26,6 +26,7 @@ from kubelora.bench.placement_fleet import Counts, ReplicaState, TierConfig
 from kubelora.bench.placement_policies import (PASS_S, LeastLoaded, Ours, RandomSplit, SingleCopy,
                                                memoized_rendezvous)
 from kubelora.bench.placement_traces import Trace, TraceConfig, generate
+from kubelora.router.config import RouterConfig
 
 WINDOW_S = 300.0
 INF = math.inf
@@ -169,7 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--zipf", type=float, default=TraceConfig.zipf_s)
     p.add_argument("--max-loras", type=int, default=TierConfig.max_loras)
     p.add_argument("--max-cpu-loras", type=int, default=TierConfig.max_cpu_loras)
-    p.add_argument("--load-factor", type=float, default=1.25, help="the router's load bound (router/config.py)")
+    p.add_argument("--load-factor", type=float, default=RouterConfig.load_factor,
+                   help="the router's load bound (router/config.py; its default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write", default=None, help="write the markdown report to this path")
     return p.parse_args(argv)

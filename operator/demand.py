@@ -8,9 +8,13 @@ and the next memory.
   pass's one GET per pod. The difference between two passes over the time between them, summed over pods, is
   smoothed with an exponential moving average of time constant `SMOOTHING_S` (a counter that went down is an
   engine that restarted: its new value is what it served since).
-- **Copies** follow the adapter's share of the pool's demand: `ceil(pods x share)`, so an adapter with half the
-  traffic is on half the pods and the router's load bound spreads its requests over them, while cold adapters
-  consolidate to their minimum. Bounds: `minReplicas` (default 1) and `maxReplicas` (default: every pod).
+- **Copies** follow the adapter's share of the pool's demand: `ceil(pods x share x SPREAD)`, so an adapter with an
+  eighth of the traffic is on every pod and the router's load bound spreads its requests over them, while cold
+  adapters consolidate to their minimum. SPREAD is more than 1 because the router balances an adapter's requests
+  among its holders only: with copies in plain proportion (SPREAD 1) every adapter under 1 / pods of the demand
+  sits on one pod whatever that pod's load, and in the placement simulator (docs/benchmarks-placement.md) the
+  busiest replica ran at 2.3x the mean; with 8 and the router's strict bound (load factor 1.0) it runs within the
+  1.25x target, at a few more preloads. Bounds: `minReplicas` (default 1) and `maxReplicas` (default: every pod).
 - **Hysteresis**, as the HPA does it: a rise is taken at once, a fall only once every recommendation of the last
   `SCALE_DOWN_WINDOW_S` is lower (the copies are the highest recommendation in that window).
 - **Churn cap**: the copies added in one pass, over all auto adapters, are at most `MAX_LOADS_PER_POD_PER_MIN` per
@@ -27,6 +31,7 @@ SMOOTHING_S = 60.0
 SCALE_DOWN_WINDOW_S = 300.0
 MAX_LOADS_PER_POD_PER_MIN = 6
 MIN_GAP_S = 0.5  # passes closer than this keep the previous rates (a counter difference over ~0 s means nothing)
+SPREAD = 8  # copies per pod-share of demand (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,7 @@ def size(memory: DemandMemory, auto: Mapping[str, Bounds], num_pods: int, total_
         low = min(bounds.min_replicas, high)
         rate = memory.rates.get(adapter, 0.0)
         share = rate / total if total > 0 else 0.0
-        raw = math.ceil(num_pods * share - 1e-9) if share > 0 else 0
+        raw = min(math.ceil(num_pods * share * SPREAD - 1e-9), num_pods) if share > 0 else 0  # never past the pods
         recommended = min(max(raw, low), high)
         # The window's maximum is all that matters: an older entry no higher than the newest never decides again.
         window = tuple((t, n) for t, n in memory.recommendations.get(adapter, ())

@@ -32,7 +32,7 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("--host", str, "listen address", default="0.0.0.0"),
     _setting("--port", int, "listen port (0: a free port)", default=8080),
     _setting("--load-factor", float, "a replica above load-factor x the average in-flight passes a request on",
-             default=1.25),
+             default=1.0),
     _setting("--poll-interval", float, "seconds between placement reads", default=1.0),
     _setting("--max-placement-age", float, "/ready answers 503 once no placement read has succeeded for this many "
              "seconds (0: never)", default=60.0),
@@ -50,7 +50,7 @@ class RouterConfig:
     kubeconfig: str | None = None
     host: str = "0.0.0.0"
     port: int = 8080
-    load_factor: float = 1.25
+    load_factor: float = 1.0
     poll_interval: float = 1.0
     max_placement_age: float = 60.0
     connect_timeout: float = 5.0

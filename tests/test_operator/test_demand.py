@@ -10,7 +10,7 @@ import pytest
 
 from kubelora.operator.decide import plan_pass
 from kubelora.operator.demand import (CHURN_CAP, DEMAND, MAX_REPLICAS, MIN_REPLICAS, SCALE_DOWN_WINDOW,
-                                      SCALE_DOWN_WINDOW_S, Bounds, DemandMemory, measure, size)
+                                      SCALE_DOWN_WINDOW_S, SPREAD, Bounds, DemandMemory, measure, size)
 from kubelora.operator.memory import ReconcileMemory
 from kubelora.operator.specs import AdapterSpec, InvalidSpec
 
@@ -34,42 +34,47 @@ def test_rates_come_from_counter_differences_summed_over_pods_and_smoothed():
 
 
 def test_copies_follow_each_adapters_share_within_its_bounds():
-    memory = steady({"hot": 50.0, "warm": 30.0, "cold": 0.5, "idle": 0.0, "capped": 19.5})
+    """ceil(pods x share x SPREAD): SPREAD 8 puts an adapter with 1/8 of the demand on every pod."""
+    assert SPREAD == 8
+    memory = steady({"hot": 50.0, "warm": 2.0, "cold": 0.1, "idle": 0.0, "capped": 47.9})
     bounds = {"hot": Bounds(), "warm": Bounds(), "cold": Bounds(), "idle": Bounds(min_replicas=2),
               "capped": Bounds(max_replicas=1)}
     sizings, _ = size(memory, bounds, num_pods=16, total_rate=None, now=0.0)
     assert {a: (s.copies, s.reason) for a, s in sizings.items()} == {
-        "hot": (8, DEMAND), "warm": (5, DEMAND), "cold": (1, DEMAND), "idle": (2, MIN_REPLICAS),
-        "capped": (1, MAX_REPLICAS)}
+        "hot": (16, DEMAND), "warm": (3, DEMAND), "cold": (1, DEMAND), "idle": (2, MIN_REPLICAS),
+        "capped": (1, MAX_REPLICAS)}  # warm: ceil(16 x 0.02 x 8) = 3; cold: ceil(0.128) = 1
     sizings, _ = size(steady({"only": 5.0}), {"only": Bounds()}, num_pods=3, total_rate=None, now=0.0)
     assert sizings["only"].copies == 3  # all the demand: every pod, never more
 
 
 def test_a_rise_is_taken_at_once_and_a_fall_after_the_scale_down_window():
     bounds = {"a": Bounds(), "b": Bounds()}
-    memory = steady({"a": 1.0, "b": 1.0})
-    sizings, memory = size(memory, bounds, 8, None, now=0.0)
-    assert sizings["a"].copies == 4
-    memory = dataclasses.replace(memory, rates={"a": 7.0, "b": 1.0})
-    sizings, memory = size(memory, bounds, 8, None, now=60.0)
-    assert (sizings["a"].copies, sizings["b"].copies) == (7, 4)  # a rises now; b's fall waits
-    assert sizings["b"].reason == SCALE_DOWN_WINDOW
-    sizings, memory = size(memory, bounds, 8, None, now=SCALE_DOWN_WINDOW_S - 1)
-    assert sizings["b"].copies == 4
-    sizings, memory = size(memory, bounds, 8, None, now=SCALE_DOWN_WINDOW_S + 1)
-    assert (sizings["b"].copies, sizings["b"].reason) == (1, DEMAND)
+    memory = steady({"a": 1.0, "b": 99.0})
+    sizings, memory = size(memory, bounds, 64, None, now=0.0)
+    assert sizings["a"].copies == 6  # ceil(64 x 0.01 x 8)
+    memory = dataclasses.replace(memory, rates={"a": 4.0, "b": 396.0 / 4 - 3.0})
+    sizings, memory = size(memory, bounds, 64, None, now=60.0)
+    assert sizings["a"].copies > 6 and sizings["b"].copies == 64
+    rise = sizings["a"].copies
+    memory = dataclasses.replace(memory, rates={"a": 1.0, "b": 99.0})
+    sizings, memory = size(memory, bounds, 64, None, now=120.0)
+    assert (sizings["a"].copies, sizings["a"].reason) == (rise, SCALE_DOWN_WINDOW)  # the fall waits
+    sizings, memory = size(memory, bounds, 64, None, now=60.0 + SCALE_DOWN_WINDOW_S - 1)
+    assert sizings["a"].copies == rise
+    sizings, memory = size(memory, bounds, 64, None, now=60.0 + SCALE_DOWN_WINDOW_S + 1)
+    assert (sizings["a"].copies, sizings["a"].reason) == (6, DEMAND)
     assert all(len(window) <= 2 for window in memory.recommendations.values())  # only maxima are kept
 
 
 def test_new_copies_per_pass_are_capped_hottest_first():
     bounds = {"a": Bounds(), "b": Bounds()}
-    _, memory = size(steady({"a": 1.0, "b": 1.0}), bounds, 16, None, now=0.0)  # 8 copies each
+    _, memory = size(steady({"a": 1.0, "b": 1.0}), bounds, 16, None, now=0.0)  # every pod each
     memory = dataclasses.replace(memory, rates={"a": 3.0, "b": 1.0}, copies={"a": 2, "b": 2})
     sizings, memory = size(memory, bounds, 16, None, now=5.0)  # 5 s: 6 loads/pod/min x 16 pods -> 8 new copies
     assert (sizings["a"].copies, sizings["a"].reason) == (10, CHURN_CAP)
     assert sizings["b"].copies == 2  # nothing left for the colder one this pass
     sizings, _ = size(memory, bounds, 16, None, now=65.0)
-    assert sizings["a"].copies == 12 and sizings["b"].copies >= 4
+    assert sizings["a"].copies == 16 and sizings["b"].copies >= 4
 
 
 def test_replicas_auto_parses_with_its_bounds():
@@ -95,7 +100,7 @@ def test_a_pass_places_auto_adapters_by_the_demand_the_pods_report():
     for step in range(1, 40):  # each pod serves hot 100 tokens/s, cold 1
         plan, memory = plan_pass(view(*bodies, held=held(1000 * step, 10 * step)), memory, now=10.0 * step)
     assert len(plan.placement.pods_of("hot")) == 4 and len(plan.placement.pods_of("cold")) == 1
-    assert plan.sizings["hot"].reason == DEMAND  # ceil(4 pods x 99% of the demand): every pod
+    assert plan.sizings["hot"].reason == DEMAND  # ceil(4 pods x 99% of the demand x SPREAD): every pod
 
 
 def test_an_evicted_placed_copy_is_made_resident_again_at_most_once_a_minute():
