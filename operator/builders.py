@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 from kubelora.operator import names
@@ -144,15 +145,20 @@ def build_engine_service(pool: PoolSpec, owner: dict[str, Any]) -> Manifest:
     }
 
 
-def build_admin_token_secret(pool: PoolSpec, owner: dict[str, Any], token: str | None = None) -> Manifest:
+def build_admin_token_secret(pool: PoolSpec, owner: dict[str, Any], token: str | None = None,
+                             previous: Mapping[str, str] | None = None) -> Manifest:
     """The pool's engine admin token (when its spec names none), owned by the pool: created when missing (at the
     pool's creation, or after someone deleted it: then the engine Deployment's token digest changes and its pods
-    roll onto the new token), never overwritten. token: ADMIN_TOKEN_BYTES random bytes unless given (tests)."""
+    roll onto the new token), never overwritten. token: ADMIN_TOKEN_BYTES random bytes unless given (tests).
+    previous: digest -> token of the tokens pods of the pool still run with (names.PREVIOUS_TOKEN_PREFIX)."""
     token = secrets.token_urlsafe(ADMIN_TOKEN_BYTES) if token is None else token
+    data = {names.ADMIN_TOKEN_KEY: token}
+    data.update({names.PREVIOUS_TOKEN_PREFIX + digest: old for digest, old in (previous or {}).items()
+                 if old != token})
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": _metadata(pool, names.admin_token_secret_name(pool.name), "engine", owner),
-        "stringData": {names.ADMIN_TOKEN_KEY: token},
+        "stringData": data,
     }
 
 

@@ -50,6 +50,9 @@ def admin_token_secret_name(pool: str) -> str:
 
 
 ADMIN_TOKEN_KEY = "token"
+# In a generated admin token Secret, the tokens that engine pods of the pool still ran with when the operator
+# made it (a rotation): key PREVIOUS_TOKEN_PREFIX + the token's digest, so a restarted operator still reads them.
+PREVIOUS_TOKEN_PREFIX = "previous-"
 
 
 def network_policy_name(pool: str) -> str:

@@ -129,14 +129,15 @@ class PoolReconciler:
         bodies = {a["metadata"]["name"]: a for a in await self._kube.list_custom(names.ADAPTER_PLURAL, self.namespace)
                   if (a.get("spec") or {}).get("pool") == self.name}
         tokens = await self._source_tokens(bodies.values())
-        admin_token = await read_admin_token(self._kube, body, pool)
+        admin_token = await read_admin_token(self._kube, body, pool, self._tokens)
         token = admin_token.value
         if admin_token.is_new or (token is not None and self.admin_token is not None and token != self.admin_token):
             self._is_token_new = True  # recreated or rotated: this pass re-applies the Deployment, its pods roll
         self.admin_token = token
-        clients = _PodClients(self._session, self._tokens, token, self._settings.engine_timeout_s)
+        known = {**admin_token.previous, **self._tokens}  # after a restart: what the Secret kept of earlier ones
+        clients = _PodClients(self._session, known, token, self._settings.engine_timeout_s)
         observation = await observe_pool(self._kube, clients.for_pod, self.namespace, self.name)
-        self._tokens = remember_tokens(self._tokens, token, observation.pods)
+        self._tokens = remember_tokens(known, token, observation.pods)
         keys = await self._read_keys(pool, body)
         stored = None
         if self._memory.previous is None:  # the first pass: the published placement is the previous one

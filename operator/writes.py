@@ -9,7 +9,8 @@ says nothing new is not patched.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from kubelora.operator import names
 from kubelora.operator.builders import (build_admin_token_secret, build_owner_reference, build_placement_configmap,
@@ -28,26 +29,37 @@ log = logging.getLogger("kubelora.operator")
 class AdminToken:
     value: str | None  # None: the pool has no admin token, or its Secret (or key) is missing
     is_new: bool = False  # its Secret was missing and was created now: the engines must roll onto it
+    # digest -> token: the earlier tokens its generated Secret kept for the pods still running with them
+    previous: Mapping[str, str] = field(default_factory=dict)
 
 
-async def read_admin_token(kube: Kube, body: dict, pool: PoolSpec) -> AdminToken:
+async def read_admin_token(kube: Kube, body: dict, pool: PoolSpec, known: Mapping[str, str] | None = None
+                           ) -> AdminToken:
     """The admin token the pool's engines are to answer to. A missing operator-managed Secret is created first,
-    with a random token (before the Deployment, whose pods read it from that Secret). body: the LoRAPool."""
+    with a random token (before the Deployment, whose pods read it from that Secret), and with the tokens in
+    `known` (digest -> token: those pods of the pool still run with, tokens.py), so that an operator restarted
+    during the rollout still calls the old pods with theirs. body: the LoRAPool."""
     ref = pool.admin_token
     if ref is None:
         return AdminToken(None)
-    token = await kube.read_secret_key(pool.namespace, ref.name, ref.key)
+    data = await kube.read_secret_data(pool.namespace, ref.name)
     is_new = False
-    if token is None and pool.is_admin_token_managed:
+    if data is None and pool.is_admin_token_managed:
         # False when someone created it meanwhile: theirs is read below and kept
-        await kube.create(build_admin_token_secret(pool, build_owner_reference(body)))
-        token = await kube.read_secret_key(pool.namespace, ref.name, ref.key)
-        is_new = token is not None
+        await kube.create(build_admin_token_secret(pool, build_owner_reference(body), previous=known))
+        data = await kube.read_secret_data(pool.namespace, ref.name)
+        is_new = data is not None and data.get(ref.key) is not None
         log.info("pool %s/%s: created the admin token Secret %s", pool.namespace, pool.name, ref.name)
+    token = None if data is None else data.get(ref.key)
     if token is None:
         log.warning("pool %s/%s: admin token Secret %s (key %s) not found", pool.namespace, pool.name, ref.name,
                     ref.key)
-    return AdminToken(token, is_new)
+        return AdminToken(None)
+    previous = {}
+    if pool.is_admin_token_managed:
+        previous = {key.removeprefix(names.PREVIOUS_TOKEN_PREFIX): value for key, value in data.items()
+                    if key.startswith(names.PREVIOUS_TOKEN_PREFIX)}
+    return AdminToken(token, is_new, previous)
 
 
 async def apply_pool(kube: Kube, body: dict, pool: PoolSpec, settings: OperatorSettings, admin_token: str | None,

@@ -37,7 +37,10 @@ class FakeKube:
         return self.pods
 
     async def read_secret_key(self, namespace, name, key):
-        return next((m["stringData"][key] for kind, n, m in self.created if kind == "Secret" and n == name), None)
+        return (await self.read_secret_data(namespace, name) or {}).get(key)
+
+    async def read_secret_data(self, namespace, name):
+        return next((dict(m["stringData"]) for kind, n, m in self.created if kind == "Secret" and n == name), None)
 
     async def get_custom(self, plural, namespace, name):
         return None
@@ -101,7 +104,7 @@ async def test_the_admin_token_secret_is_created_once_with_a_random_token(runtim
                                 logger=LOG)
     assert kube.created == []  # the pool names its own Secret: nothing created
     kube.existing.add(("Secret", "p-engine-admin"))  # created by someone else between our read and our create
-    kube.read_secret_key = lambda *_, calls=iter([None, "theirs"]): asyncio.sleep(0, next(calls))
+    kube.read_secret_data = lambda *_, calls=iter([None, {"token": "theirs"}]): asyncio.sleep(0, next(calls))
     token = await read_admin_token(kube, pool_body(), PoolSpec.from_body(pool_body()))
     assert token == AdminToken("theirs", is_new=True) and len(kube.created) == 1  # theirs is kept, and rolled onto
 

@@ -460,6 +460,30 @@ async def test_a_rotated_token_keeps_the_old_pods_observed_and_placed_until_they
     assert _placement(kube)["adapters"]["a"] == ["e2"] and kube.status("a")["phase"] == "Ready"
 
 
+async def test_an_operator_restarted_during_a_rotation_calls_the_old_pods_with_their_token(world):
+    """The generated Secret made at a rotation keeps the tokens pods still run with, so a new operator process
+    (no memory) calls each pod with its own: the old pods stay observed, and take new adapters."""
+    kube, engines, reconciler = world
+    kube.add_adapter("a", "/adapters/a", replicas="all")
+    await reconciler.reconcile()
+    first = kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)]
+    _start_with_token(kube, engines, first)
+    await reconciler.reconcile()
+    kube.secrets.clear()  # rotate: delete the generated Secret; this operator makes the new one
+    await reconciler.reconcile()
+    second = kube.secrets[(names.admin_token_secret_name("p"), names.ADMIN_TOKEN_KEY)]
+    kept = kube.secrets[(names.admin_token_secret_name("p"), names.PREVIOUS_TOKEN_PREFIX + admin_token_digest(first))]
+    assert second != first and kept == first
+    restarted = PoolReconciler(kube, reconciler._session, reconciler._settings, NS, "p")
+    kube.add_adapter("b", "/adapters/b", replicas="all")
+    await restarted.reconcile()
+    assert restarted.observed_tokens == {restarted.observed_urls["e0"]: first, restarted.observed_urls["e1"]: first}
+    assert _placement(kube)["adapters"]["b"] == ["e0", "e1"] and all("b" in e.adapters for e in engines.values())
+    kube.pods = []  # the old pods are gone: the old token is forgotten (the Secret keeps it, unused)
+    await restarted.reconcile()
+    assert restarted._tokens == {admin_token_digest(second): second}
+
+
 async def test_pods_refusing_an_unknown_token_keep_their_published_holdings(world):
     kube, engines, reconciler = world
     kube.add_adapter("a", "/adapters/a", replicas="all")
