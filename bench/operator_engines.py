@@ -1,6 +1,6 @@
 """Fake engine pods for `kubelora bench operator`: a test double (the real engine is covered by the e2e tests).
 
-One process serves every fake pod of the fleet, each on its own loopback address (its pod IP, 127.0.x.y) and the
+One process serves every fake pod of the fleet, each on its own loopback address (its pod IP, 127.A.B.x) and the
 engine's two fixed ports. A fake is configured as an engine pod is: from the engine Deployment's container args and
 the admin token its env names, through the engine's own `resolve_config`. What it answers is the engine's own code:
 the admin app is built of `AdminRoutes` (the full model list with its ETag and long poll, load, unload, the API
@@ -235,8 +235,9 @@ def resolve_engine_config(fleet: FakeFleetConfig) -> server_config.ServerConfig:
 
 
 def build_control_app(pods: dict[str, FakePod]) -> web.Application:
-    """The bench's view of the fakes: `GET /counts` (pod IP -> PodCounts.as_json) and `GET /held?prefix=P` (pod IP
-    -> how many adapters whose names start with P the pod holds)."""
+    """The bench's view of the fakes: `GET /counts` (pod IP -> PodCounts.as_json), `GET /requests` (pod IP -> its
+    requests by kind: the light part) and `GET /held?prefix=P` (pod IP -> how many adapters whose names start with
+    P the pod holds)."""
 
     async def counts(request: web.Request) -> web.Response:
         return web.json_response({ip: pod.counts.as_json() for ip, pod in pods.items()})
@@ -246,8 +247,12 @@ def build_control_app(pods: dict[str, FakePod]) -> web.Application:
         return web.json_response({ip: sum(1 for info in pod.adapters.list() if info.name.startswith(prefix))
                                   for ip, pod in pods.items()})
 
+    async def requests(request: web.Request) -> web.Response:
+        return web.json_response({ip: dict(pod.counts.requests) for ip, pod in pods.items()})
+
     control = web.Application()
     control.router.add_get("/counts", counts)
+    control.router.add_get("/requests", requests)
     control.router.add_get("/held", held)
     return control
 

@@ -179,3 +179,9 @@ def read_held(control_port: int, prefix: str) -> dict[str, int]:
     """pod IP -> how many adapters whose names start with `prefix` the fake holds."""
     with urllib.request.urlopen(f"http://127.0.0.1:{control_port}/held?prefix={prefix}", timeout=30) as response:
         return json.loads(response.read())
+
+
+def read_requests(control_port: int) -> dict[str, dict[str, int]]:
+    """pod IP -> its requests by kind (operator_engines.REQUEST_KINDS)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{control_port}/requests", timeout=30) as response:
+        return json.loads(response.read())

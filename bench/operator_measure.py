@@ -4,8 +4,8 @@ memory and metrics (passes, their summed duration), the fakes' call counts.
 Phases, in order, on a running fleet (operator.py sets it up):
 - `fill`: the fleet's adapters created at once (a GitOps sync), until every one is Ready;
 - `steady`: nothing changes for a while: what a converged fleet costs (resync passes only);
-- `singles`: one adapter at a time into the steady fleet, each after a pause that lets the passes its previous
-  one caused end; its time is from its create request to the watch event that shows it Ready;
+- `singles`: one adapter at a time into the steady fleet, each once the passes its previous one caused have ended
+  (`wait_quiet`); its time is from its create request to the watch event that shows it Ready;
 - `bulk-apply` / `bulk-delete`: many adapters created, then deleted, at once; until every one is Ready, or gone.
 
 Times come from this process's clock: just before a create (or delete) request is sent, and on the arrival of the
@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from kubelora.bench.operator_fleet import Memory, OperatorCounters, cpu_seconds, memory, read_fake_counts, \
-    read_held, read_operator_metrics
+    read_held, read_operator_metrics, read_requests
 from kubelora.bench.operator_kube import AdapterWatch, create_adapters, delete_adapters
 from kubelora.operator.kube import Kube
 
@@ -88,7 +88,7 @@ class PhaseResult:
     name: str
     num_adapters: int  # the phase's own adapters (created, or deleted)
     wall_s: float  # the phase's action: its requests sent until every adapter was Ready (or gone)
-    window_s: float  # the readings' window: the action and the quiet after it (its last passes end in it)
+    window_s: float  # the readings' window: the action and the wait for quiet after it (its last passes end in it)
     cpu_s: dict[str, float]  # process name -> CPU seconds in the window
     operator_memory: Memory  # at its end
     passes: int
@@ -111,6 +111,7 @@ class Fleet:
     pids: dict[str, int]  # process name -> pid (operator, kube-apiserver, etcd, fake-engines, router-0, ...)
     metrics_port: int
     control_port: int
+    admin_token: str  # the engines' (operator_anatomy.py calls them as the operator does)
     create_concurrency: int
     timeout_s: float
 
@@ -128,14 +129,38 @@ class Outcome:
     all_unloaded_s: float | None = None
 
 
+QUIET_POLL_S = 0.25
+
+
+async def wait_quiet(fleet: Fleet, quiet_s: float) -> None:
+    """Until the operator has ended no pass, and the fakes have seen no model list, load or unload, for `quiet_s`:
+    the passes an action caused (its own loads wake the long polls for one more) have ended. A pass lists every pod
+    first and ends with its status writes, so with `quiet_s` longer than a pass none is left half done."""
+    def activity(counters: OperatorCounters, requests: dict[str, dict[str, int]]) -> tuple:
+        return counters.passes, sum(r.get(k, 0) for r in requests.values() for k in ("list", "load", "unload"))
+
+    deadline = time.monotonic() + fleet.timeout_s
+    last, since = None, time.monotonic()
+    while True:
+        now = activity(await asyncio.to_thread(read_operator_metrics, fleet.metrics_port),
+                       await asyncio.to_thread(read_requests, fleet.control_port))
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the operator did not go quiet for {quiet_s:g} s within {fleet.timeout_s:g} s")
+        await asyncio.sleep(QUIET_POLL_S)
+
+
 async def run_phase(fleet: Fleet, name: str, subject: Collection[str], act: Callable[[], Awaitable[Outcome]],
-                    settle_s: float) -> PhaseResult:
-    """Readings before `act()` and `settle_s` after it: the passes the action caused (a pass counts once it ends;
-    the operator's own loads wake its long polls for one more) end inside the window."""
+                    quiet_s: float) -> PhaseResult:
+    """Readings before `act()` and once the operator is quiet after it (`wait_quiet`): the passes the action caused
+    end inside the window."""
     before = await fleet.read()
     outcome = await act()
     acted = time.monotonic()
-    await asyncio.sleep(settle_s)
+    await wait_quiet(fleet, quiet_s)
     after = await fleet.read()
     cpu = {proc: after.cpu_s[proc] - before.cpu_s.get(proc, 0.0) for proc in after.cpu_s}
     counters = [after.counters, before.counters]
@@ -173,11 +198,11 @@ async def delete_all(fleet: Fleet, adapter_names: list[str], prefix: str) -> Out
     return Outcome(tuple(gone[n] - sent[n] for n in sent), max(gone.values()) - first, unloaded - first)
 
 
-async def apply_one_by_one(fleet: Fleet, bodies: list[dict], settle_s: float) -> Outcome:
-    """Each adapter after `settle_s` of quiet, then until it is Ready."""
+async def apply_one_by_one(fleet: Fleet, bodies: list[dict], quiet_s: float) -> Outcome:
+    """Each adapter once the operator has been quiet for `quiet_s` (a steady fleet), then until it is Ready."""
     times: list[float] = []
     for body in bodies:
-        await asyncio.sleep(settle_s)
+        await wait_quiet(fleet, quiet_s)
         times += (await apply_all(fleet, [body])).times_s
     return Outcome(tuple(times))
 

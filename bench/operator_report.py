@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import textwrap
 from typing import TYPE_CHECKING
 
 from kubelora.bench.router_keys_report import format_table, percentile
@@ -18,6 +19,7 @@ PHASE_COLUMNS = ("phase", "adapters", "wall s", "all done s", "per adapter p50 /
                  "operator CPU s", "operator cores", "operator RSS MiB")
 CPU_COLUMNS = ("phase", "operator", "kube-apiserver", "etcd", "fake engines", "routers")
 TARGET_COLUMNS = ("target", "measured", "verdict")
+ANATOMY_COLUMNS = ("part of a pass", "seconds", "what")
 
 
 def phase(report: OperatorReport, name: str) -> PhaseResult:
@@ -93,9 +95,9 @@ def target_rows(report: OperatorReport) -> list[dict[str, str]]:
         counts = set(result.calls.lists.values())
         is_met = result.passes > 0 and counts == {result.passes}
         rows.append((f"{result.name}: one GET /v1/models per pod per pass",
-                     f"{result.passes} passes; GETs per pod {min(counts)}-{max(counts)} "
-                     f"({gets_per_pass(result)} per pass); {result.calls.engine_calls} engine calls"
-                     + ("" if result.name != "steady" else ""), verdict(is_met)))
+                     f"passes: {result.passes}; GETs per pod: {min(counts)}-{max(counts)} "
+                     f"({gets_per_pass(result)} per pass); engine calls: {result.calls.engine_calls}",
+                     verdict(is_met)))
     for result in (bulk_apply, bulk_delete):
         text, is_met = one_call_each(result, config.num_replicas)
         rows.append((f"{result.name} of {config.num_bulk}: one engine call per adapter and pod", text,
@@ -111,38 +113,79 @@ def target_rows(report: OperatorReport) -> list[dict[str, str]]:
     return [dict(zip(TARGET_COLUMNS, row)) for row in rows]
 
 
+def anatomy_rows(report: OperatorReport) -> list[dict[str, str]]:
+    a, steady = report.anatomy, phase(report, "steady")
+    parts = a.list_adapters_s + a.observe_s + a.plan_s
+    rows = [("list the pool's LoRAAdapters", a.list_adapters_s, f"{a.num_adapters} objects with their status"),
+            ("observe every pod (`observe_pool`)", a.observe_s,
+             f"{a.num_pods} `GET /v1/models` at once; one pod's list is {a.model_list_bytes / 1e6:.2f} MB of JSON, "
+             f"{1e3 * a.model_list_parse_s:.0f} ms to parse"),
+            ("decide (`decide.plan_pass`)", a.plan_s, "classify, place, plan the calls"),
+            ("the three together", parts, "timed in the bench's process, each the fastest of 3 rounds")]
+    if steady.passes:
+        cpu = steady.cpu_s.get("operator", 0.0) / steady.passes
+        rows.append(("a whole steady pass, as the operator ran it", steady.pass_seconds / steady.passes,
+                     f"its metrics' mean over {steady.passes}; the operator's CPU {cpu:.2f} s per pass (kopf "
+                     "and the long polls included)"))
+    return [dict(zip(ANATOMY_COLUMNS, (part, f"{seconds:.2f}", what))) for part, seconds, what in rows]
+
+
+ANATOMY_TEXT = (
+    "A pass reads and decides over the whole pool, not over what changed: every adapter object, every pod's full "
+    "model list (one card per adapter), then placement and a plan for every (pod, adapter). So one adapter "
+    "applied into a steady fleet waits for the trigger's debounce (0.2 s) and a whole pass whose cost grows with "
+    "adapters x pods, and the watch event that shows it Ready comes at the end of that pass, after the placement "
+    "is published, the routers have taken it and the statuses are written. Its own loads then move every pod's "
+    "adapter-set tag: each pod's long poll answers with its full model list, which the watcher parses for the "
+    "tag alone (operator/watch.py), and one more pass follows, which finds nothing to do. Below, the reading and "
+    "deciding parts of a pass, timed on the steady fleet with the operator's own functions.")
+
+
+def _paragraph(text: str) -> list[str]:
+    return [*textwrap.wrap(text, 115), ""]
+
+
 def render_markdown(report: OperatorReport) -> str:
     config = report.config
-    routers = (f"{config.num_routers} real `kubelora router` process{'es' if config.num_routers > 1 else ''}"
-               if config.num_routers else "no router")
+    routers = (f"{config.num_routers} real `kubelora router` process{'es' if config.num_routers > 1 else ''} "
+               "(the Deployment's args, the bench's admin kubeconfig instead of a ServiceAccount token), reading the "
+               "placement ConfigMap and answering the operator's placement acknowledgements as in a cluster"
+               if config.num_routers else "none (the pool has no router)")
+    resync = "30 s (the default)" if config.resync_s is None else f"{config.resync_s:g} s"
     text = [
         f"# Operator benchmark: {config.num_replicas} engine pods x {config.num_adapters} adapters against a real "
         "API server", "",
-        "Written by `kubelora bench operator --write docs/benchmarks-operator.md` (`bench/operator.py`). The operator",
-        "runs as its CLI runs it (`kubelora operator --namespace bench --metrics-port P`) against the bench's own",
-        "etcd and kube-apiserver (e2e/localcluster's binaries; no controller-manager, scheduler or kubelet). The",
-        "bench makes the engine and router pods from the Deployments the operator applies and marks them Ready on",
-        "loopback addresses. Engine pods are stood in by fake engines, a test double (`bench/operator_engines.py`):",
-        "the engine's own admin HTTP layer (model list with `ETag` and long poll, load, unload, API key table, the",
-        "admin token, error middleware, request parsers, local source confinement) over a stand-in adapter manager",
-        "that reads no weights; the real engine is covered by the e2e tests. Routers: "
-        + routers + " reading the placement ConfigMap as in a cluster.", "",
-        "Times are this process's clock: from just before a create (or delete) request to the arrival of the watch",
-        "event showing the adapter Ready (or deleted); status conditions carry one-second timestamps only. Calls",
-        "are counted at the fakes; passes and their durations are the operator's own metrics; CPU is each",
-        "process's CPU clock (every thread); RSS is the operator's at the end of each phase.", "",
+        *_paragraph("Written by `kubelora bench operator --write docs/benchmarks-operator.md` (`bench/operator.py`). "
+                    "The operator runs as its CLI runs it (`kubelora operator --namespace bench --metrics-port P`) "
+                    "against the bench's own etcd and kube-apiserver (e2e/localcluster's binaries; no "
+                    "controller-manager, scheduler or kubelet). The bench makes the engine and router pods from the "
+                    "Deployments the operator applies and marks them Ready on loopback addresses. Engine pods are "
+                    "stood in by fake engines, a test double (`bench/operator_engines.py`): the engine's own admin "
+                    "HTTP layer (model list with `ETag` and long poll, load, unload, API key table, admin token, "
+                    "error middleware, request parsers, local source confinement) over a stand-in adapter manager "
+                    "that reads no weights, all in one process; the real engine is covered by the e2e tests. "
+                    f"Routers: {routers}."),
+        *_paragraph("Times are the bench's clock: from just before a create (or delete) request to the arrival of "
+                    "the watch event that shows the adapter Ready (or deleted); status conditions carry one-second "
+                    "timestamps only. Calls are counted at the fakes; passes and their durations are the operator's "
+                    "own metrics; CPU is each process's CPU clock (every thread); RSS is the operator's at the end "
+                    "of each phase. A phase's readings end once the operator has been quiet (no pass ended, no "
+                    f"model list, load or unload at the fakes) for {config.settle_s:g} s after its action, so that "
+                    "the passes it caused end inside them; each single starts after as much quiet."),
         *[f"- {k}: {v}" for k, v in report.env.items()],
         f"- shapes: {config.num_replicas} engine pods, {config.num_adapters} adapters in the steady fleet "
         f"(`replicas: {config.copies}`, rank {config.rank}), {config.num_singles} singles "
-        f"({config.settle_s:g} s quiet before each), a bulk of {config.num_bulk} created then deleted at once; "
+        f"one by one, a bulk of {config.num_bulk} created then deleted at once; "
         f"engine `maxLoras` {config.max_loras}, `maxLoraRank` {config.max_lora_rank}, `maxCpuLoras` "
-        f"{config.max_cpu_loras}; resync {'30 (default)' if config.resync_s is None else f'{config.resync_s:g}'} s; "
-        f"the bench sends {config.create_concurrency} API requests at once",
+        f"{config.max_cpu_loras}; operator resync {resync}; the bench keeps {config.create_concurrency} API "
+        "requests in flight",
         f"- setup (API server up to the pool Ready with its pods, before any adapter): {report.setup_s:.1f} s", "",
     ]
     if report.note:
-        text += [report.note, ""]
+        text += _paragraph(report.note)
     text += ["## Targets", "", format_table(TARGET_COLUMNS, target_rows(report)), "",
+             "## One pass, in parts", "", *_paragraph(ANATOMY_TEXT),
+             format_table(ANATOMY_COLUMNS, anatomy_rows(report)), "",
              "## Phases", "", format_table(PHASE_COLUMNS, [phase_row(p) for p in report.phases]), "",
              "CPU seconds per phase, by process:", "",
              format_table(CPU_COLUMNS, [cpu_row(p) for p in report.phases]), ""]
