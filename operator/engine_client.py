@@ -84,8 +84,9 @@ class EngineClient:
         """The pod's adapter-set tag once it differs from `tag` (at once when `tag` is None), or after `wait_s`
         with the same one; None when the engine tags nothing (it cannot be watched)."""
         query = "" if tag is None else f"?changed_since={tag}&wait_s={wait_s:g}"
+        # Only the tag is read: the model list (about 1 MB at 2,000 adapters) is not parsed unless it is an error
         _, etag = await self._call_tagged("GET", f"{base_url}/v1/models{query}", None,
-                                          timeout=aiohttp.ClientTimeout(total=wait_s + 10))
+                                          timeout=aiohttp.ClientTimeout(total=wait_s + 10), is_tag_only=True)
         return etag.strip('"') if etag else None
 
     async def load(self, base_url: str, adapter: DesiredAdapter, *, is_preload: bool, is_inplace: bool) -> LoadResult:
@@ -102,11 +103,15 @@ class EngineClient:
         return (await self._call_tagged(method, url, payload))[0]
 
     async def _call_tagged(self, method: str, url: str, payload: dict | None,
-                           timeout: aiohttp.ClientTimeout | None = None) -> tuple[dict, str | None]:
-        """The JSON body and the ETag header."""
+                           timeout: aiohttp.ClientTimeout | None = None,
+                           is_tag_only: bool = False) -> tuple[dict, str | None]:
+        """The JSON body and the ETag header; is_tag_only: a successful answer's body is read but not parsed."""
         try:
             async with self._session.request(method, url, json=payload, headers=self._headers,
                                              timeout=timeout or self._timeout) as response:
+                if is_tag_only and response.status < 400:
+                    await response.read()
+                    return {}, response.headers.get("ETag")
                 body = await response.json(content_type=None)
                 if response.status >= 400:
                     error = (body or {}).get("error") or {}

@@ -117,3 +117,25 @@ async def test_engines_that_cannot_be_watched_are_left_to_the_resync(aiohttp_ser
         client = EngineClient(session, None, 5)
         await asyncio.wait_for(watch_pod(client, str(server.make_url("")).rstrip("/"), lambda: None), timeout=2)
     assert calls == [None]  # one plain list, then it stops
+
+
+async def test_a_watch_reads_the_tag_and_leaves_the_model_list_unparsed(aiohttp_server):
+    """The long poll's answer is the whole model list (about 1 MB at 2,000 adapters): only its ETag is read. An
+    error answer is still read as the engine's error."""
+    from kubelora.operator.engine_client import EngineError
+
+    async def tagged(request):
+        if request.query.get("changed_since") == "bad":
+            return web.json_response({"error": {"code": "invalid_request", "message": "no"}}, status=400)
+        return web.Response(body=b"{not json", headers={"ETag": '"v2"'}, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", tagged)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    async with aiohttp.ClientSession() as session:
+        client = EngineClient(session, None, 5)
+        assert await client.wait_for_change(url, "v1", 0.1) == "v2"
+        with pytest.raises(EngineError) as raised:
+            await client.wait_for_change(url, "bad", 0.1)
+    assert raised.value.status == 400
