@@ -19,10 +19,10 @@ import asyncio
 import json
 import os
 import socket
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kubelora.bench.command import publish, refuse, work_folder
 from kubelora.bench.hostile_classes import CLASSES, Probe, Workload, write_pathological_config
 from kubelora.bench.hostile_measure import ClassResult, Endpoints, measure_class, victim_alone
 from kubelora.bench.hostile_report import render_markdown
@@ -165,16 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"kubelora bench hostile: {exc}", flush=True)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="kubelora-bench-hostile-") as tmp:
-        workdir = args.workdir or Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
+        return refuse("hostile", exc)
+    with work_folder("hostile", args.workdir) as workdir:
         report = run(config, workdir, args.note)
-    text = render_markdown(report)
-    print(text, flush=True)
-    if args.write:
-        Path(args.write).write_text(text)
+    publish(render_markdown(report), args.write)
     return 0
 
 

@@ -27,7 +27,6 @@ import dataclasses
 import math
 import os
 import platform
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import aiohttp
 
 from kubelora.bench import operator_fleet as procs
+from kubelora.bench.command import publish, refuse, work_folder
 from kubelora.bench.operator_anatomy import PassAnatomy, time_pass
 from kubelora.bench.operator_cluster import ControlPlane, start_control_plane
 from kubelora.bench.operator_measure import Fleet, PhaseResult, apply_all, apply_one_by_one, delete_all, run_phase, \
@@ -218,17 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"kubelora bench operator: {exc}", flush=True)
-        return 2
-    with contextlib.ExitStack() as stack:
-        workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="kubelora-bench-operator-")))
-        workdir.mkdir(parents=True, exist_ok=True)
+        return refuse("operator", exc)
+    with work_folder("operator", args.workdir) as workdir:
         report = run(config, workdir, args.note)
-    text = render_markdown(report)
-    print(text, flush=True)
-    if args.write:
-        Path(args.write).write_text(text)
+    publish(render_markdown(report), args.write)
     return 0
 
 

@@ -29,12 +29,12 @@ import asyncio
 import json
 import os
 import secrets
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from kubelora.bench.command import publish, refuse, work_folder
 from kubelora.bench.router_keys_fleet import Fleet, hand_out, process_cpu_s, start_fleet
 from kubelora.bench.router_keys_report import render_markdown
 from kubelora.contract.keys import KeyGrant, build_table, check_model, key_digest
@@ -260,14 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         config = RouterKeysConfig(num_keys=args.keys, num_granted=args.granted, num_requests=args.requests,
                                   concurrency=args.concurrency, num_repeats=args.repeats, num_warmup=args.warmup)
     except ValueError as exc:
-        print(f"kubelora bench router-keys: {exc}", flush=True)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="kubelora-bench-router-keys-") as tmp:
-        report = run(config, Path(tmp), args.note)
-    text = render_markdown(report)
-    print(text, flush=True)
-    if args.write:
-        Path(args.write).write_text(text)
+        return refuse("router-keys", exc)
+    with work_folder("router-keys", None) as workdir:
+        report = run(config, workdir, args.note)
+    publish(render_markdown(report), args.write)
     return 0
 
 
