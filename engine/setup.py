@@ -144,7 +144,10 @@ def build_step_executor(config: EngineConfig, model: DecoderModel, max_model_len
     decode = StepInputs(max_tokens=config.max_num_seqs, **shared,
                         staged_kinds=tuple(staging.modules) if staging is not None else ())
     prefill_top = prefill_buckets(config.max_num_batched_tokens)[-1] if config.use_prefill_graphs else 0
-    general = StepInputs(max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs, prefill_top), **shared)
+    general_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, prefill_top)
+    # the start-up warm-up's steps are one sequence of up to the step budget, past max_model_len where it is shorter
+    general = StepInputs(max_tokens=general_tokens, **{**shared, "max_blocks": max(
+        max_blocks, math.ceil(general_tokens / config.kv_block_size))})
     use_graphs = is_static and (device.type == "cuda" if use_graphs is None else use_graphs)
     return StepExecutor(model, decode, general, lora_backend, use_graphs=use_graphs, is_static=is_static,
                         prefill_max_tokens=prefill_top, staging=staging)

@@ -162,6 +162,20 @@ def test_warm_up_writes_only_the_pad_block(llama):
         llm.close()
 
 
+def test_warm_up_steps_longer_than_max_model_len_fit_the_step_inputs(llama):
+    """The start-up warm-up runs one sequence of up to the step budget, which can pass max_model_len: the step
+    inputs' block tables hold it (on CUDA every engine whose max_model_len is under its step budget ran it)."""
+    from kubelora.engine.warmup import warm_up, warm_up_sizes
+
+    llm = LLM(llama.model_dir, max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=32,
+              max_num_batched_tokens=128)
+    try:
+        engine = llm.engine
+        assert warm_up(engine._runner, warm_up_sizes(128), engine.num_kv_blocks, 8) > 0
+    finally:
+        llm.close()
+
+
 def test_pool_budget_defaults(llama):
     from kubelora.engine.adapters.pool import DeviceLoRAPool
     from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
