@@ -302,10 +302,14 @@ def test_engine_exports_every_adapter_and_the_operator_its_reconcile_metrics(mon
     assert wait_for("reconcile passes", lambda: sum(values(
         prometheus, f"kubelora_operator_reconcile_passes_total{{{pool}}}").values()), timeout_s=30) > 0
     assert sum(values(prometheus, f"kubelora_operator_reconcile_duration_seconds_count{{{pool}}}").values()) > 0
-    loads = values(prometheus, f'kubelora_operator_engine_calls_total{{{pool}, call="load", result="ok"}}')
-    assert sum(loads.values()) >= len(ADAPTERS)  # every adapter registered on the engine at least once
-    phases = values(prometheus, f"kubelora_operator_adapters{{{pool}}}")
-    assert sum(phases.values()) == len(ADAPTERS)
+    # The operator's pods are scraped apart from the engine's: its counters may reach Prometheus a scrape later
+    # than the residency they caused.
+    loads = f'kubelora_operator_engine_calls_total{{{pool}, call="load", result="ok"}}'
+    assert wait_for("the operator's loads", lambda: sum(values(prometheus, loads).values()) >= len(ADAPTERS),
+                    timeout_s=30)  # every adapter registered on the engine at least once
+    phases = f"kubelora_operator_adapters{{{pool}}}"
+    assert wait_for("adapters by phase", lambda: sum(values(prometheus, phases).values()) == len(ADAPTERS),
+                    timeout_s=30)
     leader = f'kubelora_operator_leader{{job=~"{monitored.namespace}/.*-operator"}}'
     leaders = wait_for("both operator replicas' leader gauge",
                        lambda: found if len(found := values(prometheus, leader)) == 2 else None, timeout_s=30)
