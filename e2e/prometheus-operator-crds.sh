@@ -23,16 +23,8 @@ tmp="$dir.tmp.$$"
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp"
 echo "downloading $MODULE@$VERSION from the Go module proxy for its CRDs (a few MB)" >&2
-# Outside any module (an empty working directory), so no go.mod around it takes part.
-info="$(cd "$tmp" && go mod download -json "$MODULE@$VERSION")" || {
-  echo "go mod download $MODULE@$VERSION failed: $info" >&2
-  exit 1
-}
-read -r source sum < <(python3 -c 'import json, sys; d = json.load(sys.stdin); print(d["Dir"], d["Sum"])' <<<"$info")
-if [[ "$sum" != "$SUM" ]]; then
-  echo "$MODULE@$VERSION: checksum $sum, expected $SUM" >&2
-  exit 1
-fi
+source "$(dirname "$0")/gomodule.sh"
+source="$(module_dir "$MODULE" "$VERSION" "$SUM" "$tmp")"
 for kind in "${KINDS[@]}"; do
   cp "$source/example/prometheus-operator-crd/monitoring.coreos.com_$kind.yaml" "$tmp/"
 done

@@ -36,16 +36,8 @@ fi
 ticker=
 trap 'kill $ticker 2>/dev/null; rm -rf "$tmp" $scratch' EXIT
 echo "building prometheus $VERSION from the Go module proxy (minutes on 2 cores; log: $log)" >&2
-# Outside any module (an empty working directory), so no go.mod around it takes part.
-info="$(cd "$tmp" && go mod download -json "$MODULE@$VERSION")" || {
-  echo "go mod download $MODULE@$VERSION failed: $info" >&2
-  exit 1
-}
-read -r source sum < <(python3 -c 'import json, sys; d = json.load(sys.stdin); print(d["Dir"], d["Sum"])' <<<"$info")
-if [[ "$sum" != "$SUM" ]]; then
-  echo "$MODULE@$VERSION: checksum $sum, expected $SUM" >&2
-  exit 1
-fi
+source "$(dirname "$0")/../gomodule.sh"
+source="$(module_dir "$MODULE" "$VERSION" "$SUM" "$tmp")"
 # Progress while the build runs: a line every 30 s.
 ( while sleep 30; do echo "  prometheus: still building, $(( $(date +%s) - started )) s" >&2; done ) &
 ticker=$!
