@@ -27,7 +27,7 @@ from kubelora.engine.scheduler import Batch
 from kubelora.engine.sequence import PENDING_TOKEN
 from kubelora.engine.step.executor import StepExecutor
 from kubelora.engine.step.inputs import Step
-from kubelora.engine.step.shape import Tables
+from kubelora.engine.step.shape import Phase, Tables
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,8 @@ class ModelRunner:
                     start_pos=[c.start_pos for c in chunks], block_tables=[c.block_table for c in chunks],
                     seq_slots=[index.get(c.slot, -1) for c in chunks],
                     slot_tables=self._slot_tables(slots) if slots else {}, logits_rows=logits_rows)
-        if slots and self.steps.staging is not None and self.steps.shape(step) is not None and step.is_decode:
+        if (slots and self.steps.staging is not None and step.is_decode
+                and self.steps.bucket_for(Phase.DECODE, step.num_seqs) is not None):  # a static decode step
             # the step's A rows beside the base weights (None: more than the capacity)
             step = dataclasses.replace(step, staged=self.steps.staging.stage(slots))
         return step
