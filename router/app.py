@@ -1,6 +1,6 @@
 """The router's aiohttp application: OpenAI inference routes, `/v1/models`, probes and metrics.
 
-    POST /v1/completions, /v1/chat/completions  -> key check -> routing.route(model) -> proxy.forward
+    POST /v1/completions, /v1/chat/completions  -> key check -> routing.route(model, affinity key) -> proxy.forward
     GET  /v1/models                              -> the base model and the pool's adapters the key may call
     GET  /placement                              -> the revision routed on and its age (the operator's ack)
     GET  /health, /ready, /metrics
@@ -26,6 +26,7 @@ from kubelora.contract.keys import KeyGrant, check_model, visible_models
 from kubelora.contract.http_logs import redact_aiohttp_logs
 from kubelora.contract.logs import log_event
 from kubelora.router import routing
+from kubelora.router.affinity import affinity_key
 from kubelora.router.config import RouterConfig
 from kubelora.router.limits import KeyLimits
 from kubelora.router.placement import Placement
@@ -134,10 +135,10 @@ def _metric_model(placement: Placement, body: bytes) -> str:
     return model if model == placement.base_model or model in placement.adapters else "other"
 
 
-def _route(state: RouterState, model: str) -> routing.Route:
+def _route(state: RouterState, model: str, affinity: str | None) -> routing.Route:
     try:
         return routing.route(state.store.placement, model, state.in_flight.snapshot(), state.config.load_factor,
-                             tiebreak=next(state.requests_seen))
+                             tiebreak=next(state.requests_seen), affinity=affinity)
     except routing.PlacementNotLoaded:
         raise Unavailable("the pool's placement is not loaded yet or lists no replica", code="placement_not_loaded",
                           headers={"Retry-After": RETRY_AFTER_S}) from None
@@ -167,7 +168,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             if placement.api_keys.required and to_http(exc).status in (401, 403, 429):
                 state.metrics.refuse_key(_metric_model(placement, body), to_http(exc).status)
             raise
-        route = _route(state, model)
+        route = _route(state, model, affinity_key(model, payload, request.headers))
     except ServiceError as exc:
         state.metrics.rejected.labels(to_http(exc).code).inc()
         raise

@@ -68,10 +68,18 @@ def load_bound(in_flight: Mapping[str, int], candidates: Sequence[str], load_fac
 def bounded_walk(key: str, candidates: Sequence[str], in_flight: Mapping[str, int], load_factor: float) -> list[str]:
     """Candidates in the order to try them: the first replica on the key's walk that is under the bound, then the
     rest of the walk (the retry order). Empty when there are no candidates."""
-    if not candidates:
+    return tiered_walk(key, [candidates], in_flight, load_factor)
+
+
+def tiered_walk(key: str, tiers: Sequence[Sequence[str]], in_flight: Mapping[str, int],
+                load_factor: float) -> list[str]:
+    """Every tier's candidates on the key's walk over that tier, tier after tier; the first of them under the load
+    bound over all tiers leads and the others follow in that order (the retry order). So a preferred tier keeps
+    the key until its replica has more than its share of all candidates' load."""
+    order = [name for tier in tiers if tier for name in ring_for(frozenset(tier)).walk(key)]
+    if not order:
         return []
-    order = ring_for(frozenset(candidates)).walk(key)
-    bound = load_bound(in_flight, candidates, load_factor)
+    bound = load_bound(in_flight, order, load_factor)
     # The bound is at least the average plus one, so some candidate is always under it.
     chosen = next(i for i, name in enumerate(order) if in_flight.get(name, 0) < bound)
     return order[chosen:] + order[:chosen]

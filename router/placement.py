@@ -3,9 +3,13 @@
     {"pool": "p", "baseModel": "tiny-llama", "revision": 17,
      "replicas": [{"pod": "p-engine-abcde", "url": "http://10.244.0.7:8000", "ready": true}],
      "adapters": {"tenant-a": ["p-engine-abcde"], "tenant-b": []},
+     "onDevice": {"tenant-a": ["p-engine-abcde"]},
      "apiKeys": {"required": true, "keys": [{"digest": "<sha256 hex>", "adapters": ["tenant-a"], "baseModel": false}]}}
 
-`apiKeys` (kubelora.contract.keys) is absent for a pool that requires no keys.
+`apiKeys` (kubelora.contract.keys) is absent for a pool that requires no keys. `adapters` lists each adapter's
+holders (resident in host or device memory); `onDevice`, optional, the holders whose copy is in the device pool
+when the placement was written (the first tier routing prefers; docs/router.md). A pod listed on device but not
+as a holder is ignored.
 
 `parse_placement` turns that text into an immutable `Placement` or raises `ValueError` naming the field; the
 router keeps serving the previous placement when a new one does not parse.
@@ -38,6 +42,7 @@ class Placement:
     replicas: tuple[Replica, ...]
     adapters: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     api_keys: KeyTable = OPEN
+    on_device: Mapping[str, frozenset[str]] = field(default_factory=lambda: MappingProxyType({}))
 
     def ready_replicas(self) -> dict[str, Replica]:
         return {r.pod: r for r in self.replicas if r.is_ready}
@@ -46,6 +51,12 @@ class Placement:
         """Ready pods holding the adapter now (pods the placement lists but does not know are dropped)."""
         ready = self.ready_replicas()
         return tuple(pod for pod in self.adapters.get(adapter, ()) if pod in ready)
+
+    def holder_tiers(self, adapter: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(ready holders with the adapter on device, the other ready holders)."""
+        holders = self.holders(adapter)
+        device = self.on_device.get(adapter, frozenset())
+        return (tuple(pod for pod in holders if pod in device), tuple(pod for pod in holders if pod not in device))
 
 
 def _expect(value, kind: type, name: str):
@@ -64,11 +75,11 @@ def _parse_replica(item, index: int) -> Replica:
                                                                   f"replicas[{index}].ready"))
 
 
-def _parse_adapters(raw) -> dict[str, tuple[str, ...]]:
+def _parse_adapters(raw, field_name: str) -> dict[str, tuple[str, ...]]:
     adapters: dict[str, tuple[str, ...]] = {}
-    for name, pods in _expect(raw, dict, "adapters").items():
-        _expect(pods, list, f"adapters[{name!r}]")
-        adapters[name] = tuple(_expect(pod, str, f"adapters[{name!r}][]") for pod in pods)
+    for name, pods in _expect(raw, dict, field_name).items():
+        _expect(pods, list, f"{field_name}[{name!r}]")
+        adapters[name] = tuple(_expect(pod, str, f"{field_name}[{name!r}][]") for pod in pods)
     return adapters
 
 
@@ -84,5 +95,7 @@ def parse_placement(text: str) -> Placement:
                      base_model=_expect(raw.get("baseModel"), str, "baseModel"),
                      revision=_expect(raw.get("revision", 0), int, "revision"),
                      replicas=replicas,
-                     adapters=MappingProxyType(_parse_adapters(raw.get("adapters", {}))),
+                     adapters=MappingProxyType(_parse_adapters(raw.get("adapters", {}), "adapters")),
+                     on_device=MappingProxyType({name: frozenset(pods) for name, pods in
+                                                 _parse_adapters(raw.get("onDevice", {}), "onDevice").items()}),
                      api_keys=parse_table(raw.get("apiKeys")))
