@@ -37,6 +37,9 @@ class EngineConfig:
     - blas_library: the library PyTorch's CUDA matmuls use, "cublaslt" or "cublas" (engine/setup.py: configure_blas).
     - async_scheduling: schedule the next step and queue its forward pass before reading this one's sampled ids
       back, so host work overlaps the device (vLLM's name); None (default): on CUDA, off on CPU.
+    - enable_prefix_caching: full KV blocks stay cached, keyed by their tokens, every token before them, the adapter's
+      name and content revision and the request's cache_salt, and later requests with the same prefix reuse them
+      (vLLM's name; engine/block_manager.py).
     - is_base_model_strict: reject (True) or warn about (False) an adapter whose base_model_name_or_path
       differs from the served model; shapes are always checked.
     """
@@ -66,6 +69,7 @@ class EngineConfig:
     use_staged_shrink: bool = True
     blas_library: str = BLAS_LIBRARIES[0]
     async_scheduling: bool | None = None
+    enable_prefix_caching: bool = True
     num_loader_threads: int = 2
     served_model_name: str | None = None
     seed: int = 0  # seeds the global generator used by unseeded sampling requests

@@ -45,6 +45,7 @@ from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.model.weights import ModelWeights, extend_weights, load_weights
 from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
+from kubelora.engine.prefix_key import root_key
 from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig, StepResult
 from kubelora.engine.sampler import FAULT_NO_TOKEN_LEFT, FAULT_NON_FINITE_LOGITS
 from kubelora.engine.sampling_batch import token_bitmask
@@ -170,8 +171,14 @@ class LLMEngine:
     # ---- requests (any thread) ----
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    adapter: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises InvalidRequest, PromptTooLong, QueueFull, UnknownAdapter, AdapterUnloading."""
+                    adapter: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request. Raises InvalidRequest, PromptTooLong, QueueFull, UnknownAdapter, AdapterUnloading.
+
+        cache_salt: requests share cached KV blocks only with requests of the same salt (and the same adapter
+        revision), vLLM's field."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequest(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         prompt = self._check_prompt(prompt_token_ids)
         self._check_sampling_tokens(params)
         room = self.max_model_len - len(prompt)
@@ -191,9 +198,19 @@ class LLMEngine:
             revision = self.adapters.acquire(adapter) if adapter else None
             seq = Sequence(request_id=request_id, prompt_token_ids=prompt, params=params, adapter_name=adapter or None,
                            adapter=revision, max_tokens=max_tokens, arrival_time=arrival_time or time.time(),
-                           generator=generator, grammar=matcher, allowed_bitmask=allowed)
+                           generator=generator, grammar=matcher, allowed_bitmask=allowed,
+                           cache_root=self._cache_root(revision, cache_salt))
             self._scheduler.add(seq)
             self._work.notify_all()
+
+    def _cache_root(self, revision, cache_salt: str | None) -> bytes | None:
+        """What a request's cached KV blocks are keyed under: its adapter's name and content revision (none for the
+        base model) and its salt; None with prefix caching off."""
+        if not self.config.enable_prefix_caching:
+            return None
+        if revision is None:
+            return root_key(None, None, cache_salt)
+        return root_key(revision.name, revision.spec.revision, cache_salt)
 
     def _new_matcher(self, params: SamplingParams):
         """A grammar matcher for a structured request; compiles here only if the caller did not (offline use)."""
@@ -232,6 +249,8 @@ class LLMEngine:
         previous, outputs = self._inflight, []
         self._inflight = None
         with self._lock:
+            for revision in self.adapters.take_retired():  # unloaded or replaced: its cached blocks go now
+                self._blocks.drop(revision)
             batch = self._scheduler.schedule()
             outputs += [self._output(seq, []) for seq in self._scheduler.take_finished_between_steps()]
             self._count_step(batch)
@@ -402,6 +421,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=seq.status.finish_reason,
             num_prompt_tokens=len(seq.prompt_token_ids),
+            num_cached_tokens=seq.num_cached_tokens or 0,
             error=seq.error,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
@@ -486,8 +506,9 @@ class LLMEngine:
             counts = self._scheduler.counts()
             kv_usage = self._blocks.usage
             last, steps, preemptions = self._last_batch, self._num_steps, self._scheduler.num_preemptions
+            prefix_cache = dict(self._scheduler.prefix_cache_tokens)
         return EngineSnapshot.build(counts, last, kv_usage, self.num_kv_blocks, self.adapters.stats(),
-                                    preemptions, steps)
+                                    preemptions, steps, prefix_cache)
 
     def close(self) -> None:
         self.adapters.close()

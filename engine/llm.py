@@ -43,14 +43,17 @@ class LLM:
 
     def generate(self, prompts: Prompt | SequenceOf[Prompt],
                  sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 adapters: str | SequenceOf[str | None] | None = None) -> list[GenerationResult]:
-        """One result per prompt, in order. A string prompt is tokenized; a list of ints is used as is."""
+                 adapters: str | SequenceOf[str | None] | None = None,
+                 cache_salts: str | SequenceOf[str | None] | None = None) -> list[GenerationResult]:
+        """One result per prompt, in order. A string prompt is tokenized; a list of ints is used as is.
+        `cache_salts`: each request's cache_salt (LLMEngine.add_request)."""
         prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         names = _per_prompt(adapters, len(prompts), "adapters")
+        salts = _per_prompt(cache_salts, len(prompts), "cache_salts")
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        finals = self._run(list(zip(request_ids, token_lists, params, names)))
+        finals = self._run(list(zip(request_ids, token_lists, params, names, salts)))
         return [_result(finals[rid], tokens) for rid, tokens in zip(request_ids, token_lists)]
 
     def _run(self, requests: list[tuple]) -> dict[str, RequestOutput]:
@@ -60,8 +63,8 @@ class LLM:
         finals: dict[str, RequestOutput] = {}
         while pending or len(finals) < len(requests):
             while pending and self.engine.has_waiting_room():
-                request_id, tokens, params, name = pending.pop()
-                self.engine.add_request(request_id, tokens, params, name)
+                request_id, tokens, params, name, salt = pending.pop()
+                self.engine.add_request(request_id, tokens, params, name, cache_salt=salt)
             for output in self.engine.step():
                 if output.finished:
                     finals[output.request_id] = output
@@ -97,4 +100,5 @@ def _result(output: RequestOutput, prompt_token_ids: list[int]) -> GenerationRes
         logits=output.logits,
         logprobs=output.logprobs,
         prompt_logprobs=output.prompt_logprobs,
+        num_cached_tokens=output.num_cached_tokens,
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,7 @@ class RequestOutput:
     # once finished.
     prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
     error_kind: FailureKind | None = None  # set with finish_reason "error", as `error` is
+    num_cached_tokens: int = 0  # prompt tokens whose KV its admission found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class GenerationResult:
     logits: torch.Tensor | None
     logprobs: tuple[PositionLogprobs, ...] | None = None
     prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 class LogprobsDecoder:
@@ -109,10 +111,13 @@ class EngineSnapshot:
     adapter_load_latencies_s: tuple[tuple[str, float], ...]  # (adapter name, seconds)
     num_preemptions: int
     num_steps: int
+    # adapter key -> (prompt tokens looked up in the prefix cache, tokens found), since start
+    prefix_cache_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, counts: tuple[dict[str, int], dict[str, int]], last: tuple[int, int, int], kv_usage: float,
-              num_kv_blocks: int, adapters: AdapterStats, num_preemptions: int, num_steps: int) -> EngineSnapshot:
+              num_kv_blocks: int, adapters: AdapterStats, num_preemptions: int, num_steps: int,
+              prefix_cache_tokens: dict[str, tuple[int, int]]) -> EngineSnapshot:
         return cls(
             num_running=counts[0], num_waiting=counts[1],
             last_batch_size=last[0], last_batch_tokens=last[1], last_batch_adapters=last[2],
@@ -122,5 +127,5 @@ class EngineSnapshot:
             num_adapter_load_failures=adapters.num_load_failures,
             num_device_evictions=adapters.num_device_evictions, num_host_evictions=adapters.num_host_evictions,
             adapter_load_latencies_s=adapters.load_latencies_s, num_preemptions=num_preemptions,
-            num_steps=num_steps,
+            num_steps=num_steps, prefix_cache_tokens=prefix_cache_tokens,
         )

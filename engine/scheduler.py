@@ -19,6 +19,11 @@ A scheduled batch counts as computed at once: `schedule()` advances each sequenc
 chunk that samples, adds one pending token; `postprocess` turns pending tokens into sampled ones. So the engine
 may schedule (and launch) the next step while this one runs: a sequence's pending token is fed to that next step
 from the device, and a sequence whose every remaining token is pending is not scheduled again.
+
+Prefix caching (engine/block_manager.py): a request admitted without KV blocks (new, preempted, or paused and
+dropped) first takes the cached blocks of its longest cached prefix of full blocks, never its last token (its
+logits must be computed), and its first chunk starts at the first token after them; those blocks need no room.
+Once a step is read back (`postprocess`), the full blocks it wrote are offered to the cache.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ class Scheduler:
         self.num_pauses = 0
         self._num_steps = 0
         self._slice_start: dict[object, int] = {}  # adapter revision -> step its current time slice began
+        # Prefix cache lookups at first admission, in prompt tokens, per adapter key ("" = base model):
+        # (tokens looked up, tokens found cached).
+        self.prefix_cache_tokens: dict[str, tuple[int, int]] = {}
         self._has_pool_waiters = False  # the last step refused a request for lack of pool room
 
     # ---- queues (under the engine lock) ----
@@ -138,6 +146,7 @@ class Scheduler:
         """Append each sampled chunk's token (its oldest pending one); finish on eos/stop ids/length.
 
         Returns the sequences that got a token this step (finished ones included)."""
+        self._offer_to_cache(batch)
         updated = []
         now = time.time()
         for chunk, token in zip(batch.chunks, sampled):
@@ -266,9 +275,15 @@ class Scheduler:
         count = 0
         while count < limit and queue and queue[0].adapter is revision and self._has_room(budget):
             seq = queue[0]
+            num_cached = self._take_cached_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget[0])
             if not self._grow_admitted(seq, seq.num_computed_tokens + num_new):
+                if num_cached:  # the cached blocks go back (still cached) until it is admitted
+                    self._blocks.free(seq.request_id)
+                    seq.num_computed_tokens = 0
                 break
+            if seq.num_cached_tokens is None:
+                self._count_prefix_lookup(seq, num_cached)
             queue.popleft()
             self._num_waiting -= 1
             seq.status = SequenceStatus.RUNNING
@@ -292,6 +307,34 @@ class Scheduler:
                 return False
             self._drop_cache(max(kept, key=lambda s: s.arrival_time))
         return True
+
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """A sequence without KV blocks takes its cached prefix (full blocks, never its last token) as computed;
+        returns its length in tokens."""
+        if seq.num_computed_tokens or not seq.reads_cache or self._blocks.table(seq.request_id):
+            return 0
+        block_size = self._blocks.block_size
+        keys = seq.full_block_keys(block_size)[:(seq.num_tokens - 1) // block_size]
+        seq.num_computed_tokens = self._blocks.take_cached(seq.request_id, keys) * block_size
+        return seq.num_computed_tokens
+
+    def _count_prefix_lookup(self, seq: Sequence, num_cached: int) -> None:
+        seq.num_cached_tokens = num_cached
+        if seq.reads_cache:
+            queries, hits = self.prefix_cache_tokens.get(seq.fairness_key, (0, 0))
+            self.prefix_cache_tokens[seq.fairness_key] = (queries + len(seq.prompt_token_ids), hits + num_cached)
+
+    def _offer_to_cache(self, batch: Batch) -> None:
+        """The full blocks a read-back step wrote become cached (their tokens are all known now)."""
+        block_size = self._blocks.block_size
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            if seq.cache_root is None or seq.status.is_finished:
+                continue
+            num_full = (chunk.start_pos + len(chunk.token_ids)) // block_size
+            if num_full:
+                keys = seq.full_block_keys(block_size)[:num_full]
+                self._blocks.cache(seq.request_id, chunk.block_table, keys, seq.adapter)
 
     def _drop_cache(self, seq: Sequence) -> None:
         """A waiting request's kept KV cache is freed; it is recomputed when admitted (counted as a preemption)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kubelora.contract.errors import FailureKind
+from kubelora.engine.prefix_key import block_key
 from kubelora.engine.sampling_params import SamplingParams
 
 PENDING_TOKEN = -1  # a sampled token still on the device (its step runs while the next one is scheduled)
@@ -70,6 +71,12 @@ class Sequence:
     error: str | None = None
     error_kind: FailureKind | None = None  # set with FINISHED_ERROR, as `error` is
     num_preemptions: int = 0
+    # Prefix caching (engine/block_manager.py): the key its block chain starts from (engine/prefix_key.py root_key;
+    # None: it neither reads nor fills the cache), its known full blocks' keys (computed once each), and the prompt
+    # tokens its first admission found cached (None until admitted).
+    cache_root: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # with params.return_logits: [vocab] each
     logits: list[torch.Tensor] = field(default_factory=list)
     # With params.logprobs / prompt_logprobs (engine/outputs.py PositionLogprobs): one per generated token;
@@ -104,6 +111,21 @@ class Sequence:
     def is_prefill(self) -> bool:
         """Still feeding known tokens (the prompt, or prompt + output after a preemption)."""
         return self.num_uncomputed_tokens > 1 or not self.num_output_tokens
+
+    @property
+    def reads_cache(self) -> bool:
+        """Prompt logits or logprobs come from computing each prompt position: such requests compute them all."""
+        return (self.cache_root is not None and not self.params.return_logits
+                and self.params.prompt_logprobs is None)
+
+    def full_block_keys(self, block_size: int) -> list[bytes]:
+        """Keys of the full blocks of its tokens read back so far (pending ones are not known yet)."""
+        num_known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        while (len(self.block_keys) + 1) * block_size <= num_known:
+            start = len(self.block_keys) * block_size
+            parent = self.block_keys[-1] if self.block_keys else self.cache_root
+            self.block_keys.append(block_key(parent, self.token_ids(start, start + block_size)))
+        return self.block_keys
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without joining the two lists (a decode step asks for one);

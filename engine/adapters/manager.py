@@ -51,6 +51,7 @@ class AdapterManager:
         self._executor = ThreadPoolExecutor(config.num_loader_threads, thread_name_prefix="kubelora-adapter-load")
         self._counts = {"loads": 0, "failures": 0, "device_evictions": 0, "host_evictions": 0}
         self._latencies: deque[tuple[str, float]] = deque(maxlen=256)  # (adapter name, seconds)
+        self._retired: list[AdapterRevision] = []  # retired since the engine last asked (take_retired)
 
     # ---- control API (any thread) ----
 
@@ -177,6 +178,12 @@ class AdapterManager:
                     placed += 1
         return placed
 
+    def take_retired(self) -> list[AdapterRevision]:
+        """Engine thread: the revisions unloaded or replaced since the last call (their cached KV blocks go)."""
+        with self._state:
+            retired, self._retired = self._retired, []
+            return retired
+
     def take_load_error(self, revision: AdapterRevision) -> str | None:
         """The error of the last failed on-demand load (once); the next request for it retries."""
         with self._state:
@@ -227,6 +234,7 @@ class AdapterManager:
 
     def _retire(self, revision: AdapterRevision) -> None:
         revision.is_retired = True
+        self._retired.append(revision)
         if revision.num_refs == 0:
             self._free(revision)
 

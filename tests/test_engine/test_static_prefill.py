@@ -76,8 +76,10 @@ def test_fill_pads_tokens_and_cuts_the_chunk_into_tiles():
 
 
 def _llm(llama, is_static: bool, **kwargs) -> LLM:
+    """Prefix caching off: these tests count the prefill chunks of prompts they send again (test_prefix_cache.py
+    runs static chunks after a cached prefix)."""
     llm = LLM(llama.model_dir, max_loras=4, max_lora_rank=32, max_cpu_loras=8, max_num_seqs=8,
-              enforce_eager=not is_static, **kwargs)
+              enforce_eager=not is_static, enable_prefix_caching=False, **kwargs)
     for name in ADAPTERS[1:]:
         llm.load_adapter(name, llama.adapters[name])
     return llm
