@@ -80,6 +80,12 @@ def _run_bench_router_keys(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    from kubelora.bench.serve import main as bench_main
+
+    return bench_main(args.rest)
+
+
 def _run_bench_operator(args: argparse.Namespace) -> int:
     from kubelora.bench.operator import main as bench_main
 
@@ -167,6 +173,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                      "simulated (no cluster)", _run_bench_placement)
     _add_passthrough(kinds, "router-keys", "tenant API keys at the router: its CPU per request and the latency "
                      "added, keys on against off", _run_bench_router_keys)
+    _add_passthrough(kinds, "serve", "real traffic through HTTP: Poisson arrivals, Zipf tenants, multi-turn chats; "
+                     "prefix cache on against off, S-LoRA's retention", _run_bench_serve)
     _add_passthrough(kinds, "operator", "the operator at fleet scale against a real API server, engine pods stood "
                      "in by fakes", _run_bench_operator)
 
@@ -194,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 _PASSTHROUGH = {("operator",): _run_operator, ("router",): _run_router, ("bench", "kernels"): _run_bench_kernels,
                 ("bench", "engine"): _run_bench_engine, ("bench", "hostile"): _run_bench_hostile,
                 ("bench", "router-keys"): _run_bench_router_keys, ("bench", "placement"): _run_bench_placement,
-                ("bench", "operator"): _run_bench_operator}
+                ("bench", "operator"): _run_bench_operator, ("bench", "serve"): _run_bench_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
