@@ -7,7 +7,7 @@ adapters by Zipf popularity, a fixed system prompt per tenant, multi-turn chats 
 - `--mode sweep`: one server start per cache setting (`--cache on,off`: with and without
   `--no-enable-prefix-caching`), every rate on each; a row per rate (bench/serve_report.py).
 - `--mode retention` (S-LoRA's experiment): for each of `--retention-counts` registered adapters, all in the host
-  tier (`--max-cpu-loras` = the count), the rates swept with the cache off (`--cache off`, the default here) and
+  tier (the engine's `--max-cpu-loras` = the count), the rates swept with the cache off (`--cache off`, the default here) and
   `--workload uniform` (S-LoRA's lengths); the report gives the max goodput per count against the fewest.
 
 Each command writes its own rows; with `--rows FILE` they are merged into FILE (a row of the same run and rate
