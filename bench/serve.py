@@ -7,8 +7,9 @@ adapters by Zipf popularity, a fixed system prompt per tenant, multi-turn chats 
 - `--mode sweep`: one server start per cache setting (`--cache on,off`: with and without
   `--no-enable-prefix-caching`), every rate on each; a row per rate (bench/serve_report.py).
 - `--mode retention` (S-LoRA's experiment): for each of `--retention-counts` registered adapters, all in the host
-  tier (the engine's `--max-cpu-loras` = the count), the rates swept with the cache off (`--cache off`, the default here) and
-  `--workload uniform` (S-LoRA's lengths); the report gives the max goodput per count against the fewest.
+  tier (the engine's `--max-cpu-loras` = the count), the rates swept with the cache off (`--cache off`, the
+  default here) and `--workload uniform` (S-LoRA's lengths); the report gives the max goodput per count against
+  the fewest.
 
 Each command writes its own rows; with `--rows FILE` they are merged into FILE (a row of the same run and rate
 is replaced) and the report covers every row there, so a benchmark can span several device calls.
@@ -26,8 +27,7 @@ from pathlib import Path
 from kubelora.bench.command import publish, refuse, work_folder
 from kubelora.bench.serve_client import Traffic, prefix_cache_counters, run_conversations
 from kubelora.bench.serve_report import RateRow, Slo, merge_rows, rate_row, render_markdown
-from kubelora.bench.serve_workload import Conversation, TextMaker, WorkloadConfig, WorkloadKind, \
-    build_conversations, tenant_system_tokens
+from kubelora.bench.serve_workload import Conversation, TextMaker, WorkloadConfig, WorkloadKind, build_conversations
 
 CACHE_OFF_FLAG = "--no-enable-prefix-caching"
 CACHE_SETTINGS = ("on", "off")
@@ -164,8 +164,8 @@ def _run_server(config: ServeBenchConfig, workload: WorkloadConfig, model_dir: P
     server = Server(settings, log_path)
     try:
         server.wait_ready(config.server_timeout_s)
-        traffic = Traffic(server.url, tuple(adapters), workload, text, tuple(tenant_system_tokens(workload).tolist()),
-                          int(config.max_model_len * CONTEXT_MARGIN), config.request_timeout_s)
+        traffic = Traffic(server.url, tuple(adapters), workload, text, int(config.max_model_len * CONTEXT_MARGIN),
+                          config.request_timeout_s)
         asyncio.run(run_conversations(traffic, _warmup(config.warmup_requests, len(adapters))))
         rows = []
         for index, rate in enumerate(config.rates):

@@ -47,7 +47,6 @@ class Traffic:
     adapter_names: tuple[str, ...]
     workload: WorkloadConfig
     text: TextMaker
-    system_tokens: tuple[int, ...]  # per tenant
     max_context_tokens: int  # a conversation ends before a turn whose prompt and answer would pass it
     request_timeout_s: float
 

@@ -153,7 +153,8 @@ def retention_lines(rows: list[RateRow]) -> list[str]:
             groups.setdefault((row.workload, row.cache), {})[row.num_adapters] = best[row.run]
     for (workload, cache), by_count in sorted(groups.items()):
         fewest = by_count[min(by_count)]
-        cells = [f"{n}: {g:.2f} req/s" + (f" ({g / fewest:.3f}x)" if fewest else "") for n, g in sorted(by_count.items())]
+        cells = [f"{n}: {g:.2f} req/s" + (f" ({g / fewest:.3f}x)" if fewest else "")
+                 for n, g in sorted(by_count.items())]
         lines.append(f"- {workload}, cache {cache}: " + "; ".join(cells))
     return lines
 

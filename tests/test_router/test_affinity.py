@@ -94,7 +94,8 @@ def test_base_model_requests_follow_their_affinity_key_under_the_bound():
 def test_the_key_covers_model_and_cache_salt():
     payload = chat("same system prompt", "same question")
     keys = {affinity_key("a", payload, {}), affinity_key("b", payload, {}),
-            affinity_key("a", payload | {"cache_salt": "s1"}, {}), affinity_key("a", payload | {"cache_salt": "s2"}, {})}
+            affinity_key("a", payload | {"cache_salt": "s1"}, {}),
+            affinity_key("a", payload | {"cache_salt": "s2"}, {})}
     assert len(keys) == 4
     # A salt equal to another model's name is still a salt: no key of one kind stands for another.
     assert affinity_key("a", payload | {"cache_salt": "b"}, {}) != affinity_key("b", payload, {})
@@ -116,7 +117,8 @@ def test_conversation_header_then_user_then_prefix():
 
 def test_the_key_reads_only_the_start_of_the_first_messages():
     system = "s" * PREFIX_CHARS
-    assert affinity_key("a", chat(system + "tail one", "u"), {}) == affinity_key("a", chat(system + "tail two", "u"), {})
+    one, two = chat(system + "tail one", "u"), chat(system + "tail two", "u")
+    assert affinity_key("a", one, {}) == affinity_key("a", two, {})
     # Nothing after the first user message is read: a later message of any shape changes nothing.
     payload = chat("system", "hello")
     odd = payload | {"messages": [*payload["messages"], "not a message", {"role": "user", "content": 7}]}
