@@ -1,8 +1,10 @@
 """Tiny Hugging Face models and PEFT adapters, made here with the real libraries (no model hub exists here).
 
 `make_tiny_model` writes config.json, model.safetensors, tokenizer.json and tokenizer_config.json (with a chat
-template) for a randomly initialised Llama, Mistral or Qwen2; `make_adapter` writes a PEFT LoRA adapter with
-PEFT's own `save_pretrained`. Both are deterministic for a seed.
+template) for a randomly initialised Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text) or Phi-3; `make_adapter`
+writes a PEFT LoRA adapter with PEFT's own `save_pretrained`. Both are deterministic for a seed. The newer families
+have small sliding windows (8 tokens) so that short prompts cross them, and their distinguishing features switched
+on (explicit head_dim, soft-caps, per-layer RoPE, longrope).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_LINEAR_TARGETS = ATTENTION_TARGETS + ("gate_proj", "up_proj", "down_proj")
+FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's linear layers
+ZERO_CENTRED_NORMS = ("gemma2", "gemma3_text")  # RMSNorm weights stored as w with the scale 1 + w
+WINDOW = 8  # sliding window of the newer families' tiny models
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 BOS, EOS = "<s>", "</s>"
 # A minimal chat format: one header token per role, `<|end|>` closes each turn.
@@ -101,15 +106,43 @@ def build_config(spec: TinyModelSpec, tokenizer):
         return LlamaConfig(**common, rope_parameters=rope)
     if spec.arch == "mistral":
         return MistralConfig(**common, sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if spec.arch == "qwen2":
+        return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    return _family_config(spec, common)
+
+
+def _family_config(spec: TinyModelSpec, common: dict):
+    """Qwen3, Gemma 2, Gemma 3 text and Phi-3 with what sets each apart from Llama exercised."""
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
+
+    head_dim = 2 * spec.hidden_size // spec.num_heads  # independent of hidden / heads
+    if spec.arch == "qwen3":  # layer 0 full, the rest sliding
+        return Qwen3Config(**common, head_dim=head_dim, use_sliding_window=True, sliding_window=WINDOW,
+                           max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if spec.arch == "gemma2":  # sliding and full layers alternate; soft-caps small enough to bite
+        return Gemma2Config(**common, head_dim=head_dim, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                            attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
+    if spec.arch == "gemma3_text":  # every third layer full, with its own RoPE base and a linear scaling
+        layer_types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(spec.num_layers)]
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+        return Gemma3TextConfig(**common, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=WINDOW,
+                                layer_types=layer_types, rope_parameters=rope)
+    half = spec.hidden_size // spec.num_heads // 2  # phi3: head_dim = hidden / heads; longrope past 32 positions
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+    return Phi3Config(**common, sliding_window=WINDOW, original_max_position_embeddings=32, rope_parameters=rope,
+                      pad_token_id=common["eos_token_id"])
 
 
 def _perturb_defaults(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """transformers initialises norms to 1 and biases to 0; random values make the tests see them."""
+    """transformers initialises norms to 1 (Gemma's to 0, scaling by 1 + w) and biases to 0; random values make the
+    tests see them."""
+    centre = 0.0 if model.config.model_type in ZERO_CENTRED_NORMS else 1.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+                param.copy_(centre + 0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
 
@@ -158,14 +191,16 @@ def _pin_chat_template(out: Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def parse_targets(targets: str | list[str] | tuple[str, ...]) -> list[str]:
+def parse_targets(targets: str | list[str] | tuple[str, ...], arch: str = "llama") -> list[str]:
+    """Module names of `arch`'s layers (Phi-3's fused qkv_proj and gate_up_proj), or all-linear: all of them."""
+    known = FUSED_TARGETS if arch == "phi3" else ALL_LINEAR_TARGETS
     if isinstance(targets, str):
         if targets == "all-linear":
-            return list(ALL_LINEAR_TARGETS)
+            return list(known)
         targets = [t.strip() for t in targets.split(",") if t.strip()]
-    unknown = sorted(set(targets) - set(ALL_LINEAR_TARGETS))
+    unknown = sorted(set(targets) - set(known))
     if unknown or not targets:
-        raise ValueError(f"targets must be a subset of {','.join(ALL_LINEAR_TARGETS)} or 'all-linear', got {targets}")
+        raise ValueError(f"targets must be a subset of {','.join(known)} or 'all-linear', got {targets}")
     return list(targets)
 
 
@@ -186,8 +221,8 @@ def make_adapter(
         raise ValueError(f"rank must be >= 1, got {rank}")
     _quiet_transformers()
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=parse_targets(targets), lora_dropout=0.0,
-                        use_rslora=use_rslora, task_type="CAUSAL_LM")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=parse_targets(targets, base.config.model_type),
+                        lora_dropout=0.0, use_rslora=use_rslora, task_type="CAUSAL_LM")
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
 
 import torch
 
@@ -40,10 +39,9 @@ from kubelora.engine.config import EngineConfig
 from kubelora.engine.detokenizer import Detokenizer
 from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
 from kubelora.engine.step.plan import plan_graphs, plan_warm_ups
-from kubelora.engine.model.config import load_hf_config, model_config_from_hf, rope_inv_freq
+from kubelora.engine.model.config import load_hf_config, model_config_from_hf
 from kubelora.engine.model.llama import DecoderModel
-from kubelora.engine.model.rope import RotaryEmbedding
-from kubelora.engine.model.weights import ModelWeights, extend_weights, load_weights
+from kubelora.engine.model.weights import extend_weights, load_weights
 from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
 from kubelora.engine.prefix_key import root_key
 from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig, StepResult
@@ -96,7 +94,7 @@ class LLMEngine:
         if setup.uses_staged_shrink(config):
             rows = setup.staged_rows(config, self.model_config, self.dtype)
             stage_buffers = extend_weights(host_weights, rows, self.device)
-        weights = _to_device(host_weights, self.device)
+        weights = host_weights.to(self.device)
         self.startup_seconds["weights"] = time.perf_counter() - started
         pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype, self.device),
                               self.dtype, self.device)
@@ -141,11 +139,11 @@ class LLMEngine:
                              model_names=names, is_base_model_strict=self.config.is_base_model_strict)
 
     def _build_runner(self, hf_config, weights, pool: DeviceLoRAPool) -> ModelRunner:
-        inv_freq, attention_scaling = rope_inv_freq(hf_config)
         # One block past the scheduler's: the pad block padded rows of a static decode batch write into.
         kv_cache = setup.allocate_kv_cache(self.config, self.model_config, self.dtype, self.num_kv_blocks + 1,
                                            self.device)
-        model = DecoderModel(self.model_config, weights, RotaryEmbedding(inv_freq, attention_scaling, self.device),
+        model = DecoderModel(self.model_config, weights,
+                             setup.build_ropes(hf_config, self.model_config, self.max_model_len, self.device),
                              kv_cache, pool.layer_buffers(), use_gemv=self.config.use_gemv)
         lora_backend = setup.resolve_lora_backend(self.config)
         steps = setup.build_step_executor(self.config, model, self.max_model_len, self.num_kv_blocks, lora_backend,
@@ -540,15 +538,3 @@ def _eos_ids(model_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return tuple(ids)
-
-
-def _to_device(weights: ModelWeights, device: torch.device) -> ModelWeights:
-    def move(tensor):
-        return None if tensor is None else tensor.to(device)
-
-    layers = [replace(layer, input_norm=move(layer.input_norm), post_attn_norm=move(layer.post_attn_norm),
-                      weight={k: move(v) for k, v in layer.weight.items()},
-                      bias={k: move(v) for k, v in layer.bias.items()}) for layer in weights.layers]
-    embed = move(weights.embed)
-    lm_head = embed if weights.lm_head is weights.embed else move(weights.lm_head)
-    return replace(weights, embed=embed, final_norm=move(weights.final_norm), lm_head=lm_head, layers=layers)

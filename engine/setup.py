@@ -11,8 +11,9 @@ from kubelora.engine.adapters.pool import DeviceLoRAPool
 from kubelora.engine.adapters.staging import ROWS_PER_SLICE, STAGED_KINDS, ShrinkStaging
 from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
 from kubelora.engine.model.attention import KVCache
-from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
+from kubelora.engine.model.config import PROJ_KINDS, ModelConfig, rope_inv_freq
 from kubelora.engine.model.llama import DecoderModel
+from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.step.executor import StepExecutor
 from kubelora.engine.step.inputs import StepInputs
 from kubelora.engine.step.shape import prefill_buckets
@@ -101,6 +102,14 @@ def allocate_kv_cache(config: EngineConfig, model: ModelConfig, dtype: torch.dty
                       device: torch.device) -> KVCache:
     return KVCache.allocate(model.num_layers, blocks, config.kv_block_size, model.num_kv_heads, model.head_dim,
                             dtype, device)
+
+
+def build_ropes(hf_config, model: ModelConfig, max_model_len: int, device: torch.device) -> list[RotaryEmbedding]:
+    """Each layer's rotary embedding: one per set of RoPE parameters (Gemma 3: one for its full layers, one for its
+    sliding ones), shared by the layers that use it. max_model_len picks longrope's factors (`rope_inv_freq`)."""
+    keys = model.rope_types or (None,) * model.num_layers
+    ropes = {key: RotaryEmbedding(*rope_inv_freq(hf_config, max_model_len, key), device) for key in set(keys)}
+    return [ropes[key] for key in keys]
 
 
 def uses_static_steps(config: EngineConfig) -> bool:

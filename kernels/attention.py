@@ -3,7 +3,9 @@
 Cache layout (engine/model/attention.py): per layer key/value `[num_blocks, block_size, num_kv_heads, head_dim]`;
 position p of a sequence is row p % block_size of block `block_table[p // block_size]`. Query head h reads kv head
 h // (num_heads / num_kv_heads). With a sliding window w a query at position q sees keys k with q - w < k <= q, and
-positions before the window are never read (their blocks may be freed or reused).
+positions before the window are never read (their blocks may be freed or reused). With a soft-cap c (Gemma 2) the
+scaled scores s become c * tanh(s / c) before the mask. head_dim need not be a power of two (Phi-3-mini's 96): the
+kernels pad it to one (BLOCK_D) and mask the columns past it.
 
 Decode ("flash decoding"): one program per (context split, kv head, sequence) computes every query head of that kv
 head, so each K/V byte is read once; the last split of a (sequence, kv head) to finish merges the splits by their
@@ -86,6 +88,17 @@ def _slot_rows(table_row_ptr, pos, is_kv, stride_kb, stride_kt, BLOCK_SIZE: tl.c
 
 
 @triton.jit
+def _scores(s, scale_log2, softcap_log2, HAS_SOFTCAP: tl.constexpr):
+    """q.k products -> log2-unit scores: scaled, then (HAS_SOFTCAP) c * tanh(s / c), the cap in log2 units too
+    (c * tanh(x / c) * log2(e) = c' * tanh(x log2(e) / c'), c' = c log2(e)). tanh(t) = 2 / (1 + exp(-2t)) - 1:
+    exact at both ends (exp overflows to inf: -1), a float32 ulp of 1 off near 0."""
+    s = s * scale_log2
+    if HAS_SOFTCAP:
+        s = softcap_log2 * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap_log2)) - 1.0)
+    return s
+
+
+@triton.jit
 def _softmax_step(s, v, m, l, acc, IS_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax update: s [ROWS, BLOCK_N] log2 scores (-inf masked), v [BLOCK_N, D] -> (m, l, acc)."""
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -101,11 +114,11 @@ def _softmax_step(s, v, m, l, acc, IS_DOT: tl.constexpr, PRECISION: tl.constexpr
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, part_ptr, lse_ptr, arrivals_ptr, scale_log2, window, num_splits,
-    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_table, stride_os, stride_oh,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr, IS_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, SPLITS: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, part_ptr, lse_ptr, arrivals_ptr, scale_log2, softcap_log2,
+    window, num_splits, stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_table, stride_os, stride_oh,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IS_SPLIT: tl.constexpr,
+    IS_DOT: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
@@ -118,25 +131,27 @@ def _decode_kernel(
     tile_start = first_tile + split * per_split
     tile_end = tl.minimum(tile_start + per_split, first_tile + num_tiles)  # <= tile_start: an empty split
 
-    offs_g, offs_d, offs_n = tl.arange(0, ROWS), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    offs_g, offs_d, offs_n = tl.arange(0, ROWS), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     is_row = offs_g < GROUP  # rows past the group pad the tl.dot to 16 rows
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=is_row[:, None], other=0.0)
+    is_d = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=is_row[:, None] & is_d[None, :], other=0.0)
     m = tl.full([ROWS], -1e30, tl.float32)  # finite: a row that has seen no key never computes -inf - -inf
     l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
     for tile in range(tile_start, tile_end):
         pos = tile * BLOCK_N + offs_n
         is_kv = (pos >= lo) & (pos < ctx)
         rows = _slot_rows(table_row, pos, is_kv, stride_kb, stride_kt, BLOCK_SIZE) + kv_head * stride_kh
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=is_kv[:, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=is_kv[:, None], other=0.0)
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=is_kv[:, None] & is_d[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=is_kv[:, None] & is_d[None, :], other=0.0)
         if IS_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         else:
             s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), 2)
-        s = tl.where(is_kv[None, :], s * scale_log2, float("-inf"))
+        s = tl.where(is_kv[None, :], _scores(s, scale_log2, softcap_log2, HAS_SOFTCAP), float("-inf"))
         m, l, acc = _softmax_step(s, v, m, l, acc, IS_DOT, PRECISION)
 
     has_keys = l > 0
@@ -146,7 +161,7 @@ def _decode_kernel(
         part = (seq * num_heads + heads) * num_splits + split  # [num_seqs, num_heads, num_splits]
         tl.store(lse_ptr + part, tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf")),
                  mask=is_row)
-        tl.store(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=is_row[:, None])
+        tl.store(part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=is_row[:, None])
         # The last split of (sequence, kv head) to arrive merges them all (no second launch). The barrier makes
         # every thread's partial visible before the (release) atomic; that program resets the counter.
         tl.debug_barrier()
@@ -155,47 +170,50 @@ def _decode_kernel(
         if arrived == num_splits - 1:
             for g in tl.static_range(GROUP):
                 _merge_splits(part_ptr, lse_ptr, out_ptr, seq, kv_head * GROUP + g, num_heads, num_splits,
-                              stride_os, stride_oh, HEAD_DIM, SPLITS)
+                              stride_os, stride_oh, HEAD_DIM, BLOCK_D, SPLITS)
             tl.store(counter, 0)
     else:
         out = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=is_row[:, None])
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_d[None, :])
 
 
 @triton.jit
 def _merge_splits(part_ptr, lse_ptr, out_ptr, seq, head, num_heads, num_splits, stride_os, stride_oh,
-                  HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
     """out[seq, head] = the splits' partial outputs weighted by their log-sum-exp (read through L2: other programs
     of the launch wrote them)."""
-    offs_s, offs_d = tl.arange(0, SPLITS), tl.arange(0, HEAD_DIM)
+    offs_s, offs_d = tl.arange(0, SPLITS), tl.arange(0, BLOCK_D)
     is_split = offs_s < num_splits
     part = (seq * num_heads + head) * num_splits + offs_s
     lse = tl.load(lse_ptr + part, mask=is_split, other=float("-inf"), cache_modifier=".cg")
     top = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits (lse -inf) weigh 0
-    o = tl.load(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=is_split[:, None], other=0.0,
+    o = tl.load(part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=is_split[:, None], other=0.0,
                 cache_modifier=".cg")
     total = tl.sum(weight, 0)
     o = tl.sum(o * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
 def _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table_row, tile, q_pos, lo, ctx, window, kv_off, scale_log2,
-                  stride_kb, stride_kt, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, IS_MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                  softcap_log2, stride_kb, stride_kt, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, IS_MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile for a [BLOCK_M, D] query block; unmasked tiles lie wholly before every row's position."""
-    offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
+    offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     pos = tile * BLOCK_N + offs_n
     is_kv = (pos >= lo) & (pos < ctx)
+    is_d = offs_d < HEAD_DIM
     rows = _slot_rows(table_row, pos, is_kv, stride_kb, stride_kt, BLOCK_SIZE) + kv_off
     if IS_MASKED:
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=is_kv[:, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=is_kv[:, None], other=0.0)
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=is_kv[:, None] & is_d[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=is_kv[:, None] & is_d[None, :], other=0.0)
     else:
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=is_d[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=is_d[None, :], other=0.0)
+    s = _scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale_log2, softcap_log2, HAS_SOFTCAP)
     if IS_MASKED:
         visible = is_kv[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
@@ -206,10 +224,11 @@ def _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table_row, tile, q_pos, lo, ctx, w
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, qlen_ptr, ctx_ptr, out_ptr, scale_log2, window,
+    q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, qlen_ptr, ctx_ptr, out_ptr, scale_log2, softcap_log2, window,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_table, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     head, q_block, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(qlen_ptr + seq)
@@ -219,14 +238,15 @@ def _prefill_kernel(
     tok0 = tl.load(start_ptr + seq).to(tl.int64)
     ctx = tl.load(ctx_ptr + seq)
     first_pos = ctx - q_len + m0  # position of the block's first query row
-    offs_m, offs_d = m0 + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+    offs_m, offs_d = m0 + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     is_q = offs_m < q_len
+    is_qd = is_q[:, None] & (offs_d < HEAD_DIM)[None, :]
     q_pos = ctx - q_len + offs_m
-    q = tl.load(q_ptr + (tok0 + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=is_q[:, None],
+    q = tl.load(q_ptr + (tok0 + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=is_qd,
                 other=0.0)
     m = tl.full([BLOCK_M], -1e30, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(first_pos - window + 1, 0)
@@ -237,15 +257,15 @@ def _prefill_kernel(
     kv_off = (head // GROUP) * stride_kh
     for tile in range(first_tile, full_end):
         m, l, acc = _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table_row, tile, q_pos, lo, ctx, window, kv_off,
-                                  scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, HAS_WINDOW,
-                                  HAS_WINDOW, PRECISION)
+                                  scale_log2, softcap_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                                  BLOCK_N, HAS_WINDOW, HAS_SOFTCAP, HAS_WINDOW, PRECISION)
     for tile in range(full_end, last_tile):
         m, l, acc = _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table_row, tile, q_pos, lo, ctx, window, kv_off,
-                                  scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, HAS_WINDOW, True,
-                                  PRECISION)
+                                  scale_log2, softcap_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                                  BLOCK_N, HAS_WINDOW, HAS_SOFTCAP, True, PRECISION)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     out = out_ptr + (tok0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=is_q[:, None])
+    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=is_qd)
 
 
 def _check_cache(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
@@ -254,7 +274,7 @@ def _check_cache(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     num_kv_heads = key_cache.shape[2]
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
-    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and head_dim & (head_dim - 1) == 0
+    assert query.stride(2) == 1 and key_cache.stride(3) == 1
     assert key_cache.dtype == value_cache.dtype == query.dtype
     return num_heads // num_kv_heads
 
@@ -265,7 +285,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 def launch_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, scale: float, window: int | None, out: torch.Tensor | None,
-                  num_splits: int | None, tiles: AttentionTiles | None) -> torch.Tensor:
+                  num_splits: int | None, tiles: AttentionTiles | None, softcap: float | None = None) -> torch.Tensor:
     """`paged_decode_attention` with explicit tiles (None: `decode_tiles`); launches from shapes only."""
     group = _check_cache(query, key_cache, value_cache)
     num_seqs, num_heads, head_dim = query.shape
@@ -280,15 +300,17 @@ def launch_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     part = lse = out  # unused unless split
     arrivals = context_lens
     if is_split:  # caching-allocator memory: safe under graph capture (the capture pool)
-        part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        part = torch.empty(num_seqs, num_heads, num_splits, triton.next_power_of_2(head_dim), dtype=torch.float32,
+                           device=query.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
         arrivals = arrival_counters(query.device, num_seqs * num_kv_heads, "decode_attention")
     rows = max(16, triton.next_power_of_2(group)) if tiles.is_dot else 1
     _decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         query, key_cache, value_cache, block_tables, context_lens, out, part, lse, arrivals, scale * LOG2E,
-        window or 0, num_splits, query.stride(0), query.stride(1), *key_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None, IS_SPLIT=is_split, IS_DOT=tiles.is_dot,
+        (softcap or 1.0) * LOG2E, window or 0, num_splits, query.stride(0), query.stride(1), *key_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1), GROUP=group, ROWS=rows, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, IS_SPLIT=is_split, IS_DOT=tiles.is_dot,
         PRECISION=_precision(query.dtype), SPLITS=triton.next_power_of_2(num_splits), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -298,22 +320,23 @@ def launch_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            window: int | None = None, out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
-    """out[s, h] = softmax_k(scale * q[s, h] . K_s[k, h // G]) @ V_s[:, h // G], max(0, n_s - w) <= k < n_s.
+                           num_splits: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """out[s, h] = softmax_k(cap(scale * q[s, h] . K_s[k, h // G])) @ V_s[:, h // G], max(0, n_s - w) <= k < n_s.
 
     query, out: [num_seqs, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; context_lens (n): [num_seqs] int32 >= 1, the new token's
-    K/V already at position n - 1; G = num_heads / num_kv_heads; w: window (None: all). CUDA-graph safe; num_splits
-    None: from shapes (`default_num_splits`); splits past a sequence's context add nothing.
+    K/V already at position n - 1; G = num_heads / num_kv_heads; w: window (None: all); cap(s) = c * tanh(s / c)
+    with c = softcap (None: cap(s) = s). CUDA-graph safe; num_splits None: from shapes (`default_num_splits`); splits
+    past a sequence's context add nothing.
     """
     return launch_decode(query, key_cache, value_cache, block_tables, context_lens, scale, window, out, num_splits,
-                         None)
+                         None, softcap)
 
 
 def launch_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
                    max_query_len: int, scale: float, window: int | None, out: torch.Tensor | None,
-                   tiles: AttentionTiles | None) -> torch.Tensor:
+                   tiles: AttentionTiles | None, softcap: float | None = None) -> torch.Tensor:
     """`paged_prefill_attention` with explicit tiles (None: `prefill_tiles`)."""
     group = _check_cache(query, key_cache, value_cache)
     num_heads, head_dim = query.shape[1:]
@@ -323,9 +346,10 @@ def launch_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     grid = (num_heads, triton.cdiv(max_query_len, tiles.block_m), num_seqs)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, context_lens, out, scale * LOG2E,
-        window or 0, query.stride(0), query.stride(1), *key_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None,
+        (softcap or 1.0) * LOG2E, window or 0, query.stride(0), query.stride(1), *key_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=key_cache.shape[1], BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         PRECISION=_precision(query.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -334,23 +358,25 @@ def launch_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             context_lens: torch.Tensor, max_query_len: int, scale: float, window: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """out[t, h] = softmax_k(scale * q[t, h] . K_s[k, h // G]) @ V_s[:, h // G], p_t - w < k <= p_t, t in seq s.
+                            out: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """out[t, h] = softmax_k(cap(scale * q[t, h] . K_s[k, h // G])) @ V_s[:, h // G], p_t - w < k <= p_t, t in seq s.
 
     query, out: [num_tokens, num_heads, head_dim], sequence after sequence; key_cache, value_cache: [num_blocks,
     block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32; query_start_loc: [num_seqs + 1]
     int32 (cumulative seq_lens); seq_lens: [num_seqs] int32 query lengths >= 1; context_lens (n): [num_seqs] int32
     positions including the new tokens, whose K/V are already cached; p_t = n_s - seq_lens[s] + (t -
-    query_start_loc[s]); max_query_len: host int >= max(seq_lens), sizes the grid; w: window (None: causal only).
+    query_start_loc[s]); max_query_len: host int >= max(seq_lens), sizes the grid; w: window (None: causal only);
+    cap(s) = c * tanh(s / c) with c = softcap (None: cap(s) = s).
     """
     return launch_prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, context_lens,
-                          max_query_len, scale, window, out, None)
+                          max_query_len, scale, window, out, None, softcap)
 
 
 def paged_prefill_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                   block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                                   context_lens: torch.Tensor, max_query_len: int, scale: float,
-                                  window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                                  window: int | None = None, out: torch.Tensor | None = None,
+                                  softcap: float | None = None) -> torch.Tensor:
     """Reference of `paged_prefill_attention` (same math and shapes), in float32, one sequence at a time.
 
     Reads only positions inside the window of the sequence's first new token, as the kernel does.
@@ -372,6 +398,8 @@ def paged_prefill_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, 
         if window is not None:
             visible &= k_pos[None, :] > q_pos[:, None] - window
         scores = torch.einsum("qhd,khd->hqk", query[start : start + q_len].float(), keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
     return out
@@ -380,10 +408,10 @@ def paged_prefill_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, 
 def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                  window: int | None = None, out: torch.Tensor | None = None,
-                                 num_splits: int | None = None) -> torch.Tensor:
+                                 num_splits: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Reference of `paged_decode_attention`: a prefill of one new token per sequence (num_splits has no effect)."""
     num_seqs = query.shape[0]
     starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     ones = torch.ones(num_seqs, dtype=torch.int32, device=query.device)
     return paged_prefill_attention_torch(query, key_cache, value_cache, block_tables, starts, ones, context_lens, 1,
-                                         scale, window, out)
+                                         scale, window, out, softcap)

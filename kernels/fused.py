@@ -1,5 +1,6 @@
-"""The decoder's small ops fused into one Triton launch each: residual add + RMSNorm, SiLU x mul, rotary in place
-(alone, or with the layer's KV-cache write: `rotary_kv_cache_`).
+"""The decoder's small ops fused into one Triton launch each: residual add + RMSNorm (w or Gemma's 1 + w), RMSNorm of
+each q/k head in place, SiLU x mul and GeGLU (tanh GELU x mul), rotary in place (alone, or with the layer's KV-cache
+write: `rotary_kv_cache_`).
 
 Each op's plain-torch reference sits beside it with the same signature and computes, op for op, what
 engine/model/llama.py (`rms_norm`, `hidden + delta`, `F.silu(gate) * up`) and engine/model/rope.py
@@ -38,14 +39,27 @@ def _check_device(t: torch.Tensor) -> None:
 # ---- residual add + RMSNorm ----------------------------------------------------------------------------------
 
 
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, is_unit_offset: bool = False) -> torch.Tensor:
+    """Reference: weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, as transformers computes it.
+
+    x: [..., dim]; weight: [dim]. The norm runs in float32; Llama's form casts it to x.dtype, then scales by weight
+    in the promoted dtype; is_unit_offset (Gemma: weight stored zero-centred) scales by (1 + weight) in float32 and
+    casts once after.
+    """
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if is_unit_offset:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
+    return weight * x32.to(x.dtype)
+
+
 def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                       out: torch.Tensor | None = None,
-                       residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: r = x + residual (r = x without residual); normed = weight * (r * rsqrt(mean(r^2) + eps)).
+                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                       is_unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: r = x + residual (r = x without residual); normed = `rms_norm_torch(r, weight, eps, is_unit_offset)`.
 
     x, residual, residual_out: [num_tokens, hidden]; weight: [hidden]; out: [num_tokens, hidden].
-    r is rounded to x.dtype; the norm runs in float32, is cast to x.dtype, then scaled by weight in the promoted
-    dtype. out / residual_out: optional buffers written in place (residual_out may be `residual`).
+    r is rounded to x.dtype. out / residual_out: optional buffers written in place (residual_out may be `residual`).
     Returns (normed, r).
     """
     if residual is None:
@@ -53,9 +67,7 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         summed = x
     else:
         summed = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)
-    x32 = summed.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    normed = weight * x32.to(x.dtype)
+    normed = rms_norm_torch(summed, weight, eps, is_unit_offset)
     if out is not None:
         normed = out.copy_(normed)
     return normed, summed
@@ -64,7 +76,7 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride,
                          out_stride, residual_out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         IS_UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -73,12 +85,21 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_
         residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded as `hidden + delta` is
         tl.store(residual_out_ptr + row * residual_out_stride + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
-    mean_sq = tl.sum(x32 * x32, axis=0) / hidden
-    normed = (x32 * tl.rsqrt(mean_sq + eps)).to(x.dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
+    out = _scaled_norm(x, weight, hidden, eps, IS_UNIT_OFFSET, -1)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scaled_norm(x, weight, dim, eps, IS_UNIT_OFFSET: tl.constexpr, AXIS: tl.constexpr):
+    """`rms_norm_torch` of x over AXIS (masked elements 0), weight broadcast against it; float32 values of the
+    result's rounding to x's dtype (Llama's form: weight times the rounded norm, then rounded by the caller)."""
+    x32 = x.to(tl.float32)
+    mean_sq = tl.sum(x32 * x32, axis=AXIS) / dim
+    normed = x32 * tl.expand_dims(tl.rsqrt(mean_sq + eps), AXIS)
+    if IS_UNIT_OFFSET:
+        return (normed * (1.0 + weight.to(tl.float32))).to(x.dtype).to(tl.float32)
+    return weight.to(tl.float32) * normed.to(x.dtype).to(tl.float32)
 
 
 def _norm_warps(block: int) -> int:
@@ -87,9 +108,9 @@ def _norm_warps(block: int) -> int:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None,
-                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton: r = x + residual (r = x without residual); normed = weight * (r * rsqrt(mean(r^2) + eps)).
+                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                 is_unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: r = x + residual (r = x without residual); normed = `rms_norm_torch(r, weight, eps, is_unit_offset)`.
 
     Same arguments, shapes and roundings as `add_rms_norm_torch`; one program per row. Rows may be strided
     (views), columns must be contiguous. out may alias x, residual_out may alias residual (each row is read
@@ -113,11 +134,55 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     res = x if residual is None else residual  # unread without HAS_RESIDUAL
     _add_rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, summed, x.stride(0), res.stride(0), out.stride(0), summed.stride(0), hidden,
-        float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block))
+        float(eps), HAS_RESIDUAL=residual is not None, IS_UNIT_OFFSET=is_unit_offset, BLOCK=block,
+        num_warps=_norm_warps(block))
     return out, summed
 
 
-# ---- SiLU x mul ------------------------------------------------------------------------------------------------
+# ---- RMSNorm of each q/k head, in place ---------------------------------------------------------------------
+
+
+def head_rms_norm_torch_(x: torch.Tensor, weight: torch.Tensor, eps: float, is_unit_offset: bool = False) -> None:
+    """Reference, in place: each head x[t, h] <- `rms_norm_torch(x[t, h], weight, eps, is_unit_offset)`.
+
+    x: [num_tokens, num_heads, head_dim] (a view of a fused qkv output allowed); weight: [head_dim].
+    """
+    x.copy_(rms_norm_torch(x, weight, eps, is_unit_offset))
+
+
+@triton.jit
+def _head_rms_norm_kernel(x_ptr, weight_ptr, token_stride, head_stride, num_heads, head_dim, eps,
+                          IS_UNIT_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < num_heads) & (cols[None, :] < head_dim)
+    ptrs = x_ptr + token * token_stride + heads[:, None].to(tl.int64) * head_stride + cols[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    weight = tl.load(weight_ptr + cols, mask=cols < head_dim, other=0.0)
+    out = _scaled_norm(x, weight[None, :], head_dim, eps, IS_UNIT_OFFSET, 1)
+    tl.store(ptrs, out.to(x.dtype), mask=mask)
+
+
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, is_unit_offset: bool = False) -> None:
+    """Triton, in place: each head x[t, h] <- `rms_norm_torch(x[t, h], weight, eps, is_unit_offset)`.
+
+    Same arguments and roundings as `head_rms_norm_torch_`; x may be strided over tokens and heads (contiguous
+    head_dim). A program per (token, block of heads).
+    """
+    _check_device(x)
+    num_tokens, num_heads, head_dim = x.shape
+    assert x.dtype in FLOAT_DTYPES and x.stride(2) == 1 and weight.shape == (head_dim,) and weight.stride(0) == 1
+    if num_tokens == 0:
+        return
+    block_h = min(4, triton.next_power_of_2(num_heads))
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _head_rms_norm_kernel[grid](x, weight, x.stride(0), x.stride(1), num_heads, head_dim, float(eps),
+                                IS_UNIT_OFFSET=is_unit_offset, BLOCK_H=block_h,
+                                BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1)
+
+
+# ---- SiLU x mul and GeGLU ---------------------------------------------------------------------------------------
 
 
 def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,17 +196,34 @@ def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> to
     return result if out is None else out.copy_(result)
 
 
+def gelu_tanh_mul_torch(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: out = gelu_tanh(gate) * up with gate, up = gate_up.chunk(2, -1) (transformers' GeGLU,
+    `gelu_pytorch_tanh`): gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+
+    Shapes and roundings as `silu_mul_torch` (the activation rounded to the dtype, then the product).
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    result = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    return result if out is None else out.copy_(result)
+
+
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, out_stride, inter, BLOCK: tl.constexpr):
+def _act_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, out_stride, inter, IS_GELU: tl.constexpr,
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(gate_up_ptr + row * gate_up_stride + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * gate_up_stride + inter + cols, mask=mask, other=0.0)
     gate32 = gate.to(tl.float32)
-    # IEEE division as torch's `x / (1 + exp(-x))` (Triton's `/` is div.full, 2 ulp); F.silu rounds before the mul.
-    silu = tl.math.div_rn(gate32, 1.0 + tl.exp(-gate32)).to(gate.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    # silu(x) = x / (1 + exp(-x)); gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), which keeps its
+    # precision where the gate is negative (no 1 + tanh cancellation). IEEE division as torch's (Triton's `/` is
+    # div.full, 2 ulp); the activation is rounded before the mul, as torch rounds it.
+    exponent = gate32
+    if IS_GELU:
+        exponent = 1.5957691216057308 * (gate32 + 0.044715 * gate32 * gate32 * gate32)  # 2u, 2 sqrt(2 / pi) = 1.5957...
+    act = tl.math.div_rn(gate32, 1.0 + tl.exp(-exponent)).to(gate.dtype)
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
 
@@ -157,6 +239,19 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     ulp off torch's expf, so silu's rounding to bf16/fp16 flips on rare elements: at most 1 ulp there.
     Grid: rows x column blocks.
     """
+    return _launch_act_mul(gate_up, out, is_gelu=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton: out = gelu_tanh(gate) * up with gate, up = gate_up.chunk(2, -1).
+
+    Same arguments and roundings as `gelu_tanh_mul_torch`, within a few float32 ulp of its activation before the
+    rounding (as `silu_mul`). Grid: rows x column blocks.
+    """
+    return _launch_act_mul(gate_up, out, is_gelu=True)
+
+
+def _launch_act_mul(gate_up: torch.Tensor, out: torch.Tensor | None, is_gelu: bool) -> torch.Tensor:
     _check_device(gate_up)
     num_tokens, width = gate_up.shape
     inter = width // 2
@@ -167,8 +262,8 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         return out
     block = min(_silu_block(num_tokens), triton.next_power_of_2(inter))
     grid = (num_tokens, triton.cdiv(inter, block))
-    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
-                           num_warps=max(block // 256, 1))
+    _act_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, IS_GELU=is_gelu, BLOCK=block,
+                          num_warps=max(block // 256, 1))
     return out
 
 

@@ -16,7 +16,7 @@ from kubelora.engine.adapters.safetensors_header import json_excerpt
 from kubelora.engine.adapters.spec import AdapterLimits
 from kubelora.engine.errors import (AdapterBaseModelMismatch, AdapterCorrupt, AdapterRankTooLarge,
                                     AdapterTargetUnsupported, InvalidAdapter)
-from kubelora.engine.model.config import LORA_MODULES, MODULE_PARENT
+from kubelora.engine.model.config import MODULE_PARENT
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +107,10 @@ def _check_targets(name: str, targets: object) -> None:
     if not all(isinstance(t, str) for t in targets):
         raise InvalidAdapter(name, "target_modules", f"must be module names, got {json_excerpt(targets)}",
                              limit="an array of strings")
-    unknown = sorted(set(targets) - set(LORA_MODULES))
+    unknown = sorted(set(targets) - set(MODULE_PARENT))  # the served model's own modules: checked on the tensors
     if unknown:
         raise AdapterTargetUnsupported(name, "target_modules", f"{unknown} are not adaptable modules of this "
-                                       f"model", limit=sorted(LORA_MODULES))
+                                       f"model", limit=sorted(MODULE_PARENT))
 
 
 def _check_base_model(name: str, base_model: str, limits: AdapterLimits) -> None:

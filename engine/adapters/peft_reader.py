@@ -28,12 +28,14 @@ from kubelora.engine.errors import (
     AdapterTooLarge,
     InvalidAdapter,
 )
-from kubelora.engine.model.config import LORA_MODULES, MODULE_PARENT, ModelConfig
+from kubelora.engine.model.config import MODULE_PARENT, ModelConfig, engine_modules
 
 ALLOWED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# The decoder's layers as PEFT names them: under `model.`, or a multimodal Gemma 3's language model (transformers 5
+# and 4 layouts, engine/model/weights.py)
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\."
-    r"(?P<module>\w+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
+    r"^(?:base_model\.model\.)?(?:model\.(?:language_model\.)?|language_model\.model\.)layers\.(?P<layer>\d+)\."
+    r"(?P<parent>self_attn|mlp)\.(?P<module>\w+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
 )
 
 
@@ -61,7 +63,9 @@ def read_adapter_spec(name: str, path: str | Path, model: ModelConfig, limits: A
 
 
 def read_adapter_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dtype, pin: bool) -> HostAdapter:
-    """Read the tensors (one file read), check they still hash to spec.revision, lay them out per module."""
+    """Read the tensors (one file read), check they still hash to spec.revision, lay them out per engine module. A
+    fused module's (Phi-3's qkv_proj, gate_up_proj) lora_A goes to each module it holds, its lora_B split by their
+    output rows: the same deltas, with A stored (and its shrink computed) once per module."""
     root = Path(spec.path)
     config_bytes = _read_config(spec.name, root / CONFIG_FILE)
     # Never more than the registered size: bytes appended since registration are not read.
@@ -78,10 +82,14 @@ def read_adapter_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dty
         in_dim, out_dim = model.module_dims(module)
         a[module] = torch.zeros(model.num_layers, rank, in_dim, dtype=dtype)
         b[module] = torch.zeros(model.num_layers, rank, out_dim, dtype=dtype)
-    for (layer, module), (a_key, b_key) in spec.tensor_names.items():
+    for (layer, peft_module), (a_key, b_key) in spec.tensor_names.items():
         lora_a, lora_b = tensors[a_key], tensors[b_key]
-        a[module][layer, : lora_a.shape[0]] = lora_a  # cast to the pool's dtype by the copy
-        b[module][layer, : lora_b.shape[1]] = lora_b.T
+        first = 0
+        for module in engine_modules(peft_module):
+            out_dim = model.module_dims(module)[1]
+            a[module][layer, : lora_a.shape[0]] = lora_a  # cast to the pool's dtype by the copy
+            b[module][layer, : lora_b.shape[1]] = lora_b[first : first + out_dim].T
+            first += out_dim
     _check_finite(spec, tensors, [*a.values(), *b.values()], dtype)
     if pin:
         a = {m: t.pin_memory() for m, t in a.items()}
@@ -123,14 +131,16 @@ def _read_file(name: str, path: Path, max_bytes: int) -> bytes:
 
 
 def _index_tensors(name: str, header: dict, model: ModelConfig):
-    """(layer, module) -> (A key, B key), and key -> shape. Rejects keys the engine cannot apply."""
+    """(layer, PEFT module) -> (A key, B key), and key -> shape. Rejects keys the engine cannot apply: a module the
+    served model does not have (q_proj of Phi-3, whose checkpoint fuses it into qkv_proj) included."""
     found: dict[tuple[int, str], dict[str, str]] = {}
     shapes = {}
+    modules = model.family.peft_modules
     for key, entry in header.items():
         match = _KEY.match(key)
-        if match is None or match["module"] not in LORA_MODULES or MODULE_PARENT[match["module"]] != match["parent"]:
+        if match is None or match["module"] not in modules or MODULE_PARENT[match["module"]] != match["parent"]:
             raise AdapterTargetUnsupported(name, "target_modules", f"tensor {key!r} targets a module this engine "
-                                           "cannot adapt", limit=sorted(LORA_MODULES))
+                                           f"cannot adapt in a {model.model_type} model", limit=sorted(modules))
         layer = int(match["layer"])
         if layer >= model.num_layers:
             raise AdapterShapeMismatch(name, key, f"layer {layer} does not exist (the model has "
@@ -151,6 +161,7 @@ def _index_tensors(name: str, header: dict, model: ModelConfig):
 
 def _module_ranks(name: str, config: PeftConfig, tensor_names, shapes, model: ModelConfig,
                   limits: AdapterLimits) -> dict[str, int]:
+    """Engine module -> rank (a fused module's rank for each module it holds)."""
     ranks: dict[str, int] = {}
     for (layer, module), (a_key, b_key) in tensor_names.items():
         rank = _tensor_rank(name, a_key, b_key, shapes, model.module_dims(module))
@@ -164,7 +175,8 @@ def _module_ranks(name: str, config: PeftConfig, tensor_names, shapes, model: Mo
         if rank > limits.max_pool_rows:
             raise AdapterTooLarge(name, "max_lora_pool_bytes", f"{module} rank {rank} exceeds the pool's "
                                   f"{limits.max_pool_rows} rows per module", limit=limits.max_pool_rows)
-        ranks[module] = max(ranks.get(module, 0), rank)
+        for held in engine_modules(module):
+            ranks[held] = max(ranks.get(held, 0), rank)
     return ranks
 
 
@@ -187,14 +199,15 @@ def _as_matrix(name: str, key: str, shapes: dict) -> tuple[int, int]:
 
 
 def _module_scales(name: str, config: PeftConfig, tensor_names) -> dict[str, float]:
-    """PEFT's scaling per module (`PeftConfig.module_scale`), which must be the same in every layer."""
+    """PEFT's scaling per engine module (`PeftConfig.module_scale`), which must be the same in every layer."""
     scales: dict[str, float] = {}
-    for layer, module in tensor_names:
-        scale = config.module_scale(layer, module)
-        if module in scales and abs(scales[module] - scale) > 1e-12 * max(1.0, abs(scale)):
-            raise InvalidAdapter(name, "alpha_pattern", f"{module} scale differs across layers "
-                                 f"({scales[module]} vs {scale})", limit="one scale per module")
-        scales[module] = scale
+    for layer, peft_module in tensor_names:
+        scale = config.module_scale(layer, peft_module)
+        for module in engine_modules(peft_module):
+            if module in scales and abs(scales[module] - scale) > 1e-12 * max(1.0, abs(scale)):
+                raise InvalidAdapter(name, "alpha_pattern", f"{peft_module} scale differs across layers "
+                                     f"({scales[module]} vs {scale})", limit="one scale per module")
+            scales[module] = scale
     return scales
 
 

@@ -53,11 +53,13 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, window: int | None, scale: float) -> torch.Tensor:
-    """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
+                    meta: AttentionMetadata, window: int | None, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads * head_dim]; window: the layer's sliding
+    window (None: full causal); softcap: scores -> softcap * tanh(scores / softcap) (None: none)."""
     if meta.max_query_len == 1:
-        return _decode_attention(query, key_cache, value_cache, meta, window, scale)
-    return _prefill_attention(query, key_cache, value_cache, meta, window, scale)
+        return _decode_attention(query, key_cache, value_cache, meta, window, scale, softcap)
+    return _prefill_attention(query, key_cache, value_cache, meta, window, scale, softcap)
 
 
 def uses_triton(query: torch.Tensor) -> bool:
@@ -66,20 +68,21 @@ def uses_triton(query: torch.Tensor) -> bool:
 
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                      window: int | None, scale: float) -> torch.Tensor:
+                      window: int | None, scale: float, softcap: float | None) -> torch.Tensor:
     from kubelora.kernels import attention  # imported late: TRITON_INTERPRET is read then
 
     kernel = attention.paged_decode_attention if uses_triton(query) else attention.paged_decode_attention_torch
-    out = kernel(query, key_cache, value_cache, meta.block_tables, meta.context_lens, scale, window=window)
+    out = kernel(query, key_cache, value_cache, meta.block_tables, meta.context_lens, scale, window=window,
+                 softcap=softcap)
     return out.reshape(query.shape[0], -1)
 
 
 def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                       window: int | None, scale: float) -> torch.Tensor:
+                       window: int | None, scale: float, softcap: float | None) -> torch.Tensor:
     from kubelora.kernels import attention
 
     kernel = attention.paged_prefill_attention if uses_triton(query) else attention.paged_prefill_attention_torch
     out = torch.zeros_like(query) if meta.is_padded else None
     out = kernel(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                 meta.context_lens, meta.max_query_len, scale, window=window, out=out)
+                 meta.context_lens, meta.max_query_len, scale, window=window, out=out, softcap=softcap)
     return out.reshape(query.shape[0], -1)

@@ -1,17 +1,28 @@
-"""The decoder's shape, parsed once from a Hugging Face config.json (Llama 2/3, Mistral, Qwen2)."""
+"""The decoder's shape, parsed once from a Hugging Face config.json, and the table of model families it serves.
+
+Every family is the Llama decoder with a few switches (`Family`): how RMSNorm applies its weight, per-head q/k
+norms, norms on the sublayer outputs, the MLP's activation, scaled embeddings, and the checkpoint's names for the
+fused projections. The numbers that vary within a family (attention scale, soft-caps, per-layer windows and RoPE
+bases) are read from the config into `ModelConfig`. A config this engine cannot serve is refused here, at
+start-up, with the field and what is supported.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# RoPE variants whose inverse frequencies do not depend on the sequence length.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+log = logging.getLogger(__name__)
 
-# The adaptable linear layers: PEFT module name -> (projection kind it is fused into, slice index).
+# RoPE variants with one set of inverse frequencies for the engine's life (longrope: see `rope_inv_freq`).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+# The adaptable linear layers: engine module name -> (projection kind it is fused into, slice index).
 LORA_MODULES = {
     "q_proj": ("qkv", 0),
     "k_proj": ("qkv", 1),
@@ -22,11 +33,55 @@ LORA_MODULES = {
     "down_proj": ("down", 0),
 }
 PROJ_KINDS = ("qkv", "o", "gate_up", "down")
+# Checkpoints that store a kind as one fused module (Phi-3): its name -> the engine modules it holds, in output
+# order. PEFT adapters of such a model target the fused module: one lora_A for all of them, one lora_B spanning them.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Where each module lives inside a decoder layer, in HF (and PEFT) names.
 MODULE_PARENT = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+    "qkv_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "gate_up_proj": "mlp", "down_proj": "mlp",
 }
+SEPARATE_CHECKPOINT = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                       "o": ("self_attn.o_proj",),
+                       "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+                       "down": ("mlp.down_proj",)}
+FUSED_CHECKPOINT = {"qkv": ("self_attn.qkv_proj",), "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_up_proj",),
+                    "down": ("mlp.down_proj",)}
+
+
+def engine_modules(peft_module: str) -> tuple[str, ...]:
+    """The engine modules a PEFT module's adapter weights go to: itself, or those a fused module holds."""
+    return FUSED_MODULES.get(peft_module, (peft_module,))
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model family changes in the Llama decoder layer."""
+
+    activation: str = "silu"  # the MLP's gate activation (transformers' name): silu x up, or GeGLU
+    is_unit_offset_norm: bool = False  # RMSNorm scales by (1 + w) in float32, rounded once after (Gemma)
+    has_qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before RoPE (Qwen3, Gemma 3)
+    has_post_norms: bool = False  # RMSNorm on the attention and MLP outputs, before each residual add (Gemma)
+    is_embed_scaled: bool = False  # embeddings x sqrt(hidden_size), the factor rounded to the dtype (Gemma)
+    checkpoint: dict[str, tuple[str, ...]] = field(default_factory=lambda: SEPARATE_CHECKPOINT)  # kind -> HF modules
+
+    @property
+    def peft_modules(self) -> tuple[str, ...]:
+        """The module names PEFT adapters of this family target (the checkpoint's own linear layers)."""
+        return tuple(name.split(".")[1] for names in self.checkpoint.values() for name in names)
+
+
+_GEMMA = dict(activation="gelu_pytorch_tanh", is_unit_offset_norm=True, has_post_norms=True, is_embed_scaled=True)
+FAMILIES = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(),
+    "qwen3": Family(has_qk_norm=True),
+    "gemma2": Family(**_GEMMA),
+    "gemma3_text": Family(**_GEMMA, has_qk_norm=True),
+    "phi3": Family(checkpoint=FUSED_CHECKPOINT),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -46,18 +101,42 @@ class ModelConfig:
     tie_word_embeddings: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full causal attention
     eos_token_ids: tuple[int, ...]
+    # per layer, the key of its RoPE parameters where they differ by layer type (Gemma 3: FULL or SLIDING); empty:
+    # one RoPE for every layer
+    rope_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -0.5 power (None: head_dim's)
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES} (gemma3: served text-only), got "
+                             f"{self.model_type!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.hidden_act != self.family.activation:
+            raise ValueError(f"hidden_act must be {self.family.activation!r} for {self.model_type}, got "
+                             f"{self.hidden_act!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates halves), got {self.head_dim}")
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"sliding_windows must have num_hidden_layers ({self.num_layers}) entries, got "
+                             f"{len(self.sliding_windows)}")
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def module_dims(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of an adaptable linear layer."""
+        """(in_features, out_features) of an adaptable linear layer (an engine module or a fused one)."""
+        if module in FUSED_MODULES:
+            dims = [self.module_dims(m) for m in FUSED_MODULES[module]]
+            return dims[0][0], sum(out for _, out in dims)
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {
             "q_proj": (self.hidden_size, q_dim),
@@ -70,7 +149,7 @@ class ModelConfig:
         }[module]
 
     def kind_modules(self, kind: str) -> tuple[str, ...]:
-        """The PEFT modules fused into one projection kind, in slice order."""
+        """The engine modules fused into one projection kind, in slice order."""
         return tuple(m for m, (k, _) in sorted(LORA_MODULES.items(), key=lambda kv: kv[1][1]) if k == kind)
 
 
@@ -80,51 +159,125 @@ def load_hf_config(model_dir: str | Path):
     return AutoConfig.from_pretrained(str(model_dir))
 
 
+def text_config(hf_config):
+    """The language model's config: a multimodal Gemma 3 checkpoint's text_config (its vision tower is not
+    served), else the config itself."""
+    if hf_config.model_type == "gemma3":
+        return hf_config.text_config
+    return hf_config
+
+
 def model_config_from_hf(hf_config, model_dir: str | Path) -> ModelConfig:
-    num_heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    eos = hf_config.eos_token_id
+    text = text_config(hf_config)
+    if text is not hf_config:
+        log.info("%s is a multimodal gemma3 checkpoint: serving its language model only (the vision tower is not "
+                 "loaded; image inputs are not accepted)", Path(model_dir).name)
+    _check_supported(text)
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    eos = hf_config.eos_token_id if getattr(hf_config, "eos_token_id", None) is not None else text.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     return ModelConfig(
-        model_type=hf_config.model_type,
+        model_type=text.model_type,
         name=Path(model_dir).resolve().name,
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
         num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        intermediate_size=hf_config.intermediate_size,
-        vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        rms_norm_eps=hf_config.rms_norm_eps,
-        hidden_act=hf_config.hidden_act,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        sliding_windows=_sliding_windows(hf_config),
+        intermediate_size=text.intermediate_size,
+        vocab_size=text.vocab_size,
+        max_position_embeddings=text.max_position_embeddings,
+        rms_norm_eps=text.rms_norm_eps,
+        hidden_act=_activation(text),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)
+                                 or getattr(text, "tie_word_embeddings", False)),
+        sliding_windows=_sliding_windows(text),
         eos_token_ids=eos_ids,
+        rope_types=tuple(_layer_types(text)) if _is_rope_per_layer_type(text) else (),
+        query_pre_attn_scalar=getattr(text, "query_pre_attn_scalar", None),
+        attn_logit_softcap=getattr(text, "attn_logit_softcapping", None),
+        final_logit_softcap=getattr(text, "final_logit_softcapping", None),
     )
 
 
-def _sliding_windows(hf_config) -> tuple[int | None, ...]:
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    num_layers = hf_config.num_hidden_layers
-    if layer_types:  # Qwen2 (and newer configs): a type per layer
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    return (window,) * num_layers
+def _check_supported(text) -> None:
+    """Refuse what the decoder does not compute, naming the field (the families' variants it does not serve)."""
+    if text.model_type not in FAMILIES:
+        raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES} (gemma3: served text-only), got "
+                         f"{text.model_type!r}")
+    if getattr(text, "use_bidirectional_attention", None):
+        raise ValueError("use_bidirectional_attention must be false or null: the engine serves causal decoders")
+    for params in _rope_parameter_sets(text):
+        partial = params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None)) or 1.0
+        if partial != 1.0:
+            raise ValueError(f"rope_parameters.partial_rotary_factor must be 1.0 (RoPE over the whole head), got "
+                             f"{partial}")
+    unknown = set(_layer_types(text)) - {FULL, SLIDING}
+    if unknown:
+        raise ValueError(f"layer_types must hold only {FULL!r} and {SLIDING!r}, got {sorted(unknown)}")
 
 
-def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention scaling of cos/sin), exactly as transformers computes them."""
+def _activation(text) -> str:
+    """hidden_activation (Gemma's name) or hidden_act; refused unless it is the family's (ModelConfig checks)."""
+    act = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act (or hidden_activation) must be one of {ACTIVATIONS}, got {act!r}")
+    return act
+
+
+def _layer_types(text) -> list[str]:
+    """FULL or SLIDING per layer: the config's layer_types where it has them, else every layer alike."""
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return list(layer_types)
+    kind = SLIDING if getattr(text, "sliding_window", None) else FULL
+    return [kind] * text.num_hidden_layers
+
+
+def _sliding_windows(text) -> tuple[int | None, ...]:
+    window = getattr(text, "sliding_window", None)
+    return tuple(window if t == SLIDING else None for t in _layer_types(text))
+
+
+def _is_rope_per_layer_type(text) -> bool:
+    params = getattr(text, "rope_parameters", None) or {}
+    return any(isinstance(params.get(t), dict) for t in (FULL, SLIDING))
+
+
+def _rope_parameter_sets(text) -> list[dict]:
+    params = dict(getattr(text, "rope_parameters", None) or {})
+    if _is_rope_per_layer_type(text):
+        return [params[t] for t in (FULL, SLIDING) if t in params]
+    return [params]
+
+
+def rope_inv_freq(hf_config, max_model_len: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention scaling of cos/sin), exactly as transformers computes them.
+
+    layer_type: the key of per-layer-type RoPE parameters (Gemma 3), else None. longrope (Phi-3's long-context
+    variants) has two sets of frequencies, and transformers uses the long one for a sequence once it is longer than
+    original_max_position_embeddings (re-encoding the cache at the switch). The engine picks one set for its life,
+    from max_model_len: the short one when max_model_len <= original_max_position_embeddings (every sequence as
+    transformers computes it), else the long one (sequences past the switch as transformers computes them; shorter
+    ones with the long factors too). One set keeps the KV cache consistent and the graphs static.
+    """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    text = text_config(hf_config)
+    params = dict(getattr(text, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_parameters.rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
-    if rope_type != "default":
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    if rope_type == "longrope":
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](text, torch.device("cpu"), seq_len=max_model_len)
         return inv_freq.float(), float(scaling)
-    base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if rope_type != "default":
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](text, torch.device("cpu"), layer_type=layer_type)
+        return inv_freq.float(), float(scaling)
+    base = params.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+    dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return inv_freq, 1.0

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache, with batched multi-LoRA.
+"""The decoder of every served family (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4) over a paged KV cache, with
+batched multi-LoRA. A family is the Llama layer with the switches of its `Family` (engine/model/config.py): norms
+with (1 + w), q/k norms, post-norms, GeGLU, scaled embeddings, per-layer windows and RoPE, soft-caps.
 
 One forward runs every scheduled token of the step as one flat batch `[num_tokens, hidden]`. Each adaptable
 projection (fused qkv, o, fused gate_up, down) computes its base output and then calls the batched LoRA op
@@ -59,32 +61,29 @@ class ForwardContext:
     lora: LoRAContext | None  # None: no token of the step has an adapter
 
 
-@dataclass(frozen=True)
-class _Rope:
-    """The step's rotary angles on the reference path (None on the fused path, which computes them per launch)."""
-
-    cos: torch.Tensor | None  # [num_tokens, head_dim]
-    sin: torch.Tensor | None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers: normalise in float32, cast back, then scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+_ACTIVATIONS = {"silu": (fused.silu_mul, fused.silu_mul_torch),  # (Triton op, its reference) per hidden_act
+                "gelu_pytorch_tanh": (fused.gelu_tanh_mul, fused.gelu_tanh_mul_torch)}
+# The step's rotary angles on the reference path, per distinct RotaryEmbedding (id -> (cos, sin), each
+# [num_tokens, head_dim]); empty on the fused path, which computes them per launch.
+_Angles = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 class DecoderModel:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, rope: RotaryEmbedding, kv_cache: KVCache,
+    def __init__(self, config: ModelConfig, weights: ModelWeights, ropes: list[RotaryEmbedding], kv_cache: KVCache,
                  lora_buffers: list[LayerLoRABuffers], use_gemv: bool = True) -> None:
+        """ropes: each layer's rotary embedding (layers of one RoPE share the object)."""
         self.config = config
+        self.family = config.family
         self.weights = weights
-        self.rope = rope
+        self.ropes = ropes
         self.kv_cache = kv_cache
         self.lora_buffers = lora_buffers
-        self.scale = config.head_dim**-0.5
         self.is_fused = weights.embed.is_cuda  # Triton small ops (kernels/fused.py) on CUDA
         self.is_gemv = self.is_fused and use_gemv  # Triton GEMVs for one-token steps (kernels/gemv.py) on CUDA
+        # Gemma: sqrt(hidden) rounded to the dtype first, as transformers rounds it; a product with a Python float
+        # of that value rounds as the product with a 0-d tensor of the dtype does
+        scale = torch.tensor(config.hidden_size**0.5).to(self.dtype).item() if self.family.is_embed_scaled else None
+        self.embed_scale = scale
 
     @property
     def dtype(self) -> torch.dtype:
@@ -93,43 +92,56 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """token_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        rope = _Rope(None, None)
+        angles: _Angles = {}
         if not self.is_fused:
-            rope = _Rope(*self.rope.cos_sin(ctx.positions, self.dtype))
+            angles = {id(rope): rope.cos_sin(ctx.positions, self.dtype) for rope in self.ropes}
         hidden, residual = F.embedding(token_ids, self.weights.embed), None
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         for layer in range(self.config.num_layers):
-            hidden, residual = self._layer(layer, hidden, residual, ctx, rope)
+            hidden, residual = self._layer(layer, hidden, residual, ctx, angles)
         return self._add_norm(hidden, residual, self.weights.final_norm)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] -> logits [n, vocab] float32."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        """hidden: [n, hidden] -> logits [n, vocab] float32 (soft-capped in the model's dtype, as transformers)."""
+        logits = F.linear(hidden, self.weights.lm_head)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual); residual None: the first layer's input is the residual."""
         op = fused.add_rms_norm if self.is_fused else fused.add_rms_norm_torch
-        return op(x, residual, weight, self.config.rms_norm_eps)
+        return op(x, residual, weight, self.config.rms_norm_eps, is_unit_offset=self.family.is_unit_offset_norm)
 
     def _layer(self, layer: int, delta: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
-               rope: _Rope) -> tuple[torch.Tensor, torch.Tensor]:
+               angles: _Angles) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's output delta and the residual stream it adds to (summed by the next norm)."""
-        norms = self.weights.layers[layer]
-        x, residual = self._add_norm(delta, residual, norms.input_norm)
-        attn = self._proj(layer, "o", self._attention(layer, x, ctx, rope), ctx)
-        x, residual = self._add_norm(attn, residual, norms.post_attn_norm)
+        norms = self.weights.layers[layer].norm
+        x, residual = self._add_norm(delta, residual, norms["input"])
+        attn = self._proj(layer, "o", self._attention(layer, x, ctx, angles), ctx)
+        if self.family.has_post_norms:
+            attn = self._add_norm(attn, None, norms["attn_out"])[0]
+        x, residual = self._add_norm(attn, residual, norms["pre_mlp"])
         gate_up = self._proj(layer, "gate_up", x, ctx)
-        act = fused.silu_mul(gate_up) if self.is_fused else fused.silu_mul_torch(gate_up)
-        return self._proj(layer, "down", act, ctx), residual
+        op, reference = _ACTIVATIONS[self.config.hidden_act]
+        out = self._proj(layer, "down", op(gate_up) if self.is_fused else reference(gate_up), ctx)
+        if self.family.has_post_norms:
+            out = self._add_norm(out, None, norms["mlp_out"])[0]
+        return out, residual
 
-    def _attention(self, layer: int, x: torch.Tensor, ctx: ForwardContext, rope: _Rope) -> torch.Tensor:
+    def _attention(self, layer: int, x: torch.Tensor, ctx: ForwardContext, angles: _Angles) -> torch.Tensor:
         """x: [num_tokens, hidden] -> attention output before o_proj [num_tokens, num_heads * head_dim]."""
         cfg = self.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         key_cache, value_cache = self.kv_cache.key[layer], self.kv_cache.value[layer]
+        rope = self.ropes[layer]
         lora = ctx.lora
-        if (self.is_fused and lora is not None and lora.ops.name == "triton"
+        # the LoRA-rotary launch rotates the projection's output as it adds the delta: no room for q/k norms
+        if (self.is_fused and not self.family.has_qk_norm and lora is not None and lora.ops.name == "triton"
                 and is_expand_rotary(lora.proj["qkv"], lora.step, cfg.head_dim)):
             q = self._lora_rotary_q(layer, x, ctx, key_cache, value_cache)
         else:
@@ -137,13 +149,20 @@ class DecoderModel:
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if self.family.has_qk_norm:  # in place on the projection's output
+                norm = fused.head_rms_norm_ if self.is_fused else fused.head_rms_norm_torch_
+                norms = self.weights.layers[layer].norm
+                for heads, weight in ((q, norms["q"]), (k, norms["k"])):
+                    norm(heads, weight, cfg.rms_norm_eps, is_unit_offset=self.family.is_unit_offset_norm)
             if self.is_fused:  # one launch: q rotated in place, the rotated k and v stored in the cache
-                fused.rotary_kv_cache_(q, k, v, ctx.positions, self.rope.inv_freq, self.rope.attention_scaling,
+                fused.rotary_kv_cache_(q, k, v, ctx.positions, rope.inv_freq, rope.attention_scaling,
                                        key_cache, value_cache, ctx.attention.slot_mapping)
             else:
-                q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+                cos, sin = angles[id(rope)]
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
                 write_kv(key_cache, value_cache, k, v, ctx.attention.slot_mapping)
-        return paged_attention(q, key_cache, value_cache, ctx.attention, cfg.sliding_windows[layer], self.scale)
+        return paged_attention(q, key_cache, value_cache, ctx.attention, cfg.sliding_windows[layer],
+                               cfg.attention_scale, cfg.attn_logit_softcap)
 
     def _lora_rotary_q(self, layer: int, x: torch.Tensor, ctx: ForwardContext, key_cache: torch.Tensor,
                        value_cache: torch.Tensor) -> torch.Tensor:
@@ -153,8 +172,9 @@ class DecoderModel:
         weights, buffers = self.weights.layers[layer], self.lora_buffers[layer]
         qkv = F.linear(x, weights.weight["qkv"], weights.bias["qkv"])
         add_lora_rotary_kv_cache_(qkv, x, buffers.lora_a["qkv"], buffers.lora_b["qkv"], lora.proj["qkv"], lora.step,
-                                  cfg.num_heads, cfg.num_kv_heads, ctx.positions, self.rope.inv_freq,
-                                  self.rope.attention_scaling, key_cache, value_cache, ctx.attention.slot_mapping)
+                                  cfg.num_heads, cfg.num_kv_heads, ctx.positions, self.ropes[layer].inv_freq,
+                                  self.ropes[layer].attention_scaling, key_cache, value_cache,
+                                  ctx.attention.slot_mapping)
         return qkv[:, : cfg.num_heads * cfg.head_dim].view(-1, cfg.num_heads, cfg.head_dim)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -13,17 +13,23 @@ from kubelora.engine.model.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Fused projection -> the HF modules concatenated along the output dimension, in order.
-FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "o": ("self_attn.o_proj",),
-         "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-         "down": ("mlp.down_proj",)}
+# Where a checkpoint keeps its language model: plain decoders, then multimodal Gemma 3 as transformers 5 and
+# transformers 4 save it (its lm_head, when stored, beside the decoder: `LM_HEADS` in the same order).
+DECODER_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+LM_HEADS = ("lm_head.weight", "lm_head.weight", "language_model.lm_head.weight")
+# Norm role -> its weight's name inside a decoder layer. "pre_mlp" is Llama's post_attention_layernorm and
+# Gemma's pre_feedforward_layernorm; with post-norms (Gemma) post_attention_layernorm is the attention output's.
+NORMS = {"input": "input_layernorm", "pre_mlp": "post_attention_layernorm", "q": "self_attn.q_norm",
+         "k": "self_attn.k_norm"}
+POST_NORMS = {"input": "input_layernorm", "attn_out": "post_attention_layernorm",
+              "pre_mlp": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm",
+              "q": "self_attn.q_norm", "k": "self_attn.k_norm"}
 
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    post_attn_norm: torch.Tensor  # [hidden]
+    # role -> [hidden] ("input", "pre_mlp"; "attn_out", "mlp_out" with post-norms) or [head_dim] ("q", "k")
+    norm: dict[str, torch.Tensor]
     weight: dict[str, torch.Tensor]  # kind -> [sum of out dims, in_dim]
     bias: dict[str, torch.Tensor | None]  # kind -> [sum of out dims] or None
     # kind -> (weight [out + staged rows, in_dim], bias [out + staged rows] or None): the weight and bias above are
@@ -37,6 +43,18 @@ class ModelWeights:
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
     layers: list[LayerWeights]
+
+    def to(self, device: torch.device) -> ModelWeights:
+        """A copy on `device` (the lm_head stays the embedding itself when tied); staged buffers are not moved."""
+        def move(tensor):
+            return None if tensor is None else tensor.to(device)
+
+        layers = [replace(layer, norm={k: move(v) for k, v in layer.norm.items()},
+                          weight={k: move(v) for k, v in layer.weight.items()},
+                          bias={k: move(v) for k, v in layer.bias.items()}) for layer in self.layers]
+        embed = move(self.embed)
+        lm_head = embed if self.lm_head is self.embed else move(self.lm_head)
+        return replace(self, embed=embed, final_norm=move(self.final_norm), lm_head=lm_head, layers=layers)
 
 
 class CheckpointReader:
@@ -69,28 +87,31 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
     reader = CheckpointReader(Path(model_dir))
-    embed = reader.get("model.embed_tokens.weight", dtype)
-    lm_head = embed if config.tie_word_embeddings or not reader.has("lm_head.weight") else reader.get(
-        "lm_head.weight", dtype)
-    layers = [_load_layer(reader, f"model.layers.{i}.", dtype) for i in range(config.num_layers)]
-    return ModelWeights(embed=embed, final_norm=reader.get("model.norm.weight", dtype), lm_head=lm_head,
+    found = [i for i, prefix in enumerate(DECODER_PREFIXES) if reader.has(f"{prefix}embed_tokens.weight")]
+    if not found:
+        raise ValueError(f"checkpoint tensor 'model.embed_tokens.weight' is missing (looked under "
+                         f"{DECODER_PREFIXES})")
+    prefix, lm_head_name = DECODER_PREFIXES[found[0]], LM_HEADS[found[0]]
+    embed = reader.get(f"{prefix}embed_tokens.weight", dtype)
+    lm_head = embed if config.tie_word_embeddings or not reader.has(lm_head_name) else reader.get(lm_head_name, dtype)
+    layers = [_load_layer(reader, f"{prefix}layers.{i}.", config, dtype) for i in range(config.num_layers)]
+    return ModelWeights(embed=embed, final_norm=reader.get(f"{prefix}norm.weight", dtype), lm_head=lm_head,
                         layers=layers)
 
 
-def _load_layer(reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> LayerWeights:
+def _load_layer(reader: CheckpointReader, prefix: str, config: ModelConfig, dtype: torch.dtype) -> LayerWeights:
+    family = config.family
     weight, bias = {}, {}
-    for kind, modules in FUSED.items():
+    for kind, modules in family.checkpoint.items():
         weight[kind] = torch.cat([reader.get(f"{prefix}{m}.weight", dtype) for m in modules])
-        bias[kind] = _fused_bias(reader, [f"{prefix}{m}" for m in modules], weight[kind], dtype)
-    return LayerWeights(
-        input_norm=reader.get(f"{prefix}input_layernorm.weight", dtype),
-        post_attn_norm=reader.get(f"{prefix}post_attention_layernorm.weight", dtype),
-        weight=weight,
-        bias=bias,
-    )
+        bias[kind] = _fused_bias(reader, [f"{prefix}{m}" for m in modules], dtype)
+    names = POST_NORMS if family.has_post_norms else NORMS
+    roles = [r for r in names if family.has_qk_norm or r not in ("q", "k")]
+    return LayerWeights(norm={r: reader.get(f"{prefix}{names[r]}.weight", dtype) for r in roles}, weight=weight,
+                        bias=bias)
 
 
-def _fused_bias(reader: CheckpointReader, names: list[str], weight: torch.Tensor, dtype: torch.dtype):
+def _fused_bias(reader: CheckpointReader, names: list[str], dtype: torch.dtype):
     """Concatenated biases, zeros for a module without one; None when no module of the kind has a bias."""
     if not any(reader.has(f"{n}.bias") for n in names):
         return None

@@ -194,8 +194,65 @@ def test_prefill_reference_matches_sdpa(attention, window):
         start += n
 
 
+# Gemma 2's soft-capped scores and Phi-3-mini's head_dim of 96 (padded to 128 columns, masked): small caps bite on
+# these random problems (scores of a few units)
+FAMILY_CASES = [(24, None), (32, 2.0), (24, 2.0)]  # (head_dim, softcap)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("head_dim,softcap", FAMILY_CASES)
+def test_decode_softcap_and_unpadded_head_dim(attention, device, head_dim, softcap, window):
+    args = decode_problem(DECODE_CONTEXTS, 8, 2, head_dim, 4, window, torch.float32, device)
+    expected = attention.paged_decode_attention_torch(*args, window=window, softcap=softcap)
+    if softcap is not None:
+        assert (expected - attention.paged_decode_attention_torch(*args, window=window)).abs().max() > 1e-2
+    for num_splits in (None, 1):
+        check(attention.paged_decode_attention(*args, window=window, num_splits=num_splits, softcap=softcap), expected)
+    if head_dim == 24:  # the CUDA-core score path (MHA) masks the padded columns too
+        mha = decode_problem(DECODE_CONTEXTS, 2, 2, head_dim, 4, window, torch.float32, device)
+        out = attention.launch_decode(*mha, window, None, 2, attention.AttentionTiles(is_dot=False), softcap)
+        check(out, attention.paged_decode_attention_torch(*mha, window=window, softcap=softcap))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("head_dim,softcap", FAMILY_CASES)
+def test_prefill_softcap_and_unpadded_head_dim(attention, device, head_dim, softcap, window):
+    args = prefill_problem(PREFILL_SEQS, 4, 2, head_dim, 4, window, torch.float32, device)
+    check(attention.paged_prefill_attention(*args, window=window, softcap=softcap),
+          attention.paged_prefill_attention_torch(*args, window=window, softcap=softcap))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcap_reference_is_transformers_eager_attention(attention, window):
+    """Gemma 2's attention in transformers (eager: soft-cap, then the causal / sliding mask) on whole sequences."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    seqs, num_heads, num_kv_heads, head_dim, softcap = [(12, 12), (20, 20)], 4, 2, 16, 3.0
+    query, key, value, tables, *lens, scale = prefill_problem(seqs, num_heads, num_kv_heads, head_dim, 4, window,
+                                                              torch.float32, "cpu", is_poisoned=False)
+    out = attention.paged_prefill_attention_torch(query, key, value, tables, *lens, scale, window=window,
+                                                  softcap=softcap)
+    module = SimpleNamespace(num_key_value_groups=num_heads // num_kv_heads, training=False, head_dim=head_dim)
+    start = 0
+    for seq, (n, _) in enumerate(seqs):
+        slots = tables[seq, torch.arange(n) // 4].long() * 4 + torch.arange(n) % 4
+        k, v = (c.flatten(0, 1)[slots].transpose(0, 1)[None] for c in (key, value))  # [1, kv heads, n, d]
+        pos = torch.arange(n)
+        visible = pos[None, :] <= pos[:, None]
+        if window is not None:
+            visible &= pos[None, :] > pos[:, None] - window
+        mask = torch.zeros(n, n).masked_fill(~visible, float("-inf"))[None, None]
+        expected, _ = eager_attention_forward(module, query[start : start + n].transpose(0, 1)[None], k, v, mask,
+                                              scaling=scale, softcap=softcap)
+        torch.testing.assert_close(out[start : start + n], expected[0], rtol=1e-5, atol=1e-5)
+        start += n
+
+
 GPU_DTYPES = [torch.bfloat16, torch.float16]
-GPU_HEADS = [(32, 32, 128), (32, 8, 128), (16, 2, 64), (8, 8, 256)]  # (heads, kv heads, head_dim)
+# (heads, kv heads, head_dim): Llama-2-7B, Llama-3-8B, small GQA, Gemma's 256, Phi-3-mini's 96
+GPU_HEADS = [(32, 32, 128), (32, 8, 128), (16, 2, 64), (8, 8, 256), (32, 32, 96)]
 
 
 @pytest.mark.gpu
@@ -223,6 +280,21 @@ def test_gpu_prefill(attention, dtype, num_heads, num_kv_heads, head_dim, window
     args = prefill_problem(seqs, num_heads, num_kv_heads, head_dim, 16, window, dtype, "cuda")
     check(attention.paged_prefill_attention(*args, window=window),
           attention.paged_prefill_attention_torch(*args, window=window))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [50.0, 1.0])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 256), (32, 32, 96)])
+def test_gpu_softcap(attention, num_heads, num_kv_heads, head_dim, softcap):
+    """Gemma 2's shapes with its cap (50) and one that bites; a sliding window of 4096 over longer contexts."""
+    contexts = [1, 17, 4100, 9000, 5000]
+    args = decode_problem(contexts, num_heads, num_kv_heads, head_dim, 16, 4096, torch.bfloat16, "cuda")
+    check(attention.paged_decode_attention(*args, window=4096, softcap=softcap),
+          attention.paged_decode_attention_torch(*args, window=4096, softcap=softcap))
+    seqs = [(1024, 1024), (512, 5000), (1, 700)]
+    args = prefill_problem(seqs, num_heads, num_kv_heads, head_dim, 16, 4096, torch.bfloat16, "cuda")
+    check(attention.paged_prefill_attention(*args, window=4096, softcap=softcap),
+          attention.paged_prefill_attention_torch(*args, window=4096, softcap=softcap))
 
 
 @pytest.mark.gpu

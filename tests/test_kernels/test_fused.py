@@ -65,16 +65,50 @@ def hidden_states(num_tokens: int, width: int, dtype: torch.dtype, device, seed:
 # ---- references: the engine's math, bit for bit ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_add_rms_norm_reference_is_the_engines(fused, dtype):
-    from kubelora.engine.model.llama import rms_norm
+def _transformers_norm(is_unit_offset: bool, dim: int, weight: torch.Tensor):
+    """transformers' RMSNorm of Llama (w x) or Gemma (x (1 + w)), holding `weight`."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+    module = (Gemma2RMSNorm if is_unit_offset else LlamaRMSNorm)(dim, eps=1e-6).to(weight.dtype)
+    module.weight.data.copy_(weight)
+    return module
+
+
+@pytest.mark.parametrize("is_unit_offset", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_reference_is_transformers(fused, dtype, is_unit_offset):
     x, residual = hidden_states(5, 96, dtype, "cpu", 1), hidden_states(5, 96, dtype, "cpu", 2)
     weight = hidden_states(1, 96, dtype, "cpu", 3)[0]
-    hidden = residual + x  # the engine's `hidden = hidden + delta`
-    normed, summed = fused.add_rms_norm_torch(x, residual, weight, 1e-6)
-    assert torch.equal(summed, hidden) and torch.equal(normed, rms_norm(hidden, weight, 1e-6))
-    assert torch.equal(fused.add_rms_norm_torch(x, None, weight, 1e-6)[0], rms_norm(x, weight, 1e-6))
+    norm = _transformers_norm(is_unit_offset, 96, weight)
+    hidden = residual + x  # transformers' `hidden = residual + hidden`
+    with torch.no_grad():
+        normed, summed = fused.add_rms_norm_torch(x, residual, weight, 1e-6, is_unit_offset=is_unit_offset)
+        assert torch.equal(summed, hidden) and torch.equal(normed, norm(hidden))
+        alone = fused.add_rms_norm_torch(x, None, weight, 1e-6, is_unit_offset=is_unit_offset)[0]
+        assert torch.equal(alone, norm(x))
+
+
+@pytest.mark.parametrize("is_unit_offset", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_head_rms_norm_reference_is_transformers(fused, dtype, is_unit_offset):
+    """Qwen3's and Gemma 3's q/k norms: one RMSNorm over head_dim per head, on a view of the fused projection."""
+    qkv = hidden_states(5, 3 * 4 * 32, dtype, "cpu", 4)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    weight = hidden_states(1, 32, dtype, "cpu", 5)[0]
+    with torch.no_grad():
+        expected = _transformers_norm(is_unit_offset, 32, weight)(q.clone())
+    fused.head_rms_norm_torch_(q, weight, 1e-6, is_unit_offset=is_unit_offset)
+    assert torch.equal(qkv[:, : 4 * 32].view(5, 4, 32), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_tanh_mul_reference_is_transformers(fused, dtype):
+    from transformers.activations import ACT2FN
+
+    gate_up = hidden_states(5, 2 * 96, dtype, "cpu", 6)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(fused.gelu_tanh_mul_torch(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -92,16 +126,18 @@ def test_rotary_reference_is_the_engines(fused, dtype):
 # ---- add_rms_norm ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("is_unit_offset", [False, True])
 @pytest.mark.parametrize("has_residual", [True, False])
 @pytest.mark.parametrize("hidden", [96, 200, 64])
 @pytest.mark.parametrize("num_tokens", [1, 7])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_add_rms_norm_matches_reference(fused, device, dtype, num_tokens, hidden, has_residual):
+def test_add_rms_norm_matches_reference(fused, device, dtype, num_tokens, hidden, has_residual, is_unit_offset):
     x = hidden_states(num_tokens, hidden, dtype, device, hidden)
     residual = hidden_states(num_tokens, hidden, dtype, device, hidden + 1) if has_residual else None
     weight = hidden_states(1, hidden, dtype, device, hidden + 2)[0]
-    normed, summed = fused.add_rms_norm(x, residual, weight, 1e-5)
-    expected_normed, expected_summed = fused.add_rms_norm_torch(x, residual, weight, 1e-5)
+    normed, summed = fused.add_rms_norm(x, residual, weight, 1e-5, is_unit_offset=is_unit_offset)
+    expected_normed, expected_summed = fused.add_rms_norm_torch(x, residual, weight, 1e-5,
+                                                                is_unit_offset=is_unit_offset)
     check_sum(summed, expected_summed)
     check_close(normed, expected_normed)
 
@@ -139,7 +175,27 @@ def test_add_rms_norm_float32_weight_promotes(fused, device):
     torch.testing.assert_close(normed, expected, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=0)
 
 
-# ---- silu_mul --------------------------------------------------------------------------------------------------
+# ---- head_rms_norm_ --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_unit_offset", [False, True])
+@pytest.mark.parametrize(("num_heads", "head_dim"), [(4, 32), (5, 24), (1, 128)])
+@pytest.mark.parametrize("num_tokens", [1, 6])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_head_rms_norm_matches_reference(fused, device, dtype, num_tokens, num_heads, head_dim, is_unit_offset):
+    """On q's view of a fused qkv output (strided tokens); 5 heads leave a masked block, 24 masked columns."""
+    qkv = hidden_states(num_tokens, 3 * num_heads * head_dim, dtype, device, head_dim)
+    weight = hidden_states(1, head_dim, dtype, device, head_dim + 1)[0]
+    expected = qkv.clone()
+    fused.head_rms_norm_torch_(expected[:, : num_heads * head_dim].view(-1, num_heads, head_dim), weight, 1e-6,
+                               is_unit_offset=is_unit_offset)
+    fused.head_rms_norm_(qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim), weight, 1e-6,
+                         is_unit_offset=is_unit_offset)
+    check_close(qkv[:, : num_heads * head_dim], expected[:, : num_heads * head_dim])
+    assert torch.equal(qkv[:, num_heads * head_dim :], expected[:, num_heads * head_dim :]), "wrote past q"
+
+
+# ---- silu_mul and gelu_tanh_mul --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("inter", [96, 200, 300, 1100])
@@ -149,6 +205,28 @@ def test_silu_mul_matches_reference(fused, device, dtype, num_tokens, inter):
     """70 tokens take the 1024-column blocks, fewer the 256-column ones; 300 and 1100 leave a masked tail."""
     gate_up = hidden_states(num_tokens, 2 * inter, dtype, device, inter)
     check_close(fused.silu_mul(gate_up), fused.silu_mul_torch(gate_up))
+
+
+@pytest.mark.parametrize("inter", [96, 300])
+@pytest.mark.parametrize("num_tokens", [1, 70])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_tanh_mul_matches_reference(fused, device, dtype, num_tokens, inter):
+    """Within ulps of |gate * up|: torch computes 0.5 x (1 + tanh(u)), which cancels where the gate is negative (a
+    float32 ulp of 1, times x); the kernel's x / (1 + exp(-2u)) does not."""
+    gate_up = hidden_states(num_tokens, 2 * inter, dtype, device, inter)
+    gate, up = gate_up.chunk(2, dim=-1)
+    check_close(fused.gelu_tanh_mul(gate_up), fused.gelu_tanh_mul_torch(gate_up), magnitude=(gate * up).abs().float(),
+                max_share=max(TOLERANCE[dtype][1], 0.05))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_gelu_tanh_mul_extremes(fused, device):
+    """Very negative gates: gelu -> -0 without the 1 + tanh cancellation; large ones: the gate itself."""
+    gate = torch.tensor([[-200.0, -12.0, -3.0, -1e-3, 0.0, 1e-3, 3.0, 200.0]], device=device)
+    gate_up = torch.cat((gate, torch.ones_like(gate)), dim=-1)
+    out = fused.gelu_tanh_mul(gate_up)
+    torch.testing.assert_close(out, fused.gelu_tanh_mul_torch(gate_up), rtol=0, atol=1e-6)
+    assert out[0, 0].item() == 0.0 and out[0, -1].item() == 200.0
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
