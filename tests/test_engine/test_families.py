@@ -148,3 +148,62 @@ def test_llama_adapter_names_are_refused_on_phi3(families, tmp_path):
         assert "qkv_proj" in refused.value.limit and "q_proj" not in refused.value.limit
     finally:
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def gemma3_multimodal(tmp_path_factory):
+    """A tiny multimodal Gemma 3 checkpoint (language model under language_model, a one-layer vision tower) and a PEFT
+    adapter on its language model's q/v projections."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from kubelora.cli.tiny import TinyModelSpec, _perturb_defaults, build_config, build_tokenizer
+
+    from .conftest import Material
+
+    root = tmp_path_factory.mktemp("gemma3")
+    tokenizer = build_tokenizer(512)
+    text = build_config(TinyModelSpec(arch="gemma3_text", num_layers=3), tokenizer)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=500, boi_token_index=498, eoi_token_index=499)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    _perturb_defaults(model.model.language_model, torch.Generator().manual_seed(1))
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", lora_dropout=0.0)
+    peft_model = get_peft_model(model, lora)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    peft_model.save_pretrained(root / "adapter")
+    return Material("gemma3", root / "model", {"r4-lm-qv": root / "adapter"})
+
+
+def test_multimodal_gemma3_is_served_text_only(gemma3_multimodal, prompt_ids, peft_reference, caplog):
+    """The language model of a multimodal checkpoint, and an adapter on it, equal transformers' multimodal model
+    given text alone."""
+    import logging
+
+    names = [None, "r4-lm-qv"]
+    prompts = [prompt_ids(i, 14 + 3 * i) for i in range(len(names))]
+    with caplog.at_level(logging.INFO, logger="kubelora.engine.model.config"):
+        llm = LLM(gemma3_multimodal.model_dir, max_lora_rank=8)
+    assert "vision tower is not loaded" in caplog.text
+    try:
+        llm.load_adapter("r4-lm-qv", gemma3_multimodal.adapters["r4-lm-qv"])
+        params = SamplingParams(max_tokens=NUM_DECODE, temperature=0.0, ignore_eos=True, return_logits=True)
+        results = llm.generate(prompts, params, adapters=names)
+    finally:
+        llm.close()
+    build_reference, reference_logits = peft_reference
+    reference = build_reference(gemma3_multimodal)
+    for name, prompt, result in zip(names, prompts, results):
+        expected = reference_logits(reference, name, prompt + result.token_ids[:-1])
+        assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
+        assert (result.logits - expected[len(prompt) - 1 :]).abs().max() < TOL, name
+    assert results[0].token_ids != results[1].token_ids or (results[0].logits - results[1].logits).abs().max() > 1e-2
