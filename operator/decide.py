@@ -10,7 +10,7 @@ goes out.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from kubelora.contract.load import S3_SECRET_KEYS, S3Access
@@ -86,6 +86,21 @@ class PassPlan:
     pool_fingerprint: str
     sizes: Mapping[str, int] = field(default_factory=dict)  # adapter -> device pool bytes (known ones)
     sizings: Mapping[str, Sizing] = field(default_factory=dict)  # auto adapter -> its copies and why
+    # The adapters this plan decided calls (and the pass statuses) for; None: every adapter of the pool.
+    scope: frozenset[str] | None = None
+
+    def in_scope(self, names: Iterable[str]) -> list[str]:
+        return list(names) if self.scope is None else [name for name in names if name in self.scope]
+
+
+@dataclass(frozen=True)
+class Change:
+    """A pass that decides against the last plan (`last`) because only some adapters changed: `adapters`, those
+    whose objects changed, those the last pass called an engine for (their cards are what the calls answered)
+    and those whose retry is due. The view's pods, what they hold (the last observation with the last pass's
+    calls applied) and the pool are the last pass's; the pods' demand counters are not read again."""
+    last: PassPlan
+    adapters: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -115,19 +130,30 @@ def adapter_name(action: Action) -> str:
 REPRELOAD_S = 60.0
 
 
-def plan_pass(view: PoolView, memory: ReconcileMemory, now: float) -> tuple[PassPlan, ReconcileMemory]:
+def plan_pass(view: PoolView, memory: ReconcileMemory, now: float,
+              change: Change | None = None) -> tuple[PassPlan, ReconcileMemory]:
     """Classify, place and plan; calls whose (pod, adapter) is backing off until after `now`, and residency
-    repairs made less than REPRELOAD_S ago, are left out."""
-    adapters, memory = classify_adapters(view, memory)
+    repairs made less than REPRELOAD_S ago, are left out.
+
+    change: only these adapters changed since the last plan. They are classified again, the others keep their
+    class and size; the whole pool is placed as ever (so the placement is the one a whole pass makes from the same
+    view), and calls are planned for the changed adapters and for those whose placement or sizing moved."""
     observation, fingerprint = view.observation, view.pool.fingerprint
+    if change is None:
+        adapters, memory = classify_adapters(view, memory)
+        sizes = adapter_sizes(adapters, observation)
+        demand = measure(memory.demand, served_counters(observation), now)
+    else:
+        adapters, memory = classify_adapters(view, memory, (change.last.adapters, change.adapters))
+        sizes = {name: bytes_ for name, bytes_ in change.last.sizes.items() if name not in change.adapters}
+        sizes.update(adapter_sizes(adapters, observation, change.adapters))
+        demand = memory.demand  # the pods' counters are read by whole passes only
     known = {p["metadata"]["name"] for p in observation.pods}
     stale = frozenset(p["metadata"]["name"] for p in observation.pods
                       if (p["metadata"].get("annotations") or {}).get(names.ANNOTATION_POOL_SPEC) != fingerprint)
     previous, published = memory.previous, memory.published
     if previous is None and view.stored is not None:  # hysteresis across operator restarts
         previous, published = view.stored.pods_by_adapter, Published(view.stored.revision, "")
-    sizes = adapter_sizes(adapters, observation)
-    demand = measure(memory.demand, served_counters(observation), now)
     sizings, demand = size(demand, adapters.auto, len(observation.urls), None, now)
     requests = adapters.requests + tuple(PlacementRequest(name, sizing.copies) for name, sizing in sizings.items())
     placement = place(requests, observation.urls, view.pool.engine.max_cpu_loras, previous,
@@ -136,13 +162,22 @@ def plan_pass(view: PoolView, memory: ReconcileMemory, now: float) -> tuple[Pass
                if retry.retry_request == adapters.retry_requests.get(key[1], retry.retry_request)}
     memory = replace(memory, served=_on_pods(memory.served, known), retries=retries,
                      previous=placement.pods_by_adapter, published=published, demand=demand)
-    actions = _plan_calls(adapters, placement, observation, memory.served)
+    scope = None
+    if change is not None:
+        scope = change.adapters | moved(previous or {}, placement.pods_by_adapter) | frozenset(
+            name for name, sizing in sizings.items() if change.last.sizings.get(name) != sizing)
+    actions = _plan_calls(adapters, placement, observation, memory.served, scope)
     repaired = {key: at for key, at in memory.repaired.items() if now - at < REPRELOAD_S and key[0] in known}
     due = tuple(a for a in actions if _retry_at(memory, (a.pod, adapter_name(a))) <= now
                 and not (isinstance(a, Load) and a.is_residency_repair and (a.pod, a.adapter.name) in repaired))
     repaired.update({(a.pod, a.adapter.name): now for a in due if isinstance(a, Load) and a.is_residency_repair})
     memory = replace(memory, repaired=repaired)
-    return PassPlan(adapters, placement, due, stale, fingerprint, sizes, sizings), memory
+    return PassPlan(adapters, placement, due, stale, fingerprint, sizes, sizings, scope), memory
+
+
+def moved(before: Mapping[str, tuple[str, ...]], after: Mapping[str, tuple[str, ...]]) -> frozenset[str]:
+    """Adapters whose placed pods differ between two placements (those in one only included)."""
+    return frozenset(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
 
 
 def served_counters(observation: Observation) -> dict[tuple[str, str], int]:
@@ -151,41 +186,63 @@ def served_counters(observation: Observation) -> dict[tuple[str, str], int]:
             for name, have in held.items() if have.tokens_served is not None}
 
 
-def adapter_sizes(adapters: AdapterSet, observation: Observation) -> dict[str, int]:
+def adapter_sizes(adapters: AdapterSet, observation: Observation,
+                  only: Collection[str] | None = None) -> dict[str, int]:
     """adapter -> device pool bytes at its own rank, as a pod holding its source reports them. An adapter no pod
-    has registered yet counts 0 for one pass: the pass registers it everywhere, and the next places it by size."""
+    has registered yet counts 0 for one pass: the pass registers it everywhere, and the next places it by size.
+    only: these adapters' sizes (None: every adapter's)."""
     sizes: dict[str, int] = {}
     for held in observation.adapters.values():
-        for name, have in held.items():
-            want = adapters.desired.get(name)
+        for name in held if only is None else [name for name in only if name in held]:
+            have, want = held[name], adapters.desired.get(name)
             if want is not None and have.num_bytes is not None and have.has_source(want.lora_path):
                 sizes[name] = max(sizes.get(name, 0), have.num_bytes)
     return sizes
 
 
 def _plan_calls(adapters: AdapterSet, placement: Placement, observation: Observation,
-                served: Mapping[PodAdapter, str]) -> list[Action]:
+                served: Mapping[PodAdapter, str], scope: frozenset[str] | None) -> list[Action]:
+    """Every observed pod's calls, for the adapters in `scope` (None: all)."""
+    served_by_pod: dict[str, dict[str, str]] = {}
+    for (pod, adapter), revision in served.items():
+        if scope is None or adapter in scope:
+            served_by_pod.setdefault(pod, {})[adapter] = revision
+    desired, frozen = adapters.desired, adapters.left_alone()
+    if scope is not None:
+        desired = {name: desired[name] for name in scope if name in desired}
     actions: list[Action] = []
     for pod, observed in observation.adapters.items():
-        served_here = {adapter: revision for (p, adapter), revision in served.items() if p == pod}
-        actions += plan_pod(pod, adapters.desired, set(placement.adapters_on(pod)), observed, served_here,
-                            frozen=adapters.left_alone())
+        if scope is None:
+            placed = set(placement.adapters_on(pod))
+        else:
+            observed = {name: have for name in scope if (have := observed.get(name)) is not None}
+            placed = {name for name in scope if pod in placement.pods_of(name)}
+        actions += plan_pod(pod, desired, placed, observed, served_by_pod.get(pod, {}), frozen=frozen)
     return actions
 
 
-def classify_adapters(view: PoolView, memory: ReconcileMemory) -> tuple[AdapterSet, ReconcileMemory]:
-    """Each adapter not being deleted is invalid, blocked on its Secret, refused (frozen) or desired."""
+def classify_adapters(view: PoolView, memory: ReconcileMemory,
+                      since: tuple[AdapterSet, Collection[str]] | None = None) -> tuple[AdapterSet, ReconcileMemory]:
+    """Each adapter not being deleted is invalid, blocked on its Secret, refused (frozen) or desired.
+
+    since: (the last classes, the adapters changed since): only those are classified again."""
     refusals = {k: v for k, v in memory.refusals.items() if k in view.bodies}
     served = dict(memory.served)
-    desired: dict[str, DesiredAdapter] = {}
-    requests: list[PlacementRequest] = []
-    invalid: dict[str, Failure] = {}
-    frozen: dict[str, Failure] = {}
-    blocked: dict[str, Failure] = {}
-    mismatched: dict[str, Failure] = {}
-    retry_requests: dict[str, str] = {}
-    auto: dict[str, Bounds] = {}
-    for name, body in view.bodies.items():
+    last, changed = since if since is not None else (AdapterSet(), ())
+
+    def kept(classes: Mapping[str, object]) -> dict:
+        return {name: value for name, value in classes.items() if name not in changed}
+
+    desired: dict[str, DesiredAdapter] = kept(last.desired)
+    requests: list[PlacementRequest] = [r for r in last.requests if r.adapter not in changed]
+    invalid: dict[str, Failure] = kept(last.invalid)
+    frozen: dict[str, Failure] = kept(last.frozen)
+    blocked: dict[str, Failure] = kept(last.blocked)
+    mismatched: dict[str, Failure] = kept(last.mismatched)
+    retry_requests: dict[str, str] = kept(last.retry_requests)
+    auto: dict[str, Bounds] = kept(last.auto)
+    bodies = view.bodies if since is None else {name: view.bodies[name] for name in changed if name in view.bodies}
+    for name, body in bodies.items():
         if body["metadata"].get("deletionTimestamp"):
             continue
         retry_requests[name] = names.retry_request(body)

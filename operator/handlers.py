@@ -3,8 +3,8 @@ rest.
 
 Handler ids are the function names (kopf stores progress under them): renaming one is a behaviour change.
 - LoRAPool create/update/resume: apply the engine Deployment, Services and the router (owned by the pool).
-- LoRAPool daemon: the pool's level-based reconcile, every `resync_s` and whenever triggered.
-- LoRAAdapter events and engine pod events: trigger their pool's reconcile.
+- LoRAPool daemon: the pool's level-based reconcile, a whole pass every `resync_s` and whenever triggered.
+- LoRAAdapter events trigger a pass for the adapters that changed; engine pod events a whole pass.
 - LoRAAdapter deletion (finalizer): best-effort unload from the pool's ready pods, never hanging.
 """
 
@@ -101,14 +101,14 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
         while not stopped:
             wake.clear()
             try:
-                await reconciler.reconcile()
+                await reconciler.reconcile(runtime.take_changes(namespace, name))
             except (KubeError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 logger.warning("reconcile failed, retrying: %s", exc)
             except Exception:  # noqa: BLE001 - a bug in one run must not stop the pool's reconcile for good
                 logger.exception("reconcile failed")
             watchers.update(reconciler.observed_tokens)
             try:  # sooner while a router lags the published placement (its Ready and Degraded follow)
-                await asyncio.wait_for(wake.wait(), timeout=min(runtime.settings.resync_s,
+                await asyncio.wait_for(wake.wait(), timeout=min(reconciler.whole_pass_due_s,
                                                                 reconciler.next_pass_s or runtime.settings.resync_s))
             except asyncio.TimeoutError:
                 pass
@@ -121,14 +121,18 @@ async def daemon_pool(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.
 
 
 async def gather_triggers(wake: asyncio.Event, debounce_s: float, max_gather_s: float) -> None:
-    """Wait `debounce_s`, and again while more triggers keep arriving (a burst: deletes one by one, a GitOps
-    sync), at most `max_gather_s` in all: a burst shares a few passes, a lone change waits `debounce_s`."""
+    """Wait until no trigger has come for `debounce_s` (a burst: deletes one by one, a GitOps sync, or the events of
+    one object's create), at most `max_gather_s` in all: a burst shares a few passes, a lone change waits
+    `debounce_s` after its last event."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max_gather_s
     while True:
         wake.clear()
-        await asyncio.sleep(min(debounce_s, max(deadline - loop.time(), 0)))
-        if not wake.is_set() or loop.time() >= deadline:
+        try:
+            await asyncio.wait_for(wake.wait(), timeout=min(debounce_s, max(deadline - loop.time(), 0)))
+        except asyncio.TimeoutError:
+            return
+        if loop.time() >= deadline:
             return
 
 
@@ -160,7 +164,7 @@ async def on_adapter_event(body: kopf.Body, event: dict, memo: kopf.Memo, **_: A
     if event.get("type") not in (None, "ADDED", "DELETED") and is_settled:
         return
     if runtime.has_pool(meta["namespace"], pool):
-        runtime.trigger(meta["namespace"], pool)
+        runtime.trigger_adapter(meta["namespace"], pool, meta["name"])
     elif event.get("type") != "DELETED" and not meta.get("deletionTimestamp"):
         await _write_pool_not_found(runtime, body, pool)
 

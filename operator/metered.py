@@ -20,10 +20,10 @@ class MeteredReconciler(PoolReconciler):
         super().__init__(*args, **kwargs)
         self.metrics = metrics
 
-    async def reconcile(self) -> None:
+    async def reconcile(self, changed: frozenset[str] | None = None) -> None:
         start, is_error = time.monotonic(), True
         try:
-            await super().reconcile()
+            await super().reconcile(changed)
             is_error = False
         finally:
             self.metrics.record_pass(self.namespace, self.name, time.monotonic() - start, is_error)

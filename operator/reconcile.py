@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -23,7 +24,8 @@ from kubelora.contract.load import S3Access
 from kubelora.operator import names
 from kubelora.operator.api_keys import (PoolKeys, RefusalMemory, engines_to_push, list_key_secrets, read_pool_keys,
                                        refusal_events)
-from kubelora.operator.decide import CallResult, Event, PassPlan, PoolView, StoredPlacement, plan_pass, record_result
+from kubelora.operator.decide import (CallResult, Change, Event, PassPlan, PoolView, StoredPlacement, adapter_name,
+                                     plan_pass, record_result)
 from kubelora.operator.engine_client import EngineClient, EngineError
 from kubelora.operator.kube import Kube
 from kubelora.operator.memory import ReconcileMemory
@@ -40,6 +42,18 @@ from kubelora.operator.writes import apply_placement, apply_pool, post_event, re
 log = logging.getLogger("kubelora.operator")
 KEY_RETRY_S = 1.0  # the next pass this soon after an engine did not take the API key table
 STATUS_WRITES_IN_FLIGHT = 8  # adapter status patches per pool at once (hundreds of adapters change together)
+# A pass decides for the changed adapters only (decide.Change) while this few changed: it reads each one's object,
+# where a whole pass lists them all; more make a whole pass (a bulk apply or delete).
+MAX_CHANGED_ADAPTERS = 64
+
+
+@dataclass(frozen=True)
+class _LastPass:
+    """What the last pass decided from and left: a pass for changed adapters starts from it."""
+    view: PoolView  # its observation with the pass's successful calls applied (report.held_after)
+    plan: PassPlan
+    clients: _PodClients
+    called: frozenset[str]  # adapters it called an engine for
 
 
 class PoolReconciler:
@@ -68,8 +82,19 @@ class PoolReconciler:
         self.key_versions: frozenset[tuple[str, str]] | None = None
         self._warned_secrets: frozenset[tuple[str, str]] = frozenset()  # (Secret, version) refused, event posted
         self._refusals = RefusalMemory()  # the routers' key refusals told so far (_tell_refusals)
+        self._last: _LastPass | None = None
+        self._whole_at = -float("inf")  # time.monotonic() the last whole pass started
 
-    async def reconcile(self) -> None:
+    @property
+    def whole_pass_due_s(self) -> float:
+        """Seconds until a whole pass is due (passes for changed adapters do not count)."""
+        return max(self._whole_at + self._settings.resync_s - time.monotonic(), 0.0)
+
+    async def reconcile(self, changed: frozenset[str] | None = None) -> None:
+        """One pass. changed: the adapters whose objects changed since the last pass, when nothing else did (None:
+        unknown). Then, unless a whole pass is due, it decides for those adapters only, from what the last pass
+        left (`decide.Change`): their objects are read again, the pods and what they hold are not. A whole pass
+        (every `resync_s`, and on any other trigger) reads everything and decides over the whole pool."""
         body = await self._kube.get_custom(names.POOL_PLURAL, self.namespace, self.name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
@@ -78,17 +103,26 @@ class PoolReconciler:
         except InvalidSpec as exc:
             await self._patch_pool(body, invalid_pool_status(self.name, body, Failure(exc.reason, str(exc))))
             return
-        view, clients = await self._fetch(body, pool)
+        change = self._change(changed, pool)
+        if change is None:
+            self._whole_at = time.monotonic()
+            view, clients = await self._fetch(body, pool)
+        else:
+            view, clients = await self._fetch_changed(body, pool, change.adapters)
         self.observed_urls = dict(view.observation.urls)
         self.observed_tokens = {url: clients.token(pod) for pod, url in view.observation.urls.items()}
-        plan, self._memory = plan_pass(view, self._memory, time.time())
-        is_keys_behind = await self._push_keys(view, clients)  # before a placement routes to the pods
+        plan, self._memory = plan_pass(view, self._memory, time.time(), change)
+        # before a placement routes to the pods; the tables whole passes read and pushed stand meanwhile
+        is_keys_behind = await self._push_keys(view, clients) if change is None else False
         results = await self._execute(plan, clients, view)
         publication = build_publication(view, plan, results, self._memory)
         await self._publish(pool, body, publication.placement)
         routers = await self._ask_routers(pool, publication)
         report = report_publication(view, plan, publication, routers)
         self._memory = report.memory  # only once the placement it records is written
+        after = replace(view.observation, adapters=publication.holdings.held)
+        self._last = _LastPass(replace(view, observation=after, stored=None), plan, clients,
+                               frozenset(adapter_name(result.action) for result in results))
         self.next_pass_s = min(report.next_pass_s or KEY_RETRY_S, KEY_RETRY_S) if is_keys_behind else \
             report.next_pass_s
         if self._on_released is not None and report.released:
@@ -124,6 +158,31 @@ class PoolReconciler:
         await apply_pool(self._kube, body, pool, self._settings, self.admin_token, payload)
 
     # ---- fetch ----
+
+    def _change(self, changed: frozenset[str] | None, pool: PoolSpec) -> Change | None:
+        """What a pass for changed adapters decides for (None: a whole pass): the changed adapters, those the last
+        pass called (their cards are the calls' answers) and those whose retry is due."""
+        last = self._last
+        if (changed is None or last is None or self._memory.previous is None or self.whole_pass_due_s <= 0
+                or last.view.pool.fingerprint != pool.fingerprint):
+            return None
+        now = time.time()
+        due = frozenset(name for (_, name), retry in self._memory.retries.items() if retry.retry_at <= now)
+        adapters = changed | last.called | due
+        return Change(last.plan, adapters) if len(adapters) <= MAX_CHANGED_ADAPTERS else None
+
+    async def _fetch_changed(self, body: dict, pool: PoolSpec, changed: frozenset[str]) -> tuple[PoolView, _PodClients]:
+        """The last pass's view with the pool and the `changed` adapters' objects (and their Secrets) read again."""
+        last = self._last
+        assert last is not None
+        found = await asyncio.gather(*(self._kube.get_custom(names.ADAPTER_PLURAL, self.namespace, name)
+                                       for name in sorted(changed)))
+        fresh = {a["metadata"]["name"]: a for a in found
+                 if a is not None and (a.get("spec") or {}).get("pool") == self.name}
+        bodies = {name: a for name, a in last.view.bodies.items() if name not in changed} | fresh
+        tokens = {name: t for name, t in last.view.tokens.items() if name not in changed}
+        tokens.update(await self._source_tokens(fresh.values()))
+        return replace(last.view, pool_body=body, pool=pool, bodies=bodies, tokens=tokens), last.clients
 
     async def _fetch(self, body: dict, pool: PoolSpec) -> tuple[PoolView, _PodClients]:
         bodies = {a["metadata"]["name"]: a for a in await self._kube.list_custom(names.ADAPTER_PLURAL, self.namespace)

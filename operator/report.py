@@ -30,11 +30,11 @@ HeldByPod = Mapping[str, Mapping[str, ObservedAdapter]]  # pod -> adapter -> wha
 
 @dataclass(frozen=True)
 class Report:
-    adapter_statuses: dict[str, dict]  # adapter (not being deleted) -> its new status
+    adapter_statuses: dict[str, dict]  # adapter (not being deleted, in the plan's scope) -> its new status
     pool_status: dict
     placement: dict | None  # the payload to publish, with its new revision; None: unchanged
     memory: ReconcileMemory  # to keep once the placement is published
-    released: frozenset[str] = frozenset()  # adapters being deleted that no observed pod holds any more
+    released: frozenset[str] = frozenset()  # adapters being deleted (in scope) that no observed pod holds any more
     next_pass_s: float | None = None  # run the next pass this soon (a router lags), not at the resync
 
 
@@ -106,17 +106,18 @@ def report_publication(view: PoolView, plan: PassPlan, publication: Publication,
     """The statuses once the placement is published and the routers were asked which revision they route on."""
     adapters, holdings, memory = publication.adapters, publication.holdings, publication.memory
     judgement = judge_routers(routers, publication.revision, memory.routers_behind, memory.router_revisions)
+    bodies = {name: view.bodies[name] for name in plan.in_scope(view.bodies)}  # what the pass decided for
     statuses = {name: adapter_status(name, body, adapters, plan, holdings, has_ready_pod=bool(view.observation.urls),
                                      unrouted=unrouted(name, memory.included, routers.acks, judgement.revisions,
                                                        judgement.stale))
-                for name, body in view.bodies.items() if not body["metadata"].get("deletionTimestamp")}
+                for name, body in bodies.items() if not body["metadata"].get("deletionTimestamp")}
     pool = pool_status(view.pool.name, view.pool_body, view.observation, holdings.held, plan.placement,
                        capacity=view.pool.engine.max_cpu_loras, revision=publication.revision,
                        num_adapters=len(view.bodies), sizes=plan.sizes, routers=judgement.entries,
                        degraded=judgement.degraded)
     if view.keys is not None:
         pool["apiKeys"] = view.keys.status()
-    released = frozenset(name for name, body in view.bodies.items() if body["metadata"].get("deletionTimestamp")
+    released = frozenset(name for name, body in bodies.items() if body["metadata"].get("deletionTimestamp")
                          and not any(name in adapters_here for adapters_here in holdings.held.values()))
     memory = replace(memory, routers_behind=judgement.behind, router_revisions=judgement.revisions)
     return Report(statuses, pool, publication.placement, memory, released, judgement.next_pass_s)

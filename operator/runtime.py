@@ -23,15 +23,35 @@ class Runtime:
     releases: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
     # pools one of whose owned objects was deleted: their next pass re-applies them (take_heal_request)
     heal_requests: set[tuple[str, str]] = field(default_factory=set)
+    # (namespace, pool) -> the adapters whose objects changed since its last pass started, when nothing else did;
+    # None: something else changed too (a pod, the pool, an engine's adapter set, a Secret): a whole pass
+    changes: dict[tuple[str, str], set[str] | None] = field(default_factory=dict)
 
     def trigger_for(self, namespace: str, pool: str) -> asyncio.Event:
         return self.triggers.setdefault((namespace, pool), asyncio.Event())
 
     def trigger(self, namespace: str, pool: str) -> None:
-        """Ask the pool's reconcile daemon for a run now (no-op for a pool without a daemon yet)."""
+        """Ask the pool's reconcile daemon for a whole pass now (no-op for a pool without a daemon yet)."""
         event = self.triggers.get((namespace, pool))
         if event is not None:
+            self.changes[(namespace, pool)] = None
             event.set()
+
+    def trigger_adapter(self, namespace: str, pool: str, adapter: str) -> None:
+        """Ask for a pass now because `adapter`'s object changed: one that decides for the changed adapters only,
+        unless something else changed since the last pass too (reconcile.PoolReconciler.reconcile)."""
+        event = self.triggers.get((namespace, pool))
+        if event is not None:
+            changed = self.changes.setdefault((namespace, pool), set())
+            if changed is not None:
+                changed.add(adapter)
+            event.set()
+
+    def take_changes(self, namespace: str, pool: str) -> frozenset[str] | None:
+        """The adapters changed since the last call, when nothing else changed (None: a whole pass is due, or
+        nothing was asked: the daemon woke for its resync)."""
+        changed = self.changes.pop((namespace, pool), None)
+        return None if changed is None else frozenset(changed)
 
     def request_heal(self, namespace: str, pool: str) -> None:
         """An object the pool owns went away: re-apply what it owns in a pass now, not at the next resync."""
@@ -52,6 +72,7 @@ class Runtime:
     def forget(self, namespace: str, pool: str) -> None:
         self.triggers.pop((namespace, pool), None)
         self.heal_requests.discard((namespace, pool))
+        self.changes.pop((namespace, pool), None)
         for key in [k for k in self.releases if k[:2] == (namespace, pool)]:
             self.releases.pop(key).set()  # no daemon will unload them: deletion goes on
 
@@ -62,7 +83,7 @@ class Runtime:
         if not self.has_pool(namespace, pool):
             return False
         released = self.releases.setdefault((namespace, pool, adapter), asyncio.Event())
-        self.trigger(namespace, pool)
+        self.trigger_adapter(namespace, pool, adapter)
         try:
             await asyncio.wait_for(released.wait(), timeout=timeout_s)
             return True
