@@ -83,16 +83,17 @@ class BlockManager:
         self._num_offered[seq_id] = len(table)
         return len(table)
 
-    def cache(self, seq_id: str, step_table: tuple[int, ...], keys: list[bytes], adapter: object) -> None:
-        """Offer a sequence's full blocks to the cache once a step has written them: block i under keys[i], while
-        the sequence still holds it at index i of the table the step wrote (`step_table`; a sequence preempted
-        since holds other blocks, or none). A key already cached elsewhere leaves this block uncached. `adapter`:
-        what computed them (its cached blocks are dropped with `drop`)."""
+    def cache(self, seq_id: str, step_table: tuple[int, ...], keys: list[bytes], num_blocks: int,
+              adapter: object) -> None:
+        """Offer a sequence's first `num_blocks` blocks, full and written by steps read back, to the cache: block i
+        under keys[i], while the sequence still holds it at index i of the table the step wrote (`step_table`; a
+        sequence preempted since holds other blocks, or none). A key already cached elsewhere leaves this block
+        uncached. `adapter`: what computed them (its cached blocks are dropped with `drop`)."""
         table = self._tables.get(seq_id)
         if not table:
             return
         first = self._num_offered.get(seq_id, 0)
-        end = min(len(keys), len(step_table), len(table))
+        end = min(num_blocks, len(keys), len(step_table), len(table))
         for i in range(first, end):
             if table[i] != step_table[i]:
                 break

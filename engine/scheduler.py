@@ -333,8 +333,8 @@ class Scheduler:
                 continue
             num_full = (chunk.start_pos + len(chunk.token_ids)) // block_size
             if num_full:
-                keys = seq.full_block_keys(block_size)[:num_full]
-                self._blocks.cache(seq.request_id, chunk.block_table, keys, seq.adapter)
+                self._blocks.cache(seq.request_id, chunk.block_table, seq.full_block_keys(block_size), num_full,
+                                   seq.adapter)
 
     def _drop_cache(self, seq: Sequence) -> None:
         """A waiting request's kept KV cache is freed; it is recomputed when admitted (counted as a preemption)."""

@@ -34,6 +34,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None
+    cache_salt: str | None = None
 
 
 class EngineStopped(Exception):
@@ -116,7 +117,8 @@ class AsyncEngine:
         try:
             for r in requests:
                 self._queues[r.request_id] = queue
-                self._engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.adapter, time.time())
+                self._engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.adapter, time.time(),
+                                         cache_salt=r.cache_salt)
                 added.append(r.request_id)
         except BaseException:
             for r in requests:

@@ -35,10 +35,12 @@ class ChoicePlan:
     is_stream: bool
     include_usage: bool
     tools: ToolOutput | None = None  # chat with tools (tool_choice not "none"): the output is read for calls
+    cache_salt: str | None = None
 
     def requests(self, envelope_id: str, adapter: str | None) -> list[EngineRequest]:
         n = self.choices.n
-        return [EngineRequest(f"{envelope_id}-{i * n + j}", tokens, _nth_params(self.params, j), adapter)
+        return [EngineRequest(f"{envelope_id}-{i * n + j}", tokens, _nth_params(self.params, j), adapter,
+                              self.cache_salt)
                 for i, tokens in enumerate(self.prompts) for j in range(n)]
 
     def prompt_tokens(self, index: int) -> int:
@@ -92,8 +94,11 @@ def _failure_error(output: RequestOutput) -> ServiceError:
     return EngineFault(message)
 
 
-def _usage(plan: ChoicePlan, finals: dict[str, RequestOutput]) -> Usage:
-    return Usage(sum(len(p) for p in plan.prompts), sum(len(o.token_ids) for o in finals.values()))
+def _usage(plan: ChoicePlan, group: RequestGroup, finals: dict[str, RequestOutput]) -> Usage:
+    """Each prompt counted once, with the prompt tokens its first choice found in the prefix cache."""
+    first_choices = [finals[rid] for rid in group.request_ids[:: plan.choices.n] if rid in finals]
+    return Usage(sum(len(p) for p in plan.prompts), sum(len(o.token_ids) for o in finals.values()),
+                 sum(o.num_cached_tokens for o in first_choices))
 
 
 def _logprobs(plan: ChoicePlan, envelope: Envelope, entries: tuple, prompt: tuple | None, offset: int) -> dict | None:
@@ -126,7 +131,7 @@ async def whole(group: RequestGroup, envelope: Envelope, plan: ChoicePlan) -> di
             text = text.strip()
         choices.append(Choice(i, plan.echo_text(i) + text, finish_reason, logprobs, _prompt_logprobs(plan, out),
                               tool_calls=calls))
-    return envelope.whole(choices, _usage(plan, finals))
+    return envelope.whole(choices, _usage(plan, group, finals))
 
 
 async def stream(request: web.Request, group: RequestGroup, envelope: Envelope,
@@ -168,7 +173,7 @@ async def stream(request: web.Request, group: RequestGroup, envelope: Envelope,
             if output.finished:
                 finals[rid] = output
         if plan.include_usage:
-            await response.write(sse_event(envelope.usage_chunk(_usage(plan, finals))))
+            await response.write(sse_event(envelope.usage_chunk(_usage(plan, group, finals))))
     except ServiceError as exc:
         await response.write(sse_event(to_http(exc).body()))
     await response.write(SSE_DONE)

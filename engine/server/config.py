@@ -72,6 +72,8 @@ SETTINGS: tuple[Setting, ...] = (
              config_field="use_prefill_graphs"),
     _setting("--staged-shrink", parse_bool, "LoRA decode steps compute their shrink in the base matmul (Triton, CUDA)",
              is_switch=True, config_field="use_staged_shrink"),
+    _setting("--enable-prefix-caching", parse_bool, "reuse the KV cache of full blocks of earlier requests with the "
+             "same prefix, adapter revision and cache_salt (vLLM's flag)", is_switch=True),
     _setting("--lora-backend", _lower, "LoRA kernels: triton or torch (default: triton on CUDA, torch elsewhere)"),
     _setting("--blas", _lower, "CUDA matmul library: cublaslt or cublas", config_field="blas_library"),
     _setting("--host", str, "listen address", default="0.0.0.0"),

@@ -155,6 +155,14 @@ def _adapter_families(view: EngineView, base_name: str) -> Iterator[Metric]:
         device_bytes.add_metric([a.name], a.bytes)
         host_bytes.add_metric([a.name], a.host_bytes)
     yield from (running, waiting, residency, info, device_bytes, host_bytes)
+    queries = CounterMetricFamily("kubelora_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  labels=["adapter"])
+    hits = CounterMetricFamily("kubelora_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                               labels=["adapter"])
+    for key, (num_queries, num_hits) in sorted(snap.prefix_cache_tokens.items()):
+        queries.add_metric([key or base_name], num_queries)
+        hits.add_metric([key or base_name], num_hits)
+    yield from (queries, hits)
 
 
 def _engine_families(snap: EngineSnapshot) -> Iterator[Metric]:
@@ -216,6 +224,15 @@ def _vllm_families(view: EngineView, base_name: str, max_loras: int | None) -> I
     for a in view.adapters:
         loaded.add_metric([a.name, LEVELS[a.tier], "false"], 1.0)
     yield loaded
+    for name, doc, value in (
+        ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+         sum(q for q, _ in snap.prefix_cache_tokens.values())),
+        ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+         sum(h for _, h in snap.prefix_cache_tokens.values())),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([base_name], value)
+        yield family
     for name, doc, value in (
         ("vllm:num_requests_running", "Requests running", sum(snap.num_running.values())),
         ("vllm:num_requests_waiting", "Requests waiting", sum(snap.num_waiting.values())),

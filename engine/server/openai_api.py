@@ -42,7 +42,7 @@ class OpenAIRoutes:
         params = req.sampling.to_params(await serving.prompts.encode_words(req.sampling.bad_words))
         params = await attach_grammar(serving.engine, params)  # compiled on the engine's grammar pool
         plan = ChoicePlan(prompts, params, req.choices, await _echo_texts(serving, req, prompts), req.is_stream,
-                          req.include_usage)
+                          req.include_usage, cache_salt=req.cache_salt)
         return await _serve(request, serving, envelope, plan, adapter)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -56,7 +56,8 @@ class OpenAIRoutes:
         params = req.sampling.to_params(await serving.prompts.encode_words(req.sampling.bad_words))
         params = await attach_grammar(serving.engine, params)  # compiled on the engine's grammar pool
         tools = req.template.tools.reader() if req.template.tools is not None else None
-        plan = ChoicePlan([tokens], params, req.choices, [""], req.is_stream, req.include_usage, tools)
+        plan = ChoicePlan([tokens], params, req.choices, [""], req.is_stream, req.include_usage, tools,
+                          req.cache_salt)
         return await _serve(request, serving, envelope, plan, adapter)
 
 

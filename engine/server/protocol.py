@@ -31,6 +31,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_ALLOWED_TOKEN_IDS = 65536
 MAX_MESSAGES = 4096  # the chat template renders each one on the tokenizer thread
+MAX_CACHE_SALT_CHARS = 1024
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Prompt = str | tuple[int, ...]
@@ -93,6 +94,7 @@ class CompletionRequest:
     is_stream: bool
     include_usage: bool
     choices: Choices = Choices()
+    cache_salt: str | None = None  # vLLM: cached KV blocks are shared only among requests of the same salt
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class ChatRequest:
     add_generation_prompt: bool
     choices: Choices = Choices()
     template: TemplateOptions = TemplateOptions()  # tools, continue_final_message, chat_template_kwargs
+    cache_salt: str | None = None  # as CompletionRequest's
 
 
 MAX_AUTH_TOKEN_CHARS = 4096
@@ -246,6 +249,16 @@ def _take_common_unsupported(f: Fields) -> None:
     f.take_str("user")
 
 
+def _take_cache_salt(f: Fields) -> str | None:
+    salt = f.take_str("cache_salt")
+    if salt == "":
+        raise InvalidRequest("'cache_salt' must not be empty", param="cache_salt", code="invalid_value")
+    if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"'cache_salt' has {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed",
+                             param="cache_salt", code="out_of_range")
+    return salt
+
+
 def _take_stream(f: Fields) -> tuple[bool, bool, bool]:
     """stream, include_usage, continuous_usage_stats (vLLM: only with include_usage)."""
     is_stream = f.take_bool("stream", False)
@@ -310,8 +323,9 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     choices = _take_choices(f, len(prompts), continuous, echo)
     f.take_unsupported("suffix", "")
     sampling = replace(sampling, structured=take_structured(f))
+    cache_salt = _take_cache_salt(f)
     f.finish()
-    return CompletionRequest(model, prompts, sampling, is_stream, include_usage, choices)
+    return CompletionRequest(model, prompts, sampling, is_stream, include_usage, choices, cache_salt)
 
 
 def _parse_content(value: Any, field: str) -> str:
@@ -368,9 +382,10 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     tools = take_tools(f)
     sampling = replace(sampling, structured=take_structured(f))
     add_generation_prompt, template = take_template_options(f, tools, messages)
+    cache_salt = _take_cache_salt(f)
     f.finish()
     return ChatRequest(model, messages, sampling, is_stream, include_usage, add_generation_prompt, choices,
-                       template)
+                       template, cache_salt)
 
 
 def _take_chat_logprobs(f: Fields) -> int | None:

@@ -14,10 +14,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache (None: not reported in this body)
 
     def to_json(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+        body = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.cached_tokens is not None:
+            body["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return body
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def test_refcounts_share_cached_blocks_and_free_them_last():
     blocks = BlockManager(BlockManagerConfig(num_blocks=6, block_size=2))
     keys = chain(BASE, [1, 2, 3, 4, 5, 6])
     assert blocks.grow("a", 6) and blocks.table("a") == [0, 1, 2]
-    blocks.cache("a", (0, 1, 2), keys, adapter=None)
+    blocks.cache("a", (0, 1, 2), keys, 3, adapter=None)
     assert blocks.num_cached == 3 and blocks.num_free == 3
     assert blocks.take_cached("b", keys[:2]) == 2 and blocks.table("b") == [0, 1]
     assert blocks.num_free == 3  # shared blocks take no room
@@ -62,7 +62,7 @@ def test_a_sequence_takes_the_longest_cached_prefix_only():
     blocks = BlockManager(BlockManagerConfig(num_blocks=8, block_size=2))
     keys = chain(BASE, [1, 2, 3, 4, 5, 6])
     assert blocks.grow("a", 6)
-    blocks.cache("a", tuple(blocks.table("a")), keys, adapter=None)
+    blocks.cache("a", tuple(blocks.table("a")), keys, len(keys), adapter=None)
     other = chain(BASE, [1, 2, 9, 9, 5, 6])
     assert blocks.take_cached("b", other) == 1  # the third block's key chains a parent nobody cached
     with pytest.raises(RuntimeError, match="already holds"):
@@ -74,7 +74,7 @@ def test_lru_evicts_the_least_recently_released_and_a_sequence_last_block_first(
     a, b = chain(BASE, [1, 2], 1), chain(BASE, [3, 4], 1)
     for seq_id, keys in (("a", a), ("b", b)):
         assert blocks.grow(seq_id, 2)
-        blocks.cache(seq_id, tuple(blocks.table(seq_id)), keys, adapter=None)
+        blocks.cache(seq_id, tuple(blocks.table(seq_id)), keys, 2, adapter=None)
     blocks.free("a"), blocks.free("b")
     assert blocks.num_free == 4 and blocks.num_cached == 4
     assert blocks.grow("c", 1)  # the free list is empty: a's last block goes first
@@ -92,15 +92,15 @@ def test_cache_skips_blocks_a_sequence_no_longer_holds_and_keys_cached_elsewhere
     assert blocks.grow("a", 4)
     step_table = tuple(blocks.table("a"))
     blocks.free("a")  # preempted while its step ran
-    blocks.cache("a", step_table, keys, adapter=None)
+    blocks.cache("a", step_table, keys, 2, adapter=None)
     assert blocks.num_cached == 0
     assert blocks.grow("x", 2) and blocks.grow("a", 4)  # re-admitted into other blocks
-    blocks.cache("a", step_table, keys, adapter=None)
+    blocks.cache("a", step_table, keys, 2, adapter=None)
     assert blocks.num_cached == 0
-    blocks.cache("a", tuple(blocks.table("a")), keys, adapter=None)
+    blocks.cache("a", tuple(blocks.table("a")), keys, len(keys), adapter=None)
     assert blocks.num_cached == 2
     assert blocks.grow("b", 4)  # the same prefix computed again beside it: the first copy stays the cached one
-    blocks.cache("b", tuple(blocks.table("b")), keys, adapter=None)
+    blocks.cache("b", tuple(blocks.table("b")), keys, 2, adapter=None)
     assert blocks.num_cached == 2
     blocks.free("b")
     assert blocks.num_free == 8 - 2 - 1
@@ -111,7 +111,7 @@ def test_drop_uncaches_one_adapters_blocks():
     old, new = object(), object()
     for seq_id, adapter, root in (("a", old, root_key("t", "r1", None)), ("b", new, root_key("t", "r2", None))):
         assert blocks.grow(seq_id, 4)
-        blocks.cache(seq_id, tuple(blocks.table(seq_id)), chain(root, [1, 2, 3, 4]), adapter=adapter)
+        blocks.cache(seq_id, tuple(blocks.table(seq_id)), chain(root, [1, 2, 3, 4]), 2, adapter=adapter)
     blocks.free("a")
     assert blocks.drop(old) == 2 and blocks.num_cached == 2
     assert blocks.take_cached("c", chain(root_key("t", "r1", None), [1, 2, 3, 4])) == 0
@@ -176,3 +176,16 @@ def test_requests_with_prompt_logprobs_do_not_read_the_cache():
     scheduler.add(_seq("c", [3, 4, 5, 6, 7], root=None))
     assert {c.seq.request_id: c.start_pos for c in _step(scheduler).chunks if c.seq.request_id != "a"} == {
         "b": 0, "c": 0}
+
+
+def test_a_chunk_caches_only_the_blocks_it_completed():
+    """Chunks of 3 tokens in blocks of 2: the first chunk writes block 0 whole and block 1 in part, so only block 0
+    is cached, although the prompt's keys are all known."""
+    blocks = BlockManager(BlockManagerConfig(num_blocks=16, block_size=2))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=3, max_loras=None, max_waiting=8),
+                          blocks, _Placer())
+    scheduler.add(_seq("a", [3, 4, 5, 6, 7, 8, 9]))
+    _step(scheduler)
+    assert blocks.num_cached == 1
+    _step(scheduler)
+    assert blocks.num_cached == 3
