@@ -28,6 +28,9 @@ class OperatorMetrics:
         self.leader = Gauge("kubelora_operator_leader", "1 while this replica leads and acts, 0 while it stands by",
                             registry=r)
         self.passes = Counter("kubelora_operator_reconcile_passes", "reconcile passes run", POOL_LABELS, registry=r)
+        self.whole_passes = Counter("kubelora_operator_reconcile_whole_passes", "reconcile passes that read every "
+                                    "adapter and every engine's model list and decided over the whole pool (the "
+                                    "others decided for changed adapters only)", POOL_LABELS, registry=r)
         self.errors = Counter("kubelora_operator_reconcile_errors", "reconcile passes that raised (retried at the "
                               "next trigger or resync)", POOL_LABELS, registry=r)
         self.duration = Histogram("kubelora_operator_reconcile_duration_seconds", "one reconcile pass, start to end",
@@ -48,6 +51,7 @@ class OperatorMetrics:
 
     def record_pass(self, namespace: str, pool: str, duration_s: float, is_error: bool) -> None:
         self.passes.labels(namespace, pool).inc()
+        self.whole_passes.labels(namespace, pool)  # 0 until one runs
         self.duration.labels(namespace, pool).observe(duration_s)
         errors = self.errors.labels(namespace, pool)  # from the first pass on, 0 until one fails (dashboards, rates)
         if is_error:
@@ -59,11 +63,15 @@ class OperatorMetrics:
             raise ValueError(f"call must be one of {CALLS}, got {call!r}")
         self.calls.labels(namespace, pool, call, "error" if is_error else "ok").inc()
 
+    def record_whole_pass(self, namespace: str, pool: str) -> None:
+        self.whole_passes.labels(namespace, pool).inc()
+
     def record_placement_change(self, namespace: str, pool: str) -> None:
         self.placement_changes.labels(namespace, pool).inc()
 
     def record_adapters(self, namespace: str, pool: str, statuses: Iterable[Mapping]) -> None:
-        """statuses: every adapter status the pass computed (`status` of a LoRAAdapter): phase and conditions."""
+        """statuses: every adapter's status as the last pass that decided for it computed it (`status` of a
+        LoRAAdapter): phase and conditions."""
         statuses = list(statuses)
         phases = Tally(s.get("phase") for s in statuses)
         for phase in PHASES:
@@ -77,7 +85,7 @@ class OperatorMetrics:
 
     def forget_pool(self, namespace: str, pool: str) -> None:
         """Drop the pool's series (its daemon stopped: the pool is deleted, or this replica stopped leading)."""
-        for metric, extra in ((self.passes, ()), (self.errors, ()), (self.duration, ()),
+        for metric, extra in ((self.passes, ()), (self.whole_passes, ()), (self.errors, ()), (self.duration, ()),
                               (self.placement_changes, ()), (self.adapters_stalled, ()),
                               (self.adapters, [(p,) for p in PHASES]),
                               (self.pool_condition, [(c,) for c in POOL_CONDITIONS]),

@@ -211,3 +211,23 @@ def test_a_change_plans_the_calls_of_adapters_it_moves_as_a_whole_plan_does():
     assert moved(previous, whole.placement.pods_by_adapter) - {"new"}  # the change moved others
     assert sorted(map(repr, changed.actions)) == sorted(map(repr, whole.actions))
     assert changed.scope is not None and whole.scope is None
+
+
+async def test_the_metrics_count_whole_passes_and_keep_every_adapters_phase(pool):
+    from kubelora.operator.metered import MeteredReconciler
+    from kubelora.operator.metrics import OperatorMetrics
+
+    kube, engines, plain = pool
+    metrics = OperatorMetrics()
+    reconciler = MeteredReconciler(kube, plain._session, plain._settings, NS, "p", metrics=metrics)
+
+    def sample(name: str, **labels) -> float | None:
+        return metrics.registry.get_sample_value(name, {"namespace": NS, "pool": "p", **labels})
+
+    await reconciler.reconcile()
+    await reconciler.reconcile(refused(kube))  # a pass for "big" alone computes its status only
+    await reconciler.reconcile(delete(kube))
+    assert sample("kubelora_operator_reconcile_passes_total") == 3
+    assert sample("kubelora_operator_reconcile_whole_passes_total") == 1
+    assert sample("kubelora_operator_adapters", phase="Ready") == NUM_ADAPTERS - 1
+    assert sample("kubelora_operator_adapters", phase="Failed") == 1
