@@ -106,7 +106,8 @@ _SIZE_FLAGS = {
 def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny-model", help="write a random tiny Hugging Face model directory")
     p.add_argument("dir")
-    p.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
+    p.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"],
+                   default="llama")
     p.add_argument("--seed", type=int, default=0)
     for dest, flag in _SIZE_FLAGS.items():
         p.add_argument(flag, dest=dest, type=int, default=None)

@@ -36,20 +36,21 @@ class PeftConfig:
     alpha_pattern: PatternMap
     base_model: str  # base_model_name_or_path
 
-    def module_rank(self, layer: int, module: str) -> int:
+    def module_rank(self, layer: int, module: str, prefix: str = "model.") -> int:
         """The rank PEFT builds this layer's module with: its rank_pattern entry, else r."""
-        return self.rank_pattern.lookup(module_name(layer, module), self.rank)
+        return self.rank_pattern.lookup(module_name(layer, module, prefix), self.rank)
 
-    def module_scale(self, layer: int, module: str) -> float:
+    def module_scale(self, layer: int, module: str, prefix: str = "model.") -> float:
         """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA, each from its pattern where one matches."""
-        alpha = float(self.alpha_pattern.lookup(module_name(layer, module), self.alpha))
-        rank = self.module_rank(layer, module)
+        alpha = float(self.alpha_pattern.lookup(module_name(layer, module, prefix), self.alpha))
+        rank = self.module_rank(layer, module, prefix)
         return alpha / rank**0.5 if self.use_rslora else alpha / rank
 
 
-def module_name(layer: int, module: str) -> str:
-    """The module's name in the base model, as PEFT matches pattern keys against it."""
-    return f"model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
+def module_name(layer: int, module: str, prefix: str = "model.") -> str:
+    """The module's name in the base model, as PEFT matches pattern keys against it. prefix: where the model keeps
+    its decoder layers (a multimodal Gemma 3's language model: `model.language_model.`)."""
+    return f"{prefix}layers.{layer}.{MODULE_PARENT[module]}.{module}"
 
 
 def parse_config(name: str, raw: bytes, limits: AdapterLimits) -> PeftConfig:

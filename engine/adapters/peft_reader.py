@@ -34,7 +34,7 @@ ALLOWED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bflo
 # The decoder's layers as PEFT names them: under `model.`, or a multimodal Gemma 3's language model (transformers 5
 # and 4 layouts, engine/model/weights.py)
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.(?:language_model\.)?|language_model\.model\.)layers\.(?P<layer>\d+)\."
+    r"^(?:base_model\.model\.)?(?P<prefix>model\.(?:language_model\.)?|language_model\.model\.)layers\.(?P<layer>\d+)\."
     r"(?P<parent>self_attn|mlp)\.(?P<module>\w+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
 )
 
@@ -47,15 +47,15 @@ def read_adapter_spec(name: str, path: str | Path, model: ModelConfig, limits: A
     config = parse_config(name, config_bytes, limits)
     weights_file = root / WEIGHTS_FILE
     header, num_weight_bytes = read_header(name, weights_file)
-    tensor_names, shapes = _index_tensors(name, header, model)
-    ranks = _module_ranks(name, config, tensor_names, shapes, model, limits)
+    tensor_names, shapes, prefix = _index_tensors(name, header, model)
+    ranks = _module_ranks(name, config, tensor_names, shapes, model, limits, prefix)
     return AdapterSpec(
         name=name,
         path=str(root),
         revision=_revision(name, config_bytes, weights_file, num_weight_bytes),
         num_weight_bytes=num_weight_bytes,
         ranks=ranks,
-        scales=_module_scales(name, config, tensor_names),
+        scales=_module_scales(name, config, tensor_names, prefix),
         tensor_names=tensor_names,
         base_model=config.base_model,
         use_rslora=config.use_rslora,
@@ -131,10 +131,12 @@ def _read_file(name: str, path: Path, max_bytes: int) -> bytes:
 
 
 def _index_tensors(name: str, header: dict, model: ModelConfig):
-    """(layer, PEFT module) -> (A key, B key), and key -> shape. Rejects keys the engine cannot apply: a module the
-    served model does not have (q_proj of Phi-3, whose checkpoint fuses it into qkv_proj) included."""
+    """(layer, PEFT module) -> (A key, B key), key -> shape, and the prefix of the modules' names (module_name).
+    Rejects keys the engine cannot apply: a module the served model does not have (q_proj of Phi-3, whose checkpoint
+    fuses it into qkv_proj) included."""
     found: dict[tuple[int, str], dict[str, str]] = {}
     shapes = {}
+    prefixes = set()
     modules = model.family.peft_modules
     for key, entry in header.items():
         match = _KEY.match(key)
@@ -149,23 +151,27 @@ def _index_tensors(name: str, header: dict, model: ModelConfig):
             raise InvalidAdapter(name, "dtype", f"tensor {key!r} is {entry['dtype']}", limit=sorted(ALLOWED_DTYPES))
         found.setdefault((layer, match["module"]), {})[match["ab"]] = key
         shapes[key] = tuple(entry["shape"])
+        prefixes.add(match["prefix"])
     if not found:
         raise InvalidAdapter(name, WEIGHTS_FILE, "holds no LoRA tensors", limit="lora_A/lora_B weights")
+    if len(prefixes) > 1:
+        raise AdapterTargetUnsupported(name, "target_modules", f"tensors name the decoder layers under "
+                                       f"{sorted(prefixes)}", limit="one model's layers")
     for (layer, module), pair in found.items():
         if set(pair) != {"A", "B"}:
             missing = "lora_B" if "A" in pair else "lora_A"
             raise AdapterShapeMismatch(name, WEIGHTS_FILE, f"layer {layer} {module} has no {missing}",
                                        limit="lora_A and lora_B")
-    return {k: (v["A"], v["B"]) for k, v in sorted(found.items())}, shapes
+    return {k: (v["A"], v["B"]) for k, v in sorted(found.items())}, shapes, prefixes.pop()
 
 
 def _module_ranks(name: str, config: PeftConfig, tensor_names, shapes, model: ModelConfig,
-                  limits: AdapterLimits) -> dict[str, int]:
+                  limits: AdapterLimits, prefix: str) -> dict[str, int]:
     """Engine module -> rank (a fused module's rank for each module it holds)."""
     ranks: dict[str, int] = {}
     for (layer, module), (a_key, b_key) in tensor_names.items():
         rank = _tensor_rank(name, a_key, b_key, shapes, model.module_dims(module))
-        expected = config.module_rank(layer, module)
+        expected = config.module_rank(layer, module, prefix)
         if rank != expected:  # PEFT refuses these tensors (a size mismatch when it loads them)
             raise AdapterShapeMismatch(name, a_key, f"{module} in layer {layer} has rank {rank} tensors, but the "
                                        f"config gives it rank {expected} (r or rank_pattern)", limit=expected)
@@ -198,11 +204,11 @@ def _as_matrix(name: str, key: str, shapes: dict) -> tuple[int, int]:
     return shape
 
 
-def _module_scales(name: str, config: PeftConfig, tensor_names) -> dict[str, float]:
+def _module_scales(name: str, config: PeftConfig, tensor_names, prefix: str) -> dict[str, float]:
     """PEFT's scaling per engine module (`PeftConfig.module_scale`), which must be the same in every layer."""
     scales: dict[str, float] = {}
     for layer, peft_module in tensor_names:
-        scale = config.module_scale(layer, peft_module)
+        scale = config.module_scale(layer, peft_module, prefix)
         for module in engine_modules(peft_module):
             if module in scales and abs(scales[module] - scale) > 1e-12 * max(1.0, abs(scale)):
                 raise InvalidAdapter(name, "alpha_pattern", f"{peft_module} scale differs across layers "

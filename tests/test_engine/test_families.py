@@ -153,7 +153,7 @@ def test_llama_adapter_names_are_refused_on_phi3(families, tmp_path):
 @pytest.fixture(scope="module")
 def gemma3_multimodal(tmp_path_factory):
     """A tiny multimodal Gemma 3 checkpoint (language model under language_model, a one-layer vision tower) and a PEFT
-    adapter on its language model's q/v projections."""
+    adapter on its language model's q/v projections, with rank and alpha patterns."""
     from peft import LoraConfig, get_peft_model
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -173,7 +173,10 @@ def gemma3_multimodal(tmp_path_factory):
     _perturb_defaults(model.model.language_model, torch.Generator().manual_seed(1))
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", lora_dropout=0.0)
+    # pattern keys that name the language model: matched against its own module names
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", lora_dropout=0.0,
+                      rank_pattern={r"language_model\.layers\.\d+\.self_attn\.v_proj": 6},
+                      alpha_pattern={r"model\.language_model\.layers\.\d+\.self_attn\.q_proj": 32})
     peft_model = get_peft_model(model, lora)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
