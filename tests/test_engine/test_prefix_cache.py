@@ -65,12 +65,14 @@ def hits(results) -> list[int]:
     return [r.num_cached_tokens for r in results]
 
 
+@pytest.mark.parametrize("is_async", [False, True])  # async: blocks are cached only once their step is read back
 def test_adapters_and_base_sharing_a_prompt_hit_only_their_own_blocks(llama, greedy, prompt_ids, reference,
-                                                                      peft_reference):
+                                                                      peft_reference, is_async):
     prompt = prompt_ids(1, PROMPT_LEN)
     names = [None, *ADAPTERS]
     requests = [(prompt, name, None) for name in names] * 2
-    llm, off = make_llm(llama), make_llm(llama, enable_prefix_caching=False)
+    llm = make_llm(llama, async_scheduling=is_async)
+    off = make_llm(llama, enable_prefix_caching=False)
     try:
         results = generate_each(llm, requests, greedy)
         assert hits(results) == [0] * len(names) + [NUM_HIT] * len(names)
@@ -208,15 +210,16 @@ def test_eviction_pressure(llama, greedy, prompt_ids, reference, peft_reference)
     assert_matches_peft(reference, peft_reference, results, requests)
 
 
+@pytest.mark.parametrize("is_async", [False, True])  # async: a request preempted while its step is in flight
 def test_preempted_requests_resume_from_their_cached_blocks(llama, prompt_ids, reference, peft_reference,
-                                                           monkeypatch):
+                                                           monkeypatch, is_async):
     """Too few blocks for the batch: requests are preempted, and at re-admission take the blocks they had
     cached (those not evicted meanwhile), so their prefill starts at the first uncached token. One adapter, so a
     preempted request is the first one back (another key's request could take its blocks first)."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     prompts = [prompt_ids(20 + i, PROMPT_LEN) for i in range(4)]
     names = ["r8-all"] * 4
-    llm = make_llm(llama, num_kv_blocks=20, max_model_len=64)
+    llm = make_llm(llama, num_kv_blocks=20, max_model_len=64, async_scheduling=is_async)
     off = make_llm(llama, num_kv_blocks=20, max_model_len=64, enable_prefix_caching=False)
     resumed = []
     take = llm.engine._blocks.take_cached
