@@ -141,6 +141,7 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 class OperatorCounters:
     """Read from the operator's /metrics (the pool's series)."""
     passes: float
+    whole_passes: float  # passes that read every adapter and model list (the others: for changed adapters only)
     pass_seconds: float  # the passes' durations summed
     loads: float
     unloads: float
@@ -163,6 +164,7 @@ def read_operator_metrics(port: int) -> OperatorCounters:
             key = name
         totals[key] = totals.get(key, 0.0) + value
     return OperatorCounters(totals.get("kubelora_operator_reconcile_passes_total", 0.0),
+                            totals.get("kubelora_operator_reconcile_whole_passes_total", 0.0),
                             totals.get("kubelora_operator_reconcile_duration_seconds_sum", 0.0),
                             totals.get("load", 0.0) + totals.get("load_error", 0.0),
                             totals.get("unload", 0.0) + totals.get("unload_error", 0.0),

@@ -92,6 +92,7 @@ class PhaseResult:
     cpu_s: dict[str, float]  # process name -> CPU seconds in the window
     operator_memory: Memory  # at its end
     passes: int
+    whole_passes: int  # of `passes`, those that read every adapter and model list
     pass_seconds: float  # the passes' durations summed
     operator_calls: int  # loads and unloads by the operator's metrics (errors included)
     call_errors: int
@@ -166,6 +167,7 @@ async def run_phase(fleet: Fleet, name: str, subject: Collection[str], act: Call
     counters = [after.counters, before.counters]
     return PhaseResult(name, len(subject), acted - before.at, after.at - before.at, cpu, after.operator_memory,
                        round(counters[0].passes - counters[1].passes),
+                       round(counters[0].whole_passes - counters[1].whole_passes),
                        counters[0].pass_seconds - counters[1].pass_seconds,
                        round(counters[0].loads + counters[0].unloads - counters[1].loads - counters[1].unloads),
                        round(counters[0].call_errors - counters[1].call_errors),
