@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from kubelora.bench.serve_client import RequestRecord
+from kubelora.bench.serve_targets import target_lines
 
 NOT_REPORTED = "not reported"
 
@@ -160,6 +161,7 @@ def retention_lines(rows: list[RateRow]) -> list[str]:
 
 
 def render_markdown(rows: list[RateRow], env: dict[str, str], settings: dict[str, str], slo: Slo) -> str:
+
     text = ["# `kubelora bench serve` (written by the command)", "",
             *[f"- {k}: {v}" for k, v in {**env, **settings}.items()],
             f"- SLO: TTFT p99 <= {slo.ttft_p99_s * 1000:g} ms, TPOT p99 <= {slo.tpot_p99_s * 1000:g} ms", "",
@@ -168,6 +170,7 @@ def render_markdown(rows: list[RateRow], env: dict[str, str], settings: dict[str
     retention = retention_lines(rows)
     if retention:
         text += ["Retention (max goodput by registered adapters):", "", *retention, ""]
+    text += ["## Targets", "", *target_lines(rows), ""]
     errors = [f"- {r.key}: {r.first_error}" for r in rows if r.first_error]
     if errors:
         text += ["First error per row:", "", *errors, ""]

@@ -4,6 +4,7 @@ preset against a tiny model (the H200 run is its own command; here every code pa
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -176,3 +177,28 @@ def test_bench_serve_no_prefix_workload_runs_on_cpu(tiny_model: Path, tmp_path: 
     [row] = _rows(rows_path)
     assert row.workload == "no-prefix" and row.cache in ("on", "default")
     _assert_sane(row)
+
+
+def _row(run: str, mode: str, workload: str, count: int, cache: str, rate: float, ttft: float, meets: bool,
+         out_tokens: float = 100.0) -> RateRow:
+    row = rate_row(run, mode, workload, count, cache, rate, [_record(ttft, ttft + 0.2)], Slo(), None)
+    return replace(row, meets_slo=meets, goodput=rate if meets else 0.0, output_tokens_per_s=out_tokens)
+
+
+def test_targets_say_met_or_missed_by_how_much():
+    from kubelora.bench.serve_targets import target_lines
+
+    rows = [_row("off", "sweep", "chat", 10, "off", 1, 0.5, True),
+            _row("off", "sweep", "chat", 10, "off", 2, 0.9, False),
+            _row("on", "sweep", "chat", 10, "on", 1, 0.1, True), _row("on", "sweep", "chat", 10, "on", 2, 0.2, True),
+            _row("np-on", "sweep", "no-prefix", 10, "on", 4, 0.1, True, out_tokens=97.0),
+            _row("np-off", "sweep", "no-prefix", 10, "off", 4, 0.1, True, out_tokens=100.0),
+            _row("r5", "retention", "uniform", 5, "off", 4, 0.1, True),
+            _row("r2000", "retention", "uniform", 2000, "off", 4, 0.1, False),
+            _row("r2000", "retention", "uniform", 2000, "off", 2, 0.1, True)]
+    text = "\n".join(target_lines(rows))
+    assert "TTFT p50 at 1 req/s" in text and "0.20x with the cache, target <= 0.3x: met" in text
+    assert "max goodput with/without the cache: 2.00x, target >= 2x: met" in text
+    assert "lost to the cache: 3.0%, target <= 2%: MISSED by 0.01" in text
+    assert "retention, max goodput at 2000 / 5 adapters (cache off): 0.500x, target >= 0.95x: MISSED by 0.45" in text
+    assert target_lines([]) == ["- retention, max goodput at 2000 / 5 adapters >= 0.95x: not measured"]
