@@ -83,11 +83,12 @@ class PoolReconciler:
         self._warned_secrets: frozenset[tuple[str, str]] = frozenset()  # (Secret, version) refused, event posted
         self._refusals = RefusalMemory()  # the routers' key refusals told so far (_tell_refusals)
         self._last: _LastPass | None = None
-        self._whole_at = -float("inf")  # time.monotonic() the last whole pass started
+        self._whole_at = -float("inf")  # time.monotonic() the last whole pass ended
 
     @property
     def whole_pass_due_s(self) -> float:
-        """Seconds until a whole pass is due (passes for changed adapters do not count)."""
+        """Seconds until a whole pass is due: `resync_s` after the last one ended (passes for changed adapters do
+        not count)."""
         return max(self._whole_at + self._settings.resync_s - time.monotonic(), 0.0)
 
     async def reconcile(self, changed: frozenset[str] | None = None) -> None:
@@ -104,11 +105,18 @@ class PoolReconciler:
             await self._patch_pool(body, invalid_pool_status(self.name, body, Failure(exc.reason, str(exc))))
             return
         change = self._change(changed, pool)
-        if change is None:
-            self._whole_at = time.monotonic()
+        last, self._last = self._last, None  # kept only by a pass that ends: after a failed one, a whole pass
+        try:
+            self._last = await self._pass(body, pool, change, last)
+        finally:
+            if change is None:
+                self._whole_at = time.monotonic()
+
+    async def _pass(self, body: dict, pool: PoolSpec, change: Change | None, last: _LastPass | None) -> _LastPass:
+        if change is None or last is None:
             view, clients = await self._fetch(body, pool)
         else:
-            view, clients = await self._fetch_changed(body, pool, change.adapters)
+            view, clients = await self._fetch_changed(body, pool, change.adapters, last)
         self.observed_urls = dict(view.observation.urls)
         self.observed_tokens = {url: clients.token(pod) for pod, url in view.observation.urls.items()}
         plan, self._memory = plan_pass(view, self._memory, time.time(), change)
@@ -120,9 +128,6 @@ class PoolReconciler:
         routers = await self._ask_routers(pool, publication)
         report = report_publication(view, plan, publication, routers)
         self._memory = report.memory  # only once the placement it records is written
-        after = replace(view.observation, adapters=publication.holdings.held)
-        self._last = _LastPass(replace(view, observation=after, stored=None), plan, clients,
-                               frozenset(adapter_name(result.action) for result in results))
         self.next_pass_s = min(report.next_pass_s or KEY_RETRY_S, KEY_RETRY_S) if is_keys_behind else \
             report.next_pass_s
         if self._on_released is not None and report.released:
@@ -133,6 +138,9 @@ class PoolReconciler:
         is_heal_due = self._take_heal_request() or self._is_token_new
         if is_heal_due or time.monotonic() - self._healed_at >= self._settings.resync_s:
             await self._heal_owned(pool, body)
+        after = replace(view.observation, adapters=publication.holdings.held)
+        return _LastPass(replace(view, observation=after, stored=None), plan, clients,
+                         frozenset(adapter_name(result.action) for result in results))
 
     async def _tell_refusals(self, view: PoolView, routers: RouterView) -> None:
         """A Warning event on each adapter whose requests the routers refused on their API key since its last
@@ -171,10 +179,9 @@ class PoolReconciler:
         adapters = changed | last.called | due
         return Change(last.plan, adapters) if len(adapters) <= MAX_CHANGED_ADAPTERS else None
 
-    async def _fetch_changed(self, body: dict, pool: PoolSpec, changed: frozenset[str]) -> tuple[PoolView, _PodClients]:
+    async def _fetch_changed(self, body: dict, pool: PoolSpec, changed: frozenset[str],
+                             last: _LastPass) -> tuple[PoolView, _PodClients]:
         """The last pass's view with the pool and the `changed` adapters' objects (and their Secrets) read again."""
-        last = self._last
-        assert last is not None
         found = await asyncio.gather(*(self._kube.get_custom(names.ADAPTER_PLURAL, self.namespace, name)
                                        for name in sorted(changed)))
         fresh = {a["metadata"]["name"]: a for a in found

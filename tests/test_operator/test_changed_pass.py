@@ -231,3 +231,24 @@ async def test_the_metrics_count_whole_passes_and_keep_every_adapters_phase(pool
     assert sample("kubelora_operator_reconcile_whole_passes_total") == 1
     assert sample("kubelora_operator_adapters", phase="Ready") == NUM_ADAPTERS - 1
     assert sample("kubelora_operator_adapters", phase="Failed") == 1
+
+
+async def test_after_a_failed_pass_the_next_is_whole(pool):
+    kube, engines, reconciler = pool
+
+    def num_lists() -> int:
+        return sum(e.num_lists for e in engines.values())
+
+    patch_status = kube.patch_status
+
+    async def refuse(*_args, **_kwargs):
+        raise aiohttp.ClientConnectionError("refused")
+
+    kube.patch_status = refuse  # the pass loads the new adapters, then fails writing their statuses
+    with pytest.raises(aiohttp.ClientError):
+        await reconciler.reconcile(create(kube))
+    kube.patch_status = patch_status
+    before = num_lists()
+    await reconciler.reconcile(frozenset({"new0"}))
+    assert num_lists() == before + len(engines)  # it read every pod again
+    assert all(kube.status(name)["phase"] == "Ready" for name in ("new0", "new1", "new2"))
