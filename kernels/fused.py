@@ -85,21 +85,20 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_
         residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded as `hidden + delta` is
         tl.store(residual_out_ptr + row * residual_out_stride + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    mean_sq = tl.sum(x32 * x32, axis=0) / hidden
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = _scaled_norm(x, weight, hidden, eps, IS_UNIT_OFFSET, -1)
+    out = _scale_normed(x32 * tl.rsqrt(mean_sq + eps), weight, x.dtype, IS_UNIT_OFFSET)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _scaled_norm(x, weight, dim, eps, IS_UNIT_OFFSET: tl.constexpr, AXIS: tl.constexpr):
-    """`rms_norm_torch` of x over AXIS (masked elements 0), weight broadcast against it; float32 values of the
-    result's rounding to x's dtype (Llama's form: weight times the rounded norm, then rounded by the caller)."""
-    x32 = x.to(tl.float32)
-    mean_sq = tl.sum(x32 * x32, axis=AXIS) / dim
-    normed = x32 * tl.expand_dims(tl.rsqrt(mean_sq + eps), AXIS)
+def _scale_normed(normed, weight, dtype, IS_UNIT_OFFSET: tl.constexpr):
+    """`rms_norm_torch`'s scaling of the float32 norm: Llama's weight times the norm rounded to dtype (rounded again
+    by the caller's store), or Gemma's (1 + weight) times the norm in float32, rounded to dtype once."""
     if IS_UNIT_OFFSET:
-        return (normed * (1.0 + weight.to(tl.float32))).to(x.dtype).to(tl.float32)
-    return weight.to(tl.float32) * normed.to(x.dtype).to(tl.float32)
+        return (normed * (1.0 + weight.to(tl.float32))).to(dtype).to(tl.float32)
+    return weight.to(tl.float32) * normed.to(dtype).to(tl.float32)
 
 
 def _norm_warps(block: int) -> int:
@@ -159,8 +158,10 @@ def _head_rms_norm_kernel(x_ptr, weight_ptr, token_stride, head_stride, num_head
     mask = (heads[:, None] < num_heads) & (cols[None, :] < head_dim)
     ptrs = x_ptr + token * token_stride + heads[:, None].to(tl.int64) * head_stride + cols[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    mean_sq = tl.sum(x32 * x32, axis=1) / head_dim
     weight = tl.load(weight_ptr + cols, mask=cols < head_dim, other=0.0)
-    out = _scaled_norm(x, weight[None, :], head_dim, eps, IS_UNIT_OFFSET, 1)
+    out = _scale_normed(x32 * tl.rsqrt(mean_sq + eps)[:, None], weight[None, :], x.dtype, IS_UNIT_OFFSET)
     tl.store(ptrs, out.to(x.dtype), mask=mask)
 
 

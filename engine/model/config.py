@@ -109,9 +109,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES} (gemma3: served text-only), got "
-                             f"{self.model_type!r}")
+        check_model_type(self.model_type)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
@@ -201,11 +199,16 @@ def model_config_from_hf(hf_config, model_dir: str | Path) -> ModelConfig:
     )
 
 
-def _check_supported(text) -> None:
-    """Refuse what the decoder does not compute, naming the field (the families' variants it does not serve)."""
-    if text.model_type not in FAMILIES:
+def check_model_type(model_type: str) -> None:
+    if model_type not in FAMILIES:
         raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES} (gemma3: served text-only), got "
-                         f"{text.model_type!r}")
+                         f"{model_type!r}")
+
+
+def _check_supported(text) -> None:
+    """Refuse what the decoder does not compute, naming the field (the families' variants it does not serve); the
+    model_type first, before any field a foreign config may not have."""
+    check_model_type(text.model_type)
     if getattr(text, "use_bidirectional_attention", None):
         raise ValueError("use_bidirectional_attention must be false or null: the engine serves causal decoders")
     for params in _rope_parameter_sets(text):

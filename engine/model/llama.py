@@ -94,7 +94,8 @@ class DecoderModel:
         """token_ids: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         angles: _Angles = {}
         if not self.is_fused:
-            angles = {id(rope): rope.cos_sin(ctx.positions, self.dtype) for rope in self.ropes}
+            distinct = {id(rope): rope for rope in self.ropes}
+            angles = {key: rope.cos_sin(ctx.positions, self.dtype) for key, rope in distinct.items()}
         hidden, residual = F.embedding(token_ids, self.weights.embed), None
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale

@@ -13,10 +13,10 @@ from kubelora.engine.model.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Where a checkpoint keeps its language model: plain decoders, then multimodal Gemma 3 as transformers 5 and
-# transformers 4 save it (its lm_head, when stored, beside the decoder: `LM_HEADS` in the same order).
-DECODER_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
-LM_HEADS = ("lm_head.weight", "lm_head.weight", "language_model.lm_head.weight")
+# Where a checkpoint keeps its language model -> its lm_head's name, when stored: plain decoders, then the two
+# layouts of multimodal Gemma 3 checkpoints (both read by transformers 5)
+DECODERS = {"model.": "lm_head.weight", "model.language_model.": "lm_head.weight",
+            "language_model.model.": "language_model.lm_head.weight"}
 # Norm role -> its weight's name inside a decoder layer. "pre_mlp" is Llama's post_attention_layernorm and
 # Gemma's pre_feedforward_layernorm; with post-norms (Gemma) post_attention_layernorm is the attention output's.
 NORMS = {"input": "input_layernorm", "pre_mlp": "post_attention_layernorm", "q": "self_attn.q_norm",
@@ -87,11 +87,10 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
     reader = CheckpointReader(Path(model_dir))
-    found = [i for i, prefix in enumerate(DECODER_PREFIXES) if reader.has(f"{prefix}embed_tokens.weight")]
+    found = [prefix for prefix in DECODERS if reader.has(f"{prefix}embed_tokens.weight")]
     if not found:
-        raise ValueError(f"checkpoint tensor 'model.embed_tokens.weight' is missing (looked under "
-                         f"{DECODER_PREFIXES})")
-    prefix, lm_head_name = DECODER_PREFIXES[found[0]], LM_HEADS[found[0]]
+        raise ValueError(f"checkpoint tensor 'model.embed_tokens.weight' is missing (looked under {list(DECODERS)})")
+    prefix, lm_head_name = found[0], DECODERS[found[0]]
     embed = reader.get(f"{prefix}embed_tokens.weight", dtype)
     lm_head = embed if config.tie_word_embeddings or not reader.has(lm_head_name) else reader.get(lm_head_name, dtype)
     layers = [_load_layer(reader, f"{prefix}layers.{i}.", config, dtype) for i in range(config.num_layers)]
