@@ -102,6 +102,22 @@ def test_a_longer_prompt_hits_its_shared_prefix_and_a_batch_shares_blocks(llama,
         llm.close(), off.close()
 
 
+def test_a_next_turn_finds_the_blocks_its_answer_filled(llama, greedy, prompt_ids, reference, peft_reference):
+    """A chat's next turn carries the previous answer: the blocks decode steps filled are cached too (the first
+    turn computed 23 prompt + 5 fed generated tokens: 7 full blocks)."""
+    prompt = prompt_ids(9, PROMPT_LEN)
+    llm, off = make_llm(llama), make_llm(llama, enable_prefix_caching=False)
+    try:
+        first = generate_each(llm, [(prompt, "r32-attn", None)], greedy)[0]
+        turn = prompt + first.token_ids + prompt_ids(19, 5)
+        second = generate_each(llm, [(turn, "r32-attn", None)], greedy)
+        assert hits(second) == [28]
+        assert_same(second, generate_each(off, [(turn, "r32-attn", None)], greedy))
+    finally:
+        llm.close(), off.close()
+    assert_matches_peft(reference, peft_reference, second, [(turn, "r32-attn", None)])
+
+
 def test_in_place_revision_of_the_same_name_reuses_nothing(llama, greedy, prompt_ids, reference, peft_reference,
                                                            monkeypatch):
     """The revision in the key alone keeps the old revision's blocks away: the eager drop at unload is turned off
@@ -297,3 +313,32 @@ def test_requests_needing_prompt_logprobs_compute_their_whole_prompt(llama, prom
         llm.close()
     assert (first.num_cached_tokens, with_logprobs.num_cached_tokens, again.num_cached_tokens) == (0, 0, NUM_HIT)
     assert len(with_logprobs.prompt_logprobs) == PROMPT_LEN - 1
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_and_overlapped_steps_on_a_cached_prefix(llama, prompt_ids, peft_reference):
+    """On CUDA (graphs, overlapped steps, the Triton LoRA kernels): requests after a cached prefix, alone (a graph-
+    replayed prefill chunk) and in a batch (graph-replayed decode over shared blocks), give the cache-off tokens."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    shared = prompt_ids(60, 33)
+    prompts = [shared + prompt_ids(61 + i, 2 + 3 * i) for i in range(6)]
+    names = [None, "r4-qv", "r8-all", None, "r16-all-rs", "r32-attn"]
+    requests = [(p, n, None) for p, n in zip(prompts, names)]
+    runs = {}
+    for is_cached in (True, False):
+        llm = make_llm(llama, device="cuda", dtype="float32", max_num_seqs=16, kv_block_size=16,
+                       enable_prefix_caching=is_cached)
+        try:
+            alone = generate_each(llm, requests, params)
+            batch = llm.generate(prompts * 2, params, adapters=names * 2)
+            runs[is_cached] = (alone, batch)
+        finally:
+            llm.close()
+    (alone, batch), (alone_off, batch_off) = runs[True], runs[False]
+    assert hits(alone) == [0, 0, 0, 32, 0, 0] and all(h >= 32 for h in hits(batch))
+    assert [r.token_ids for r in alone + batch] == [r.token_ids for r in alone_off + batch_off]
+    build_reference, reference_logits = peft_reference
+    reference = build_reference(llama, device="cuda")
+    for (prompt, name, _), result in zip(requests * 3, alone + batch):
+        logits = reference_logits(reference, name, prompt + result.token_ids[:-1])
+        assert logits[len(prompt) - 1:].argmax(-1).tolist() == result.token_ids, name
