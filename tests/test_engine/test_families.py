@@ -210,3 +210,38 @@ def test_multimodal_gemma3_is_served_text_only(gemma3_multimodal, prompt_ids, pe
         assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
         assert (result.logits - expected[len(prompt) - 1 :]).abs().max() < TOL, name
     assert results[0].token_ids != results[1].token_ids or (results[0].logits - results[1].logits).abs().max() > 1e-2
+
+
+# ---- on the GPU (marker gpu: deselected without one) ----------------------------------------------------------
+
+CUDA_TOLERANCE = 3e-2  # float32 logits: Triton's tl.dot may use TF32 (tests/test_engine/test_cuda.py)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_cuda_mixed_batch_matches_transformers_peft(arch, enforce_eager, families, prompt_ids, peft_reference):
+    """The CUDA path (graphs replayed, or every step eager): Triton attention, fused ops and LoRA kernels."""
+    material = families(arch)
+    prompts = [prompt_ids(i, (24 if arch == "phi3" else 12) + 3 * i) for i in range(len(BATCH))]
+    results = generate(material, prompts, BATCH, device="cuda", dtype="float32", lora_backend="triton",
+                       enforce_eager=enforce_eager)
+    build_reference, reference_logits = peft_reference
+    reference = build_reference(material, "cuda")
+    for name, prompt, result in zip(BATCH, prompts, results):
+        expected = reference_logits(reference, name, prompt + result.token_ids[:-1]).cpu()
+        assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
+        got = torch.cat([result.prompt_logits, result.logits[1:]])
+        assert float((got - expected).abs().max()) < CUDA_TOLERANCE, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_cuda_bfloat16_close_to_float32(arch, families, prompt_ids):
+    material = families(arch)
+    prompts = [prompt_ids(i, (24 if arch == "phi3" else 12) + 3 * i) for i in range(len(BATCH))]
+    fp32 = generate(material, prompts, BATCH, device="cuda", dtype="float32", lora_backend="torch")
+    bf16 = generate(material, prompts, BATCH, device="cuda", dtype="bfloat16", lora_backend="triton")
+    for a, b in zip(fp32, bf16):  # bf16 moves the tiny models' logits by ~5-7% of their range (test_cuda.py)
+        rel = float((a.prompt_logits - b.prompt_logits).abs().max() / a.prompt_logits.abs().max())
+        assert rel < 0.15, rel
