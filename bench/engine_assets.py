@@ -64,6 +64,8 @@ class ModelShape:
 SHAPES = {
     "7b": ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008,
                      vocab_size=32000),  # Llama-2-7B
+    "8b": ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                     vocab_size=128256, max_position_embeddings=131072),  # Llama-3.1-8B (GQA: 128 KiB of KV a token)
     "tiny": ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                        vocab_size=512, max_position_embeddings=2048),
 }

@@ -74,14 +74,6 @@ class ServeBenchConfig:
         return self.retention_counts if self.mode == "retention" else (self.workload.num_adapters,)
 
 
-def llama31_8b_shape():
-    """Llama-3.1-8B: GQA with 8 KV heads (128 KiB of bf16 KV per token), 128k positions."""
-    from kubelora.bench.engine_assets import SHAPES, with_overrides
-
-    return with_overrides(SHAPES["7b"], num_kv_heads=8, intermediate_size=14336, vocab_size=128256,
-                          max_position_embeddings=131072)
-
-
 # ---- assets ----
 
 def prepare_model(config: ServeBenchConfig, workdir: Path) -> Path:
@@ -89,7 +81,7 @@ def prepare_model(config: ServeBenchConfig, workdir: Path) -> Path:
 
     model_dir = config.model_dir or workdir / "model"
     if not (model_dir / "config.json").exists():
-        shape = llama31_8b_shape() if config.shape == "8b" else SHAPES[config.shape]
+        shape = SHAPES[config.shape]
         write_model(model_dir, shape, config.device)
     return model_dir
 
