@@ -1,6 +1,6 @@
-"""The decoder's small ops fused into one Triton launch each: residual add + RMSNorm (w or Gemma's 1 + w), RMSNorm of
-each q/k head in place, SiLU x mul and GeGLU (tanh GELU x mul), rotary in place (alone, or with the layer's KV-cache
-write: `rotary_kv_cache_`).
+"""The decoder's small ops fused into one Triton launch each: residual add + RMSNorm (w or Gemma's 1 + w), SiLU x mul
+and GeGLU (tanh GELU x mul), rotary in place (alone, or with the layer's KV-cache write: `rotary_kv_cache_`, which
+also applies the per-head q/k RMSNorm of Qwen3 and Gemma 3 before it rotates).
 
 Each op's plain-torch reference sits beside it with the same signature and computes, op for op, what
 engine/model/llama.py (`rms_norm`, `hidden + delta`, `F.silu(gate) * up`) and engine/model/rope.py
@@ -18,6 +18,8 @@ once eagerly per shape before capturing it (the first call compiles).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -138,49 +140,26 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, summed
 
 
-# ---- RMSNorm of each q/k head, in place ---------------------------------------------------------------------
+# ---- RMSNorm of each q/k head (reference) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadNorms:
+    """Qwen3's and Gemma 3's RMSNorm of each q and k head over head_dim, before RoPE (`head_rms_norm_torch_`)."""
+
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor  # [head_dim]
+    eps: float
+    is_unit_offset: bool  # Gemma 3: scale by (1 + weight)
 
 
 def head_rms_norm_torch_(x: torch.Tensor, weight: torch.Tensor, eps: float, is_unit_offset: bool = False) -> None:
     """Reference, in place: each head x[t, h] <- `rms_norm_torch(x[t, h], weight, eps, is_unit_offset)`.
 
-    x: [num_tokens, num_heads, head_dim] (a view of a fused qkv output allowed); weight: [head_dim].
+    x: [num_tokens, num_heads, head_dim] (a view of a fused qkv output allowed); weight: [head_dim]. The Triton
+    version runs inside `rotary_kv_cache_` (its `norms`).
     """
     x.copy_(rms_norm_torch(x, weight, eps, is_unit_offset))
-
-
-@triton.jit
-def _head_rms_norm_kernel(x_ptr, weight_ptr, token_stride, head_stride, num_heads, head_dim, eps,
-                          IS_UNIT_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_heads) & (cols[None, :] < head_dim)
-    ptrs = x_ptr + token * token_stride + heads[:, None].to(tl.int64) * head_stride + cols[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    x32 = x.to(tl.float32)
-    mean_sq = tl.sum(x32 * x32, axis=1) / head_dim
-    weight = tl.load(weight_ptr + cols, mask=cols < head_dim, other=0.0)
-    out = _scale_normed(x32 * tl.rsqrt(mean_sq + eps)[:, None], weight[None, :], x.dtype, IS_UNIT_OFFSET)
-    tl.store(ptrs, out.to(x.dtype), mask=mask)
-
-
-def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, is_unit_offset: bool = False) -> None:
-    """Triton, in place: each head x[t, h] <- `rms_norm_torch(x[t, h], weight, eps, is_unit_offset)`.
-
-    Same arguments and roundings as `head_rms_norm_torch_`; x may be strided over tokens and heads (contiguous
-    head_dim). A program per (token, block of heads).
-    """
-    _check_device(x)
-    num_tokens, num_heads, head_dim = x.shape
-    assert x.dtype in FLOAT_DTYPES and x.stride(2) == 1 and weight.shape == (head_dim,) and weight.stride(0) == 1
-    if num_tokens == 0:
-        return
-    block_h = min(4, triton.next_power_of_2(num_heads))
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
-    _head_rms_norm_kernel[grid](x, weight, x.stride(0), x.stride(1), num_heads, head_dim, float(eps),
-                                IS_UNIT_OFFSET=is_unit_offset, BLOCK_H=block_h,
-                                BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1)
 
 
 # ---- SiLU x mul and GeGLU ---------------------------------------------------------------------------------------
@@ -307,8 +286,11 @@ def rotate_rounded(x, partner, cos, sin, sign, dtype):
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_stride, cos, sin, half,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotates heads [first_head, first_head + BLOCK_H) of one token's row at x_ptr into out_ptr (may be x_ptr)."""
+                  norm_ptr, eps, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                  IS_UNIT_OFFSET: tl.constexpr):
+    """Rotates heads [first_head, first_head + BLOCK_H) of one token's row at x_ptr into out_ptr (may be x_ptr);
+    HAS_NORM: each head RMS-normed over head_dim by the [head_dim] weight at norm_ptr first (`head_rms_norm_torch_`,
+    rounded to the dtype as it is before the rotation)."""
     heads = first_head + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < num_heads) & (cols[None, :] < half)
@@ -318,6 +300,12 @@ def _rotate_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_s
     x2 = tl.load(ptrs + half, mask=mask, other=0.0)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(norm_ptr + cols, mask=cols < half, other=0.0)[None, :]
+        w2 = tl.load(norm_ptr + half + cols, mask=cols < half, other=0.0)[None, :]
+        x1 = _scale_normed(x1 * rstd, w1, dtype, IS_UNIT_OFFSET).to(dtype).to(tl.float32)
+        x2 = _scale_normed(x2 * rstd, w2, dtype, IS_UNIT_OFFSET).to(dtype).to(tl.float32)
     tl.store(out_ptrs, rotate_rounded(x1, x2, cos, sin, -1.0, dtype), mask=mask)
     tl.store(out_ptrs + half, rotate_rounded(x2, x1, cos, sin, 1.0, dtype), mask=mask)
 
@@ -336,8 +324,9 @@ def _copy_heads(x_ptr, out_ptr, first_head, num_heads, head_stride, out_head_str
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, key_cache_ptr, value_cache_ptr, slots_ptr,
                    attention_scaling, q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
                    v_head_stride, cache_slot_stride, cache_head_stride, num_heads, num_kv_heads, half,
-                   skip_ptr, HAS_CACHE: tl.constexpr, SKIP_ADAPTED: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr):
+                   skip_ptr, q_norm_ptr, k_norm_ptr, eps, HAS_CACHE: tl.constexpr, SKIP_ADAPTED: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                   IS_UNIT_OFFSET: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     num_q_blocks = tl.cdiv(num_heads, BLOCK_H)
@@ -357,17 +346,18 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, key_cache_p
     elif block < num_q_blocks:
         q_row = q_ptr + token * q_token_stride
         _rotate_heads(q_row, q_row, block * BLOCK_H, num_heads, q_head_stride, q_head_stride, cos, sin, half,
-                      BLOCK_H, BLOCK_HALF)
+                      q_norm_ptr, eps, BLOCK_H, BLOCK_HALF, HAS_NORM, IS_UNIT_OFFSET)
     elif block < num_rotated_blocks:
         k_row = k_ptr + token * k_token_stride
         first = (block - num_q_blocks) * BLOCK_H
         if HAS_CACHE:  # the rotated k goes straight into the key cache; k itself is left as it was
             if slot >= 0:
                 _rotate_heads(k_row, key_cache_ptr + slot * cache_slot_stride, first, num_kv_heads, k_head_stride,
-                              cache_head_stride, cos, sin, half, BLOCK_H, BLOCK_HALF)
+                              cache_head_stride, cos, sin, half, k_norm_ptr, eps, BLOCK_H, BLOCK_HALF, HAS_NORM,
+                              IS_UNIT_OFFSET)
         else:
-            _rotate_heads(k_row, k_row, first, num_kv_heads, k_head_stride, k_head_stride, cos, sin, half, BLOCK_H,
-                          BLOCK_HALF)
+            _rotate_heads(k_row, k_row, first, num_kv_heads, k_head_stride, k_head_stride, cos, sin, half,
+                          k_norm_ptr, eps, BLOCK_H, BLOCK_HALF, HAS_NORM, IS_UNIT_OFFSET)
     elif slot >= 0:  # HAS_CACHE only: v copied into the value cache as it is
         _copy_heads(v_ptr + token * v_token_stride, value_cache_ptr + slot * cache_slot_stride,
                     (block - num_rotated_blocks) * BLOCK_H, num_kv_heads, v_head_stride, cache_head_stride, 2 * half,
@@ -406,7 +396,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
 
 
 def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping,
-                   skip_adapted: torch.Tensor | None = None) -> None:
+                   skip_adapted: torch.Tensor | None = None, norms: HeadNorms | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
@@ -420,8 +410,10 @@ def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, v
     _rotary_kernel[grid](q, k, v_arg, positions, inv_freq, *caches, float(attention_scaling), q.stride(0),
                          q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), *cache_strides,
                          num_heads, num_kv_heads, half, positions if skip_adapted is None else skip_adapted,
-                         HAS_CACHE=has_cache, SKIP_ADAPTED=skip_adapted is not None, BLOCK_H=block_h,
-                         BLOCK_HALF=block_half,
+                         inv_freq if norms is None else norms.q_weight, inv_freq if norms is None else norms.k_weight,
+                         0.0 if norms is None else float(norms.eps), HAS_CACHE=has_cache,
+                         SKIP_ADAPTED=skip_adapted is not None, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                         HAS_NORM=norms is not None, IS_UNIT_OFFSET=norms is not None and norms.is_unit_offset,
                          num_warps=max(min(block_h * block_half // 256, 4), 1))
 
 
@@ -430,15 +422,20 @@ def _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, v
 
 def rotary_kv_cache_torch_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                            inv_freq: torch.Tensor, attention_scaling: float, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           norms: HeadNorms | None = None) -> None:
     """Reference: q rotated in place as `rotary_torch_` rotates it; the rotated k and v stored at their flat cache
-    slots (`engine/model/attention.py: write_kv`); k and v themselves are left as they were.
+    slots (`engine/model/attention.py: write_kv`); k and v themselves are left as they were. norms: q and k heads
+    normed first (`head_rms_norm_torch_`), q in place.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; key_cache, value_cache:
     [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] integer, flat slot
     (block * block_size + offset) of each token; a negative slot writes nothing.
     """
     rotated_k = k.clone()
+    if norms is not None:
+        head_rms_norm_torch_(q, norms.q_weight, norms.eps, norms.is_unit_offset)
+        head_rms_norm_torch_(rotated_k, norms.k_weight, norms.eps, norms.is_unit_offset)
     rotary_torch_(q, rotated_k, positions, inv_freq, attention_scaling)
     num_kv_heads, head_dim = k.shape[1:]
     keep = slot_mapping >= 0
@@ -450,8 +447,9 @@ def rotary_kv_cache_torch_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
 def rotary_kv_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      inv_freq: torch.Tensor, attention_scaling: float, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     skip_adapted: torch.Tensor | None = None) -> None:
-    """Triton: `rotary_kv_cache_torch_` in one launch (the rotary and the two cache writes of a layer).
+                     skip_adapted: torch.Tensor | None = None, norms: HeadNorms | None = None) -> None:
+    """Triton: `rotary_kv_cache_torch_` in one launch (the q/k norms, the rotary and the two cache writes of a
+    layer).
 
     skip_adapted: [num_tokens] token -> adapter slot (`LoRAStep.token_slots`): tokens with a slot >= 0 are left as
     they are (`kernels/lora_rotary.py` adds their LoRA delta, rotates and stores them in its own launch).
@@ -471,7 +469,9 @@ def rotary_kv_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     assert key_cache.stride(-3) == num_kv_heads * head_dim and key_cache.is_contiguous()
     assert slot_mapping.shape == (num_tokens,) and not slot_mapping.is_floating_point()
     assert skip_adapted is None or (skip_adapted.shape == (num_tokens,) and skip_adapted.dtype == torch.int64)
+    assert norms is None or (skip_adapted is None and norms.q_weight.shape == norms.k_weight.shape == (head_dim,)
+                             and norms.q_weight.stride(0) == norms.k_weight.stride(0) == 1)
     if num_tokens == 0:
         return
     _launch_rotary(q, k, v, positions, inv_freq, attention_scaling, key_cache, value_cache, slot_mapping,
-                   skip_adapted)
+                   skip_adapted, norms)

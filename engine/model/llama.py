@@ -82,8 +82,13 @@ class DecoderModel:
         self.is_gemv = self.is_fused and use_gemv  # Triton GEMVs for one-token steps (kernels/gemv.py) on CUDA
         # Gemma: sqrt(hidden) rounded to the dtype first, as transformers rounds it; a product with a Python float
         # of that value rounds as the product with a 0-d tensor of the dtype does
-        scale = torch.tensor(config.hidden_size**0.5).to(self.dtype).item() if self.family.is_embed_scaled else None
-        self.embed_scale = scale
+        self.embed_scale = None
+        if self.family.is_embed_scaled:
+            self.embed_scale = torch.tensor(config.hidden_size**0.5).to(self.dtype).item()
+        # Qwen3, Gemma 3: each layer's q/k norms, applied by the rotary launch (or their reference)
+        self.head_norms = [fused.HeadNorms(layer.norm["q"], layer.norm["k"], config.rms_norm_eps,
+                                           self.family.is_unit_offset_norm) for layer in weights.layers
+                           ] if self.family.has_qk_norm else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -150,15 +155,14 @@ class DecoderModel:
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if self.family.has_qk_norm:  # in place on the projection's output
-                norm = fused.head_rms_norm_ if self.is_fused else fused.head_rms_norm_torch_
-                norms = self.weights.layers[layer].norm
-                for heads, weight in ((q, norms["q"]), (k, norms["k"])):
-                    norm(heads, weight, cfg.rms_norm_eps, is_unit_offset=self.family.is_unit_offset_norm)
-            if self.is_fused:  # one launch: q rotated in place, the rotated k and v stored in the cache
+            norms = self.head_norms[layer] if self.head_norms is not None else None
+            if self.is_fused:  # one launch: q normed and rotated in place, the normed rotated k and v in the cache
                 fused.rotary_kv_cache_(q, k, v, ctx.positions, rope.inv_freq, rope.attention_scaling,
-                                       key_cache, value_cache, ctx.attention.slot_mapping)
+                                       key_cache, value_cache, ctx.attention.slot_mapping, norms=norms)
             else:
+                if norms is not None:  # in place on the projection's output
+                    fused.head_rms_norm_torch_(q, norms.q_weight, norms.eps, norms.is_unit_offset)
+                    fused.head_rms_norm_torch_(k, norms.k_weight, norms.eps, norms.is_unit_offset)
                 cos, sin = angles[id(rope)]
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
                 write_kv(key_cache, value_cache, k, v, ctx.attention.slot_mapping)

@@ -175,26 +175,6 @@ def test_add_rms_norm_float32_weight_promotes(fused, device):
     torch.testing.assert_close(normed, expected, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=0)
 
 
-# ---- head_rms_norm_ --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("is_unit_offset", [False, True])
-@pytest.mark.parametrize(("num_heads", "head_dim"), [(4, 32), (5, 24), (1, 128)])
-@pytest.mark.parametrize("num_tokens", [1, 6])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_head_rms_norm_matches_reference(fused, device, dtype, num_tokens, num_heads, head_dim, is_unit_offset):
-    """On q's view of a fused qkv output (strided tokens); 5 heads leave a masked block, 24 masked columns."""
-    qkv = hidden_states(num_tokens, 3 * num_heads * head_dim, dtype, device, head_dim)
-    weight = hidden_states(1, head_dim, dtype, device, head_dim + 1)[0]
-    expected = qkv.clone()
-    fused.head_rms_norm_torch_(expected[:, : num_heads * head_dim].view(-1, num_heads, head_dim), weight, 1e-6,
-                               is_unit_offset=is_unit_offset)
-    fused.head_rms_norm_(qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim), weight, 1e-6,
-                         is_unit_offset=is_unit_offset)
-    check_close(qkv[:, : num_heads * head_dim], expected[:, : num_heads * head_dim])
-    assert torch.equal(qkv[:, num_heads * head_dim :], expected[:, num_heads * head_dim :]), "wrote past q"
-
-
 # ---- silu_mul and gelu_tanh_mul --------------------------------------------------------------------------------
 
 
@@ -348,6 +328,41 @@ def check_rotary_kv_cache(fused, device, dtype, shape, block_size):
     assert torch.equal(value_cache.view(-1, *flat), expected[2].view(-1, *flat)), "v is copied bit for bit"
     check_close(key_cache.view(-1, *flat)[slots[kept]], expected[1].view(-1, *flat)[slots[kept]],
                 magnitude_k[kept], share)
+
+
+@pytest.mark.parametrize("is_unit_offset", [False, True])
+@pytest.mark.parametrize("shape", [(9, 4, 2, 32), (70, 6, 2, 24)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_kv_cache_with_head_norms_matches_reference(fused, device, dtype, shape, is_unit_offset):
+    """Qwen3's and Gemma 3's q/k norms inside the rotary launch: each head normed (rounded to the dtype), then
+    rotated; q in place, k into the cache; 24 leaves masked columns in each half."""
+    num_tokens, num_heads, num_kv_heads, head_dim = shape
+    q, k, v, positions, inv_freq = rotary_problem(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device,
+                                                  max_position=4096, seed=head_dim)
+    key_cache, value_cache, slots = cache_problem(num_tokens, num_kv_heads, head_dim, dtype, device, seed=head_dim)
+    weights = hidden_states(2, head_dim, dtype, device, head_dim + 1) * 0.3
+    norms = fused.HeadNorms(weights[0], weights[1], 1e-6, is_unit_offset)
+    expected = [t.clone() for t in (q, key_cache, value_cache)]
+    fused.rotary_kv_cache_torch_(expected[0], k, v, positions, inv_freq, 0.75, *expected[1:], slots, norms=norms)
+    normed_q, normed_k = q.clone(), k.clone()
+    fused.head_rms_norm_torch_(normed_q, norms.q_weight, 1e-6, is_unit_offset)
+    fused.head_rms_norm_torch_(normed_k, norms.k_weight, 1e-6, is_unit_offset)
+    magnitude_q = normed_q.abs().amax(-1, keepdim=True).double() * 0.75
+    magnitude_k = normed_k.abs().amax(-1, keepdim=True).double() * 0.75
+    fused.rotary_torch_(normed_q, normed_k, positions, inv_freq, 0.75)
+    kept = slots >= 0
+    flat = (num_kv_heads, head_dim)
+    assert torch.equal(expected[0], normed_q)
+    assert torch.equal(expected[1].view(-1, *flat)[slots[kept]], normed_k[kept])
+
+    k_before = k.clone()
+    fused.rotary_kv_cache_(q, k, v, positions, inv_freq, 0.75, key_cache, value_cache, slots, norms=norms)
+    assert torch.equal(k, k_before), "wrote into k"
+    share = 1.0 if q.is_cuda else None
+    check_close(q, expected[0], magnitude_q, share)
+    check_close(key_cache.view(-1, *flat)[slots[kept]], expected[1].view(-1, *flat)[slots[kept]],
+                magnitude_k[kept], share)
+    assert torch.equal(value_cache, expected[2])
 
 
 def test_zero_tokens(fused, device):
