@@ -84,6 +84,20 @@ def test_mixed_batch_matches_transformers_peft(arch, families, prompt_ids, peft_
     check_against_reference(material, prompts, results, peft_reference)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "phi3"])
+def test_graph_replays_match_transformers_peft(arch, cpu_graphs, families, prompt_ids, peft_reference):
+    """Decode steps and prefill chunks replayed from captured stand-in graphs (conftest's cpu_graphs), as on CUDA:
+    the reference's greedy tokens. (Tokens only: on CPU a replay's logits are views the next replay overwrites.)"""
+    material = families(arch)
+    prompts = [prompt_ids(i, (24 if arch == "phi3" else 12) + 3 * i) for i in range(len(BATCH))]
+    results = generate(material, prompts, BATCH)
+    build_reference, reference_logits = peft_reference
+    reference = build_reference(material)
+    for name, prompt, result in zip(BATCH, prompts, results):
+        expected = reference_logits(reference, name, prompt + result.token_ids[:-1])
+        assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
+
+
 def test_phi3_short_factors_up_to_the_original_length(families, prompt_ids, peft_reference):
     """max_model_len <= original_max_position_embeddings: longrope's short factors, as transformers uses them for
     sequences that short."""
