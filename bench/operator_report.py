@@ -152,7 +152,7 @@ ANATOMY_TEXT = (
 
 
 def _paragraph(text: str) -> list[str]:
-    return [*textwrap.wrap(text, 115), ""]
+    return [*textwrap.wrap(text, 115, break_on_hyphens=False), ""]  # a hyphen at a line's end reads as "- "
 
 
 def render_markdown(report: OperatorReport) -> str:
