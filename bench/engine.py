@@ -1,6 +1,7 @@
 """End-to-end engine benchmark: `kubelora bench engine [--write docs/benchmarks-engine.md] [--json FILE]`.
 
-One run writes a random bf16 model of the Llama-2-7B shape and PEFT adapters from tensors made on the device,
+One run writes a random bf16 model of one shape (`--shape`: Llama-2-7B by default, or another family's checkpoint:
+Qwen3-8B, Gemma-2-9B, Phi-4) and PEFT adapters from tensors made on the device,
 then times, each row in a fresh offline `LLM` where its engine settings differ: our base model at several batch
 sizes; batches over many adapters (distinct counts, mixed ranks against their mean rank, all-linear, adapters
 registered but unused, a device budget smaller than the adapters in flight, the engine's defaults); prefill
@@ -28,6 +29,7 @@ from kubelora.bench.engine_checkpoint import UNFINISHED_EXIT, Checkpoint, Checkp
 from kubelora.bench.engine_device import copy_bandwidth, environment, free_device, matmul_flops
 from kubelora.bench.engine_plan import DEFAULT_SCENARIOS, SCENARIOS, EngineBenchConfig, adapter_plan
 from kubelora.bench.engine_report import BenchResult, render_markdown
+from kubelora.bench.engine_targets import reference_share
 from kubelora.engine.server.config import engine_switches_from_env
 
 
@@ -42,7 +44,7 @@ def prepare_model(config: EngineBenchConfig, model_dir: Path) -> tuple[Path, Mod
 def prepare_adapters(config: EngineBenchConfig, shape: ModelShape, model_dir: Path, root: Path) -> dict[str, Path]:
     """Every adapter of the plan under root/<name>; directories already there with the same rank are kept."""
     specs = adapter_plan(config).all()
-    missing = [s for s in specs if not _has_adapter(root / s.name, s.rank, s.targets)]
+    missing = [s for s in specs if not _has_adapter(root / s.name, s.rank, shape.peft_modules(s.targets))]
     write_adapters(root, missing, shape, model_dir, config.device, config.seed)
     return {s.name: root / s.name for s in specs}
 
@@ -135,11 +137,19 @@ SMOKE = {"device": "cpu", "shape": "tiny", "num_repeats": 1, "warmup_tokens": 2,
          "profile_steps": 2, "server_starts": 2}
 
 
+# `--preset family`: what the model-family comparison needs of one shape (base decode at batch 1 and 64, 32
+# adapters, compiled transformers, the floor), in one device call; flags given beside it still win.
+FAMILY = {"scenarios": "base,adapters,hf,floor", "base_batches": (1, 64), "adapter_counts": (32,),
+          "num_registered": 32}
+PRESETS = {"smoke": SMOKE, "family": FAMILY}
+
+
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     defaults = EngineBenchConfig()
     parser = argparse.ArgumentParser(prog="kubelora bench engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=["smoke"], help="small sizes for a CPU smoke run")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="smoke: small sizes for a CPU smoke run; family: "
+                        "the model-family comparison's scenarios")
     parser.add_argument("--write", help="write the markdown report to this file (it is always printed)")
     parser.add_argument("--json", help="write every raw number to this JSON file")
     parser.add_argument("--device", default=defaults.device)
@@ -160,12 +170,14 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--server-timeout", type=float, default=defaults.server_timeout_s, help="seconds to /ready")
     parser.add_argument("--enforce-eager", action="store_true", help="offline engines without CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="torch.profiler split of two decode rows")
+    parser.add_argument("--reference", type=Path, help="another run's --json (the Llama-2-7B shape's): this run's base "
+                        "share of the bytes floor at --batch is judged against its share")
     parser.add_argument("--checkpoint", type=Path, help="a run over several processes: finished stages are saved "
                         "here and a later process with the same file resumes (bench/engine_checkpoint.py)")
     parser.add_argument("--stop-after", type=float, help="with --checkpoint: start no stage after this many "
                         f"seconds; exit code {UNFINISHED_EXIT} while stages are left")
-    if preset == "smoke":
-        parser.set_defaults(**SMOKE)
+    if preset in PRESETS:
+        parser.set_defaults(**PRESETS[preset])
     return parser
 
 
@@ -209,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run(config, args.workdir or Path(tmp), args.model_dir, checkpoint, process)
     process["seconds"] = time.perf_counter() - start
     result.total_s = sum(p["seconds"] for p in result.processes)
+    if args.reference is not None:
+        result.reference = reference_share(json.loads(args.reference.read_text()), config.batch)
     if checkpoint is not None:
         checkpoint.save(result)
     text = render_markdown(result)

@@ -99,14 +99,28 @@ def matmul_flops(device: str, size: int) -> float:
 # ---- the bytes floor of a decode step ----
 
 def weight_bytes(shape: ModelShape) -> int:
-    """bf16 bytes a decode step reads of the base model: every layer, the final norm and lm_head (the embedding
-    table is only indexed, one row per sequence)."""
-    return 2 * (shape.num_layers * shape.layer_params() + shape.hidden_size + shape.vocab_size * shape.hidden_size)
+    """bf16 bytes a decode step reads of the base model: the checkpoint but the embedding table, which is only
+    indexed (one row per sequence), unless it is tied: then it is the lm_head, read whole."""
+    embedding = 0 if shape.is_tied else 2 * shape.vocab_size * shape.hidden_size
+    return shape.checkpoint_bytes() - embedding
 
 
-def kv_bytes(shape: ModelShape, batch: int, context: float) -> float:
-    """bf16 K and V bytes a decode step reads for `batch` sequences of `context` tokens."""
-    return 2 * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * batch * context
+def window_context(prompt_len: int, output_len: int, window: int | None) -> float:
+    """Mean tokens of KV a decode step reads in one layer, over contexts from prompt_len to prompt_len + output_len:
+    all of them on a full-attention layer, at most `window` on a sliding one."""
+    start, end = prompt_len, prompt_len + output_len
+    if window is None or window >= end:
+        return (start + end) / 2
+    if window <= start:
+        return float(window)
+    return ((window**2 - start**2) / 2 + (end - window) * window) / output_len
+
+
+def kv_bytes(shape: ModelShape, batch: int, prompt_len: int, output_len: int) -> float:
+    """bf16 K and V bytes a decode step reads for `batch` sequences, on average over the decode: each layer's
+    tokens inside its window."""
+    per_token = 2 * 2 * shape.num_kv_heads * shape.head_dim
+    return per_token * batch * sum(window_context(prompt_len, output_len, w) for w in shape.layer_windows())
 
 
 @dataclass(frozen=True)
@@ -121,9 +135,9 @@ class Floor:
         return 1e3 * self.step_bytes / self.copy_bytes_per_s
 
 
-def decode_floor(shape: ModelShape, batch: int, context: float, adapter_bytes: float, num_adapters: int,
-                 copy_bytes_per_s: float) -> Floor:
-    step_bytes = weight_bytes(shape) + kv_bytes(shape, batch, context) + adapter_bytes
+def decode_floor(shape: ModelShape, batch: int, prompt_len: int, output_len: int, adapter_bytes: float,
+                 num_adapters: int, copy_bytes_per_s: float) -> Floor:
+    step_bytes = weight_bytes(shape) + kv_bytes(shape, batch, prompt_len, output_len) + adapter_bytes
     return Floor(batch, num_adapters, step_bytes, copy_bytes_per_s)
 
 
@@ -132,7 +146,7 @@ def prefill_flops(shape: ModelShape, num_prompts: int, prompt_len: int) -> float
     half the square), lm_head on each prompt's last token only."""
     linear = sum(i * o for i, o in map(shape.module_dims, ATTENTION + MLP)) * shape.num_layers
     tokens = num_prompts * prompt_len
-    attention = 2 * shape.num_layers * shape.hidden_size * prompt_len**2 * num_prompts
+    attention = 2 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len**2 * num_prompts
     return 2 * linear * tokens + attention + 2 * shape.vocab_size * shape.hidden_size * num_prompts
 
 

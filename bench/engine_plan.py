@@ -100,11 +100,6 @@ class EngineBenchConfig:
         """The mixed row's mean rank: the uniform row it is compared with."""
         return round(statistics.mean(self.mixed_ranks))
 
-    @property
-    def decode_context(self) -> float:
-        """Mean tokens of context a decode step attends over."""
-        return self.prompt_len + self.output_len / 2
-
 
 # ---- adapters ----
 

@@ -9,7 +9,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-from kubelora.bench.engine_assets import ModelShape
+from kubelora.bench.engine_assets import SHAPES, ModelShape
 from kubelora.bench.engine_offline import Row
 from kubelora.bench.engine_plan import EngineBenchConfig
 from kubelora.bench.engine_targets import floors, prefill_rate, targets
@@ -24,8 +24,8 @@ first token (each call returns the sampled ids, so it is a whole step); **tokens
 a repeat's wall time, first request added to last token; **TTFT** is first_token_time - arrival_time per request. **vs base** is ms/step against our base
 model at the same batch size from the same process. Compiled transformers runs in a subprocess (static cache,
 generate's own torch.compile; ms/step from a per-step streamer stamp after a device sync). The bytes floor is
-(weights + KV bytes read per step at the mean decode context + distinct adapters' bytes) / the measured
-device-to-device copy rate (bytes read + written). HTTP is `kubelora engine serve` with the adapter engine's
+(weights + KV bytes read per step, averaged over the decode's contexts, a sliding layer's only inside its window +
+distinct adapters' bytes) / the measured device-to-device copy rate (bytes read + written). HTTP is `kubelora engine serve` with the adapter engine's
 limits, one streaming aiohttp client per request; its offline reference is the adapter engine's row of the
 same requests."""
 
@@ -46,6 +46,8 @@ class BenchResult:
     # One entry per process of the run (a checkpointed run has several): machine, UTC start, seconds.
     processes: list[dict] = field(default_factory=list)
     unfinished: list[str] = field(default_factory=list)  # stages a checkpointed process left to the next one
+    # Another run's base share of the bytes floor at the benchmark's batch (`--reference`; engine_targets.py)
+    reference: dict | None = None
 
     @contextmanager
     def stage(self, name: str):
@@ -74,7 +76,8 @@ class BenchResult:
                 "rows": {k: r.as_dict() for k, r in self.rows.items()}, "engines": self.engines, "hf": self.hf,
                 "floors": {f"{b}x{n}": vars(f) | {"ms": f.ms} for (b, n), f in floors(self).items()},
                 "targets": [vars(t) for t in targets(self)], "stages": self.stages, "errors": self.errors,
-                "total_s": self.total_s, "processes": self.processes, "unfinished": self.unfinished}
+                "total_s": self.total_s, "processes": self.processes, "unfinished": self.unfinished,
+                "reference": self.reference}
 
 
 def _ms(value: float | None, digits: int = 2) -> str:
@@ -170,6 +173,33 @@ def floor_table(result: BenchResult) -> list[str]:
     return lines
 
 
+def family_table(result: BenchResult) -> list[str]:
+    """One row of docs/benchmarks-engine.md's "Model families" table: base decode at batch 1 and the benchmark's
+    batch against the bytes floor and compiled transformers, num_adapters adapters against the floor's cost."""
+    c, found, rows = result.config, floors(result), result.rows
+    if result.shape is None or not any(k.startswith("base-b") for k in rows):
+        return []
+    name = next((k for k, v in SHAPES.items() if v == result.shape), "custom")
+    columns = ("shape", "batch 1 ms/step (/ floor)", "batch 1 vs compiled transformers",
+               f"batch {c.batch} ms/step (share of floor)", f"batch {c.batch} vs compiled transformers",
+               f"{c.num_adapters} adapters ms/step (with / without; floor's)")
+    cells = [f"{name} ({result.shape.model_type})"]
+    for batch in (1, c.batch):
+        row, floor, hf = rows.get(f"base-b{batch}"), found.get((batch, 0)), rows.get(f"hf-b{batch}")
+        ms = row.median("decode_ms") if row else None
+        ratio = "-" if not (ms and floor) else (f"{ms / floor.ms:.2f}x" if batch == 1 else f"{floor.ms / ms:.0%}")
+        cells.append(f"{_ms(ms)} ({ratio})")
+        cells.append(f"{hf.median('decode_ms') / ms:.2f}x" if hf and ms and hf.median("decode_ms") else "-")
+    lora, base = rows.get(f"lora-a{c.num_adapters}"), rows.get(f"base-b{c.batch}")
+    with_floor, without = found.get((c.batch, c.num_adapters)), found.get((c.batch, 0))
+    if lora and base and lora.median("decode_ms") and base.median("decode_ms") and with_floor and without:
+        cells.append(f"{_ms(lora.median('decode_ms'))} ({lora.median('decode_ms') / base.median('decode_ms'):.3f}x; "
+                     f"{with_floor.ms / without.ms:.3f}x)")
+    else:
+        cells.append("-")
+    return [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns), f"| {' | '.join(cells)} |"]
+
+
 def engines_table(result: BenchResult) -> list[str]:
     lines = ["| engine | settings | start-up s (its phases) | adapters registered (load s) | "
              "beyond weights+KV+pool GiB | "
@@ -248,6 +278,7 @@ def render_markdown(result: BenchResult) -> str:
             f"- wall time: {result.total_s or 0:.0f} s (" + ", ".join(f"{n} {s:.0f} s" for n, s in result.stages) + ")",
             *_process_lines(result), "", METHOD, "", "## Results", "", *results_table(result)]
     for title, lines in (("Prefill", prefill_table(result)), ("Bytes floor", floor_table(result)),
+                         ("Model family row (docs/benchmarks-engine.md, \"Model families\")", family_table(result)),
                          ("Engines", engines_table(result))):
         if lines:
             text += ["", f"## {title}", "", *lines]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kubelora.bench.engine_device import device_bytes_in_use, free_device, is_cuda, weight_bytes
+from kubelora.bench.engine_device import device_bytes_in_use, free_device, is_cuda
 from kubelora.bench.engine_hf import run_baseline
 from kubelora.bench.engine_http import Server, ServerSettings, probe_ttft, run_clients, server_flags
 from kubelora.bench.engine_offline import Row, RunStats, Workload, random_prompts, round_robin, time_row
@@ -129,7 +129,7 @@ class EngineRows:
         kv = engine.num_kv_blocks * 2 * shape.num_layers * engine.config.kv_block_size * shape.num_kv_heads \
             * shape.head_dim * 2
         pool = engine.snapshot().adapter_pool_total_bytes
-        weights = weight_bytes(shape) + 2 * shape.vocab_size * shape.hidden_size  # and the embedding table
+        weights = shape.checkpoint_bytes()
         reserved = torch.cuda.memory_reserved()
         return {"reserved_bytes": reserved, "kv_bytes": kv, "pool_bytes": pool,
                 "extra_device_bytes": reserved - weights - kv - pool}

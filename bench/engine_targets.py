@@ -8,6 +8,7 @@ lies inside it, the verdict says the repeats straddle the limit.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from kubelora.bench.engine_device import Floor, decode_floor, prefill_flops
@@ -19,8 +20,14 @@ GIB = 1 << 30
 MAX_BATCH1_OVER_FLOOR = 1.30
 # The bytes floor over our base model's ms/step at the benchmark's batch.
 MIN_FLOOR_SHARE = 0.70
-# Compiled transformers' ms/step over ours, at each of its batch sizes.
+# Compiled transformers' ms/step over ours, at each of its batch sizes: Llama shapes, the other families.
 MIN_SPEEDUP_OVER_TRANSFORMERS = 1.50
+MIN_FAMILY_SPEEDUP_OVER_TRANSFORMERS = 1.30
+# Another family's share of the bytes floor at the benchmark's batch: at most this far (points) below the
+# reference run's (the Llama-2-7B shape's, `--reference`).
+MAX_FLOOR_SHARE_BELOW_REFERENCE = 0.10
+# (ms/step with num_adapters distinct adapters / without) over (their bytes floors' ratio), at the benchmark's batch.
+MAX_ADAPTER_COST_OVER_FLOOR_COST = 1.10
 # Distinct adapters at the benchmark's batch -> ms/step over our base model at that batch.
 MAX_ADAPTERS_OVER_BASE = {32: 1.10, 64: 1.19}
 # Mixed ranks' ms/step over a uniform batch at their mean rank.
@@ -76,6 +83,17 @@ def _ratio(result, key_a: str, key_b: str, attribute: str = "decode_ms"):
     return a.median(attribute) / b.median(attribute), (a_lo / b_hi, a_hi / b_lo)
 
 
+def reference_share(data: dict, batch: int) -> dict | None:
+    """From another run's JSON (`--json`): its base share of the bytes floor at `batch`, with its shape and device;
+    None where that run has no such row."""
+    floor, row = data.get("floors", {}).get(f"{batch}x0"), data.get("rows", {}).get(f"base-b{batch}")
+    steps = [r["decode_ms"] for r in row["runs"] if r.get("decode_ms")] if row else []
+    if not floor or not steps:
+        return None
+    return {"share": floor["ms"] / statistics.median(steps), "shape": data.get("shape"),
+            "device": data.get("env", {}).get("device")}
+
+
 def floors(result) -> dict[tuple[int, int], Floor]:
     """(batch, distinct adapters) -> bytes floor, for every decode row measured."""
     c, shape = result.config, result.shape
@@ -84,7 +102,7 @@ def floors(result) -> dict[tuple[int, int], Floor]:
     adapter = AdapterSpec("r", c.rank).num_bytes(shape)
     cases = {(int(k[6:]), 0) for k in result.rows if k.startswith("base-b")}
     cases |= {(c.batch, int(k[6:])) for k in result.rows if k.startswith("lora-a")}
-    return {(b, n): decode_floor(shape, b, c.decode_context, n * adapter, n, result.copy_bytes_per_s)
+    return {(b, n): decode_floor(shape, b, c.prompt_len, c.output_len, n * adapter, n, result.copy_bytes_per_s)
             for b, n in sorted(cases)}
 
 
@@ -117,17 +135,36 @@ def _floor_targets(result) -> list[Target]:
         out.append(Target(f"base, batch {c.batch}: share of the bytes floor bound", f"{floor / ms:.0%} ({floor:.2f} "
                           f"/ {ms:.2f} ms)", f">= {MIN_FLOOR_SHARE:.0%}",
                           _verdict(floor / ms, MIN_FLOOR_SHARE, False, (floor / hi, floor / lo))))
+        reference = result.reference
+        if reference:
+            limit = reference["share"] - MAX_FLOOR_SHARE_BELOW_REFERENCE
+            out.append(Target(f"base, batch {c.batch}: share of the bytes floor against the reference run's "
+                              f"({reference['shape'].get('model_type')} {reference['shape'].get('hidden_size')}, "
+                              f"{reference['device']})", f"{floor / ms:.0%} (reference {reference['share']:.0%})",
+                              f">= {limit:.0%} (10 points below it at most)",
+                              _points_verdict(floor / ms, limit, (floor / hi, floor / lo))))
     return out
+
+
+def _points_verdict(share: float, limit: float, spread: tuple[float, float]) -> str:
+    """A share against a lower limit, met or missed by how many points of the floor."""
+    points = 100 * (share - limit)
+    text = f"met ({points:.0f} points margin)" if points >= 0 else f"missed by {-points:.0f} points"
+    if spread[0] <= limit <= spread[1]:
+        text += f"; the repeats straddle the limit ({spread[0]:.0%}..{spread[1]:.0%})"
+    return text
 
 
 def _hf_targets(result) -> list[Target]:
     out = []
+    is_llama = result.shape is None or result.shape.model_type == "llama"
+    limit = MIN_SPEEDUP_OVER_TRANSFORMERS if is_llama else MIN_FAMILY_SPEEDUP_OVER_TRANSFORMERS
     for batch in result.config.hf_batches:
         value, spread = _ratio(result, f"hf-b{batch}", f"base-b{batch}")
         if f"hf-b{batch}" in result.rows or result.config.has("hf"):
             out.append(Target(f"batch {batch}: speed-up over compiled transformers (its ms/step / ours)",
-                              f"{value:.2f}x" if value else "-", f">= {MIN_SPEEDUP_OVER_TRANSFORMERS:.2f}x",
-                              _verdict(value, MIN_SPEEDUP_OVER_TRANSFORMERS, False, spread)))
+                              f"{value:.2f}x" if value else "-", f">= {limit:.2f}x",
+                              _verdict(value, limit, False, spread)))
     return out
 
 
@@ -140,6 +177,7 @@ def _adapter_targets(result) -> list[Target]:
             out.append(Target(f"batch {c.batch}, {count} distinct adapters: ms/step against our base",
                               f"{value:.2f}x" if value else "-", f"<= {limit:.2f}x",
                               _verdict(value, limit, True, spread)))
+    out += _adapter_floor_targets(result)
     checks = [("mixed", "mean-rank", f"mixed ranks against a uniform batch at their mean rank ({c.uniform_rank})",
                MAX_MIXED_OVER_MEAN_RANK),
               ("unused", base, "adapters registered but unused: ms/step against our base", MAX_UNUSED_OVER_BASE)]
@@ -149,6 +187,23 @@ def _adapter_targets(result) -> list[Target]:
             out.append(Target(name, f"{value:.3f}x" if value else "-", f"<= {limit:.2f}x",
                               _verdict(value, limit, True, spread)))
     return out
+
+
+def _adapter_floor_targets(result) -> list[Target]:
+    """num_adapters distinct adapters: the step's cost (ms/step with them over without) against the bytes floor's
+    (the floor with their bytes over the floor without)."""
+    c, found = result.config, floors(result)
+    key, with_floor, without = f"lora-a{c.num_adapters}", found.get((c.batch, c.num_adapters)), found.get((c.batch, 0))
+    if key not in result.rows or not with_floor or not without:
+        return []
+    step, spread = _ratio(result, key, f"base-b{c.batch}")
+    floor_ratio = with_floor.ms / without.ms
+    value = step / floor_ratio if step else None
+    return [Target(f"batch {c.batch}, {c.num_adapters} adapters: (ms/step with / without) over (floor with / without)",
+                   f"{value:.3f}x ({step:.3f} / {floor_ratio:.3f})" if value else "-",
+                   f"<= {MAX_ADAPTER_COST_OVER_FLOOR_COST:.2f}x",
+                   _verdict(value, MAX_ADAPTER_COST_OVER_FLOOR_COST, True,
+                            (spread[0] / floor_ratio, spread[1] / floor_ratio) if spread else None))]
 
 
 def _prefill_targets(result) -> list[Target]:
