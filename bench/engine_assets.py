@@ -118,6 +118,7 @@ def _numel(dims: tuple[int, ...]) -> int:
 @functools.lru_cache(maxsize=16)
 def _hf_config(shape: ModelShape):
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     kwargs = dict(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
                   num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
@@ -132,7 +133,7 @@ def _hf_config(shape: ModelShape):
     if shape.sliding_window is not None:  # Qwen3 slides only when asked to
         kwargs.update(sliding_window=shape.sliding_window, use_sliding_window=True)
     config = AutoConfig.for_model(shape.model_type, **kwargs)
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM").replace("TextFor", "For")]
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[shape.model_type]]
     return config
 
 

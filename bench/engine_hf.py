@@ -1,4 +1,5 @@
-"""The engine benchmark's baseline: transformers' LlamaForCausalLM with a static cache and its own torch.compile.
+"""The engine benchmark's baseline: the model's own transformers class (AutoModelForCausalLM: Llama, Qwen3, Gemma 2,
+Phi-3 ...) with a static cache and its own torch.compile.
 
 Run in a subprocess of the benchmark (`python -P bench/engine_hf.py --model-dir DIR ... --json OUT`), so that
 its compiled graphs and allocator state never share a process with our engine. For each batch size: one

@@ -15,7 +15,6 @@ import pytest
 from kubelora.bench.engine_assets import ATTENTION, MLP, SHAPES, AdapterSpec
 
 FAMILIES = ("tiny-qwen3-8b", "tiny-gemma2-9b", "tiny-phi4")
-ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "phi3": "phi3"}  # model_type -> cli/tiny.py's arch
 
 
 def test_window_context_counts_only_the_tokens_inside_the_window():
