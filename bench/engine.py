@@ -138,9 +138,10 @@ SMOKE = {"device": "cpu", "shape": "tiny", "num_repeats": 1, "warmup_tokens": 2,
 
 
 # `--preset family`: what the model-family comparison needs of one shape (base decode at batch 1 and 64, 32
-# adapters, compiled transformers, the floor), in one device call; flags given beside it still win.
+# adapters, compiled transformers, the floor, and where those rows' decode time goes: --profile), in one device
+# call; flags given beside it still win.
 FAMILY = {"scenarios": "base,adapters,hf,floor", "base_batches": (1, 64), "adapter_counts": (32,),
-          "num_registered": 32}
+          "num_registered": 32, "profile": True}
 PRESETS = {"smoke": SMOKE, "family": FAMILY}
 
 

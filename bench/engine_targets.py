@@ -141,7 +141,7 @@ def _floor_targets(result) -> list[Target]:
             out.append(Target(f"base, batch {c.batch}: share of the bytes floor against the reference run's "
                               f"({reference['shape'].get('model_type')} {reference['shape'].get('hidden_size')}, "
                               f"{reference['device']})", f"{floor / ms:.0%} (reference {reference['share']:.0%})",
-                              f">= {limit:.0%} (10 points below it at most)",
+                              f">= {limit:.0%} ({100 * MAX_FLOOR_SHARE_BELOW_REFERENCE:.0f} points below it at most)",
                               _points_verdict(floor / ms, limit, (floor / hi, floor / lo))))
     return out
 
