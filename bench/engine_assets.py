@@ -187,8 +187,10 @@ def shape_of(model_dir: Path) -> ModelShape:
 
 
 def _rope_theta(hf) -> float:
+    """The RoPE base of a config with one RoPE for every layer (transformers 5's rope_parameters, or the older
+    rope_theta); the default base otherwise."""
     params = getattr(hf, "rope_parameters", None) or {}
-    return params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    return params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
 
 
 def with_overrides(shape: ModelShape, **sizes: int | None) -> ModelShape:
