@@ -60,6 +60,12 @@ class Holdings:
             return ReplicaStatus(pod, ReplicaState.LOADING, last_error=error)
         return ReplicaStatus(pod, ReplicaState.PENDING, last_error=error, next_retry_at=retry.retry_at)
 
+    def is_on_device(self, pod: str, name: str) -> bool:
+        """Whether the pod's last answer had the adapter's copy in its device pool (the router's first tier; it
+        moves with traffic, so this is the view of the pass that read it)."""
+        have = self.held.get(pod, {}).get(name)
+        return have is not None and have.residency == "device"
+
     def _serves(self, pod: str, name: str, want: DesiredAdapter | None) -> bool:
         have = self.held.get(pod, {}).get(name)
         if have is None or not have.is_resident:
@@ -139,8 +145,9 @@ def held_after(held: HeldByPod, results: Iterable[CallResult]) -> dict[str, dict
 
 
 def placement_payload(view: PoolView, adapters: AdapterSet, placement: Placement, holdings: Holdings) -> dict:
-    """The router's contract without its revision: each adapter's placed pods that hold its current revision,
-    and the unreadable pods that still serve it (`unreadable_holders`)."""
+    """The router's contract without its revision (router/placement.py): each adapter's placed pods that hold its
+    current revision, and the unreadable pods that still serve it (`unreadable_holders`); `onDevice`, those of
+    them whose copy was in the device pool when the pass read it."""
     held = {name: holdings.holders(name, placement.pods_of(name), want) for name, want in adapters.desired.items()}
     held.update({name: holdings.holders(name, sorted(holdings.held), None) for name in adapters.left_alone()})
     kept = unreadable_holders(view, holdings.memory)
@@ -152,8 +159,10 @@ def placement_payload(view: PoolView, adapters: AdapterSet, placement: Placement
     unreadable = view.observation.unauthorized
     replicas = [{"pod": pod, "url": url, "ready": pod in view.observation.urls or pod in unreadable}
                 for pod, url in view.observation.all_urls.items()]
+    on_device = {name: [pod for pod in pods if holdings.is_on_device(pod, name)] for name, pods in held.items()}
     payload = {"pool": view.pool.name, "baseModel": view.pool.served_name,
-               "replicas": sorted(replicas, key=lambda r: r["pod"]), "adapters": held}
+               "replicas": sorted(replicas, key=lambda r: r["pod"]), "adapters": held,
+               "onDevice": {name: pods for name, pods in on_device.items() if pods}}
     if view.keys is not None:  # digests only (kubelora.contract.keys)
         payload["apiKeys"] = view.keys.table.to_json()
     return payload

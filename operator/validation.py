@@ -12,7 +12,12 @@ from kubelora.contract.sources import SourceKind, SourceNotAllowed, SourceRules,
 from kubelora.operator.specs import AdapterSource, AdapterSpec, InvalidSpec, PoolSpec
 from kubelora.operator.status import Failure
 
-SUPPORTED_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# The modules spec.targets may name (the CRD's enum): the projections, Phi-3's fused ones, and the embedding and
+# lm_head. The engine reports a fused module's adapter as the projections it spans, so the declared targets are
+# compared in those terms.
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+SUPPORTED_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                               "embed_tokens", "lm_head", *FUSED_TARGETS})
 
 
 def validate_adapter(adapter: AdapterSpec, pool: PoolSpec) -> None:
@@ -40,10 +45,14 @@ def check_declared(name: str, declared_rank: int | None, declared_targets: tuple
     if declared_rank is not None and rank is not None and declared_rank != rank:
         return Failure(RANK_MISMATCH, f"spec.rank is {declared_rank} but the files of {name!r} have rank {rank} "
                                       f"({where})")
-    if declared_targets and targets is not None and set(declared_targets) != set(targets):
+    if declared_targets and targets is not None and _unfused(declared_targets) != _unfused(targets):
         return Failure(TARGETS_MISMATCH, f"spec.targets is {sorted(declared_targets)} but the files of {name!r} "
                                          f"adapt {sorted(targets)} ({where})")
     return None
+
+
+def _unfused(targets: tuple[str, ...]) -> set[str]:
+    return {part for target in targets for part in FUSED_TARGETS.get(target, (target,))}
 
 
 # The pool field of each contract rule, named in refusals.

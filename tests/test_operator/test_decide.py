@@ -325,6 +325,9 @@ def test_declared_targets_are_compared_as_sets_and_matching_declarations_pass():
     assert check_declared("a", 4, ("q_proj",), None, None, "pod e0") is None  # nothing reported
     wrong = check_declared("a", None, ("q_proj", "k_proj"), 4, ("q_proj", "v_proj"), "pod e0")
     assert wrong.reason == "TargetsMismatch" and "['k_proj', 'q_proj']" in wrong.message
+    # a fused module is reported as the projections it spans
+    assert check_declared("a", None, ("qkv_proj", "o_proj"), 4, ("q_proj", "k_proj", "v_proj", "o_proj"), "e0") is None
+    assert check_declared("a", None, ("qkv_proj",), 4, ("q_proj", "v_proj"), "e0").reason == "TargetsMismatch"
 
 
 def test_an_observed_copy_that_contradicts_the_spec_is_refused_without_any_call():

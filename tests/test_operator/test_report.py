@@ -54,6 +54,14 @@ def test_an_unchanged_placement_is_not_published_again():
     assert again.pool_status["placementRevision"] == 1
 
 
+def test_the_placement_names_the_holders_whose_copy_is_on_device_for_the_routers_first_tier():
+    held = {"e0": {"a": card("a", "/adapters/a", residency="device")},
+            "e1": {"a": card("a", "/adapters/a", residency="host"), "b": card("b", "/adapters/b", residency="device")}}
+    _, report = run_pass(view(adapter("a", replicas="all"), held=held), ReconcileMemory(published=Published(1, "")))
+    assert report.placement["adapters"]["a"] == ["e0", "e1"]
+    assert report.placement["onDevice"] == {"a": ["e0"]}  # b is not wanted: not routed, not listed
+
+
 def test_after_a_restart_the_first_placement_continues_the_stored_revision():
     memory = ReconcileMemory(previous={}, published=Published(7, ""))
     _, report = run_pass(view(adapter("a")), memory)

@@ -43,7 +43,7 @@ def test_pool_engine_settings_are_checked():
 
 @pytest.mark.parametrize("spec, reason", [
     ({"rank": 16}, "RankTooHigh"),
-    ({"targets": ["lm_head"]}, "TargetUnsupported"),
+    ({"targets": ["c_attn"]}, "TargetUnsupported"),
     ({"source": {"path": "/etc/passwd"}}, "PathNotAllowed"),
     ({"source": {"path": "/adapters/../etc"}}, "PathNotAllowed"),
     ({"source": {"path": "/adaptersX/a"}}, "PathNotAllowed"),
@@ -61,6 +61,7 @@ def test_invalid_adapters_name_their_reason(spec, reason):
 
 @pytest.mark.parametrize("spec", [
     {"rank": 8, "targets": ["q_proj", "v_proj"]},
+    {"targets": ["qkv_proj", "gate_up_proj", "embed_tokens", "lm_head"]},
     {"source": {"path": "file:///adapters/a"}},
     {"source": {"path": "tenant/a"}},
     {"source": {"path": "/adapters"}},
