@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 
 import torch
 
@@ -41,7 +42,7 @@ from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
 from kubelora.engine.step.plan import plan_graphs, plan_warm_ups
 from kubelora.engine.model.config import load_hf_config, model_config_from_hf
 from kubelora.engine.model.llama import DecoderModel
-from kubelora.engine.model.weights import extend_weights, load_weights
+from kubelora.engine.model.weights import extend_weights, load_weights, module_weight
 from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
 from kubelora.engine.prefix_key import root_key
 from kubelora.engine.runner import LaunchedStep, ModelRunner, RunnerConfig, StepResult
@@ -98,6 +99,7 @@ class LLMEngine:
         self.startup_seconds["weights"] = time.perf_counter() - started
         pool = DeviceLoRAPool(self.model_config, setup.pool_rows(config, self.model_config, self.dtype, self.device),
                               self.dtype, self.device)
+        pool.set_base_weight(partial(module_weight, weights, self.model_config))  # DoRA's norms read W
         self._staging = None
         if stage_buffers:
             self._staging = ShrinkStaging(
@@ -136,7 +138,8 @@ class LLMEngine:
     def _adapter_limits(self, pool: DeviceLoRAPool) -> AdapterLimits:
         names = tuple(dict.fromkeys((self.model_name, self.model_config.name, str(self.config.model_dir))))
         return AdapterLimits(max_lora_rank=self.config.max_lora_rank, max_pool_rows=pool.num_rows,
-                             model_names=names, is_base_model_strict=self.config.is_base_model_strict)
+                             model_names=names, is_base_model_strict=self.config.is_base_model_strict,
+                             model_dir=str(self.config.model_dir))
 
     def _build_runner(self, hf_config, weights, pool: DeviceLoRAPool) -> ModelRunner:
         # One block past the scheduler's: the pad block padded rows of a static decode batch write into.

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kubelora.engine.adapters.pool import SlotView
-from kubelora.engine.model.config import PROJ_KINDS
+from kubelora.engine.adapters.pool import SlotView, slot_tables, table_modules
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.sampler import SampledStep, TokenLogprobs, keep_top, prompt_logprobs, sample_on_device
 from kubelora.engine.sampling_batch import prepare_sampling
@@ -145,7 +144,7 @@ class ModelRunner:
         return step
 
     def _slot_tables(self, slots: tuple[SlotView, ...]) -> Tables:
-        return {kind: _kind_tables(slots, self.model.config.kind_modules(kind)) for kind in PROJ_KINDS}
+        return slot_tables(slots, table_modules(self.model.config))
 
     def _sampling_batch(self, seqs: list, device: torch.device):
         return prepare_sampling(seqs, self.model.config.vocab_size, device, self.config.eos_token_ids)
@@ -169,14 +168,6 @@ def _pending_tokens(batch: Batch, previous: LaunchedStep | None):
     if tokens.device.type == "cuda":  # a pageable copy would wait for the step in flight
         index = index.pin_memory().to(tokens.device, non_blocking=True)
     return index[0], index[1], tokens
-
-
-def _kind_tables(slots: tuple[SlotView, ...], modules: tuple[str, ...]) -> tuple[list, list, list]:
-    """One projection kind's (row_start, rank, scale) per slot and module."""
-    row_start = [[view.row_start.get(m, 0) for m in modules] for view in slots]
-    rank = [[view.rank.get(m, 0) for m in modules] for view in slots]
-    scale = [[view.scale.get(m, 0.0) for m in modules] for view in slots]
-    return row_start, rank, scale
 
 
 def prepare_logits_plan(batch: Batch) -> LogitsPlan:

@@ -7,11 +7,11 @@ import math
 
 import torch
 
-from kubelora.engine.adapters.pool import DeviceLoRAPool
+from kubelora.engine.adapters.pool import DeviceLoRAPool, table_modules
 from kubelora.engine.adapters.staging import ROWS_PER_SLICE, STAGED_KINDS, ShrinkStaging
 from kubelora.engine.config import DEFAULT_CPU_LORAS, EngineConfig
 from kubelora.engine.model.attention import KVCache
-from kubelora.engine.model.config import PROJ_KINDS, ModelConfig, rope_inv_freq
+from kubelora.engine.model.config import ModelConfig, rope_inv_freq
 from kubelora.engine.model.llama import DecoderModel
 from kubelora.engine.model.rope import RotaryEmbedding
 from kubelora.engine.step.executor import StepExecutor
@@ -147,7 +147,7 @@ def build_step_executor(config: EngineConfig, model: DecoderModel, max_model_len
     device = torch.device(config.device)
     is_static = uses_static_steps(config)
     max_blocks = math.ceil(max_model_len / config.kv_block_size)
-    kind_slices = {kind: len(model.config.kind_modules(kind)) for kind in PROJ_KINDS}  # LoRA slot tables' width
+    kind_slices = {kind: len(modules) for kind, modules in table_modules(model.config).items()}  # slot tables' width
     shared = dict(max_seqs=config.max_num_seqs, max_blocks=max_blocks, block_size=config.kv_block_size,
                   pad_block=pad_block, kind_slices=kind_slices, device=device)
     decode = StepInputs(max_tokens=config.max_num_seqs, **shared,

@@ -74,9 +74,20 @@ class LoRAProj:
     # [num_slots, num_slices] int64, steps whose shrink is staged into the base matmul only (kernels/lora_triton.py:
     # add_lora_staged_triton): where the slot's shrink row of the slice starts past the base output's columns.
     t_col: torch.Tensor | None = None
+    # [num_slots, num_slices] int64: first pool row of the slot's B^T, where the pool holds B^T at rows of its own
+    # (engine/adapters/pool.py); None: the rows of its A (row_start)
+    b_row_start: torch.Tensor | None = None
+    # [num_slots, num_slices] int64: the row + 1 of the slot's DoRA output scale at the slice's width (0: plain
+    # LoRA there; kernels/lora_formats.py: dora_scale_); None: no slot of the step is DoRA
+    dora_row: torch.Tensor | None = None
     # Host-side launch parameters a backend derives from this step's sizes, filled by the first layer's call
     # and reused by the others (the object lives for one step). Not part of the value.
     launch_cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def b_rows(self) -> torch.Tensor:
+        """First pool row of each slot's B^T per slice."""
+        return self.row_start if self.b_row_start is None else self.b_row_start
 
 
 def _tile_height(counts: list[int], tile_heights: tuple[int, ...], max_tiles: int) -> int:
@@ -257,11 +268,12 @@ def add_lora_torch(
         offset += width
 
 
-def _slot_rows(pool: torch.Tensor, proj: LoRAProj, s: int) -> torch.Tensor:
-    """[num_slots, max_rank, dim]: each slot's rows of slice s, lanes past its rank exactly zero (selected)."""
+def _slot_rows(pool: torch.Tensor, proj: LoRAProj, s: int, row_start: torch.Tensor) -> torch.Tensor:
+    """[num_slots, max_rank, dim]: each slot's rows of slice s from row_start, lanes past its rank exactly zero
+    (selected)."""
     lanes = torch.arange(proj.max_rank[s], device=pool.device)
     valid = lanes < proj.rank[:, s, None]  # [num_slots, max_rank]
-    rows = torch.where(valid, proj.row_start[:, s, None] + lanes, 0)
+    rows = torch.where(valid, row_start[:, s, None] + lanes, 0)
     return torch.where(valid[..., None], pool[rows], torch.zeros((), dtype=pool.dtype, device=pool.device))
 
 
@@ -269,7 +281,7 @@ def _slice_delta(x: torch.Tensor, a_pool: torch.Tensor, b_pool: torch.Tensor, pr
                  slots: torch.Tensor, s: int) -> torch.Tensor:
     """[num_tokens, d_s]: scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slots[t], from a's rows only."""
     max_rank = proj.max_rank[s]
-    a_slots, b_slots = _slot_rows(a_pool, proj, s), _slot_rows(b_pool, proj, s)
+    a_slots, b_slots = _slot_rows(a_pool, proj, s, proj.row_start), _slot_rows(b_pool, proj, s, proj.b_rows)
     shrink_all = (x @ a_slots.reshape(-1, x.shape[1]).T).view(x.shape[0], num_slots, max_rank)
     index = slots[:, None, None].expand(-1, 1, max_rank)
     shrink = shrink_all.gather(1, index).squeeze(1) * proj.scale[slots, s].to(x.dtype)[:, None]  # [num_tokens, r]

@@ -227,7 +227,7 @@ def launch_expand(
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
                             lora_b[0].dtype)
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
-    shape.launch(y, *pad_slices(lora_b), t, step.tiles, proj.rank, proj.row_start, proj.scale, proj.rank,
+    shape.launch(y, *pad_slices(lora_b), t, step.tiles, proj.rank, proj.b_rows, proj.scale, proj.rank,
                  *shape.scalars, y.stride(0), t.shape[2])
 
 
@@ -250,7 +250,7 @@ def launch_expand_staged(
     """
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and proj.t_col is not None
     assert proj.t_col.stride() == proj.rank.stride()
-    shape.launch(y, *pad_slices(lora_b), y[:, width:], step.tiles, proj.rank, proj.row_start, proj.scale,
+    shape.launch(y, *pad_slices(lora_b), y[:, width:], step.tiles, proj.rank, proj.b_rows, proj.scale,
                  proj.t_col, *shape.scalars, y.stride(0), y.stride(0))
 
 
@@ -263,7 +263,7 @@ def lora_expand_staged_torch(y: torch.Tensor, width: int, lora_b: list[torch.Ten
     t_all = y[:, width:]
     for s, b_pool, off in zip(slices, lora_b, y_offsets):
         for slot in torch.unique(slots).tolist():
-            rank, row = int(proj.rank[slot, s]), int(proj.row_start[slot, s])
+            rank, row = int(proj.rank[slot, s]), int(proj.b_rows[slot, s])
             if rank == 0:
                 continue
             toks = tokens[slots == slot]
@@ -292,7 +292,7 @@ def lora_expand_torch(
     token_slot = step.token_slots[tokens]
     for j, (s, b_pool, off) in enumerate(zip(slices, lora_b, y_offsets)):
         for slot in range(step.num_slots):
-            rank, row = int(proj.rank[slot, s]), int(proj.row_start[slot, s])
+            rank, row = int(proj.rank[slot, s]), int(proj.b_rows[slot, s])
             pos = torch.nonzero(token_slot == slot).flatten()
             if rank == 0 or pos.numel() == 0:
                 continue

@@ -171,7 +171,7 @@ def launch_expand_rotary(qkv: torch.Tensor, t: torch.Tensor, lora_b: list[torch.
     scalars = (float(attention_scaling), proj.rank.stride(0), qkv.stride(0), t.shape[2], key_cache.stride(-3),
                num_heads, num_kv_heads)
     launch = shared_launch(_expand_rotary_kernel, grid, constexprs, scalars[1:])
-    launch(qkv, *lora_b, t, step.tiles, proj.rank, proj.row_start, proj.scale, positions, inv_freq, key_cache,
+    launch(qkv, *lora_b, t, step.tiles, proj.rank, proj.b_rows, proj.scale, positions, inv_freq, key_cache,
            value_cache, slot_mapping, *scalars)
 
 

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 
 from kubelora.engine.adapters.peft_reader import read_adapter_spec, read_adapter_weights
-from kubelora.engine.adapters.pool import DeviceLoRAPool, SlotView
+from kubelora.engine.adapters.pool import DeviceLoRAPool, SlotView, spec_bytes
 from kubelora.engine.adapters.revision import AdapterRevision
 from kubelora.engine.adapters.types import AdapterInfo, AdapterManagerConfig, AdapterStats, Residency, Tier
 from kubelora.engine.adapters.spec import AdapterLimits, AdapterSpec
-from kubelora.engine.errors import AdapterError, AdapterExists, AdapterUnloading, InvalidAdapter, UnknownAdapter
+from kubelora.engine.errors import (AdapterError, AdapterExists, AdapterTooLarge, AdapterUnloading, InvalidAdapter,
+                                    UnknownAdapter)
 from kubelora.engine.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class AdapterManager:
         _check_name(name)
         with self._name_lock(name):
             spec = read_adapter_spec(name, path, self._model, self._limits)
+            if self._bytes(spec) > self._pool.total_bytes:
+                raise AdapterTooLarge(name, "max_lora_pool_bytes", f"the adapter takes {self._bytes(spec)} bytes of "
+                                      f"the device adapter pool, which holds {self._pool.total_bytes}",
+                                      limit=self._pool.total_bytes)
             with self._state:
                 same = self._same_revision(name, spec, load_inplace)
                 if same is not None and (not preload or same.tier is not Tier.KNOWN):
@@ -172,7 +177,7 @@ class AdapterManager:
                     break
                 if revision.is_on_device or revision.is_retired or not self._could_fit(revision, []):
                     continue
-                if self._pool.place(revision.id, revision.spec.ranks, revision.host):
+                if self._pool.place(revision.id, revision.spec, revision.host):
                     self._device[revision.id] = revision
                     revision.is_on_device = True
                     placed += 1
@@ -302,7 +307,7 @@ class AdapterManager:
                          key=lambda r: (r.num_refs > 0, r.last_used))
         if not self._could_fit(revision, victims):
             return False
-        while not self._pool.place(revision.id, revision.spec.ranks, revision.host):
+        while not self._pool.place(revision.id, revision.spec, revision.host):
             victim = victims.pop(0)
             self._pool.free(victim.id)
             del self._device[victim.id]
@@ -311,11 +316,12 @@ class AdapterManager:
         return True
 
     def _could_fit(self, revision: AdapterRevision, victims: list[AdapterRevision]) -> bool:
-        for module, rank in revision.spec.ranks.items():
-            reclaimable = sum(v.spec.ranks.get(module, 0) for v in victims)
-            if self._pool.free_rows(module) + reclaimable < rank:
-                return False
-        return True
+        """The pool's room (counted at each resident's `adapter_bytes`) holds it once `victims` are out."""
+        reclaimable = sum(self._bytes(v.spec) for v in victims)
+        return self._pool.free_bytes() + reclaimable >= self._bytes(revision.spec)
+
+    def _bytes(self, spec: AdapterSpec) -> int:
+        return spec_bytes(self._model, self._pool.dtype, spec)
 
     def _info(self, entry: _Entry) -> AdapterInfo:
         revision = entry.current
@@ -328,7 +334,7 @@ class AdapterManager:
             rank=spec.max_rank,
             ranks=dict(spec.ranks),
             targets=spec.targets,
-            bytes=self._pool.bytes_for(spec.ranks),
+            bytes=self._bytes(spec),
             host_bytes=revision.host.num_bytes if revision.host is not None else 0,
             loaded_at=revision.loaded_at,
             base_model=spec.base_model,

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20  # PEFT writes a few KiB
 DEFAULT_ALPHA = 8  # PEFT's LoraConfig default
-_UNSUPPORTED_FLAGS = ("use_dora", "lora_bias", "use_qalora")  # each changes the math beyond x A^T B^T
+_UNSUPPORTED_FLAGS = ("lora_bias", "use_qalora")  # each changes the math beyond x A^T B^T (and DoRA's scale)
+VOCAB_TARGETS = ("embed_tokens", "lm_head")
 _UNSUPPORTED_SET = ("modules_to_save", "target_parameters", "trainable_token_indices", "layer_replication")
 
 
@@ -35,6 +36,7 @@ class PeftConfig:
     rank_pattern: PatternMap
     alpha_pattern: PatternMap
     base_model: str  # base_model_name_or_path
+    use_dora: bool = False
 
     def module_rank(self, layer: int, module: str, prefix: str = "model.") -> int:
         """The rank PEFT builds this layer's module with: its rank_pattern entry, else r."""
@@ -49,7 +51,12 @@ class PeftConfig:
 
 def module_name(layer: int, module: str, prefix: str = "model.") -> str:
     """The module's name in the base model, as PEFT matches pattern keys against it. prefix: where the model keeps
-    its decoder layers (a multimodal Gemma 3's language model: `model.language_model.`)."""
+    its decoder layers (a multimodal Gemma 3's language model: `model.language_model.`); layer -1: the vocabulary
+    modules (`model.embed_tokens`, `lm_head`)."""
+    if module == "embed_tokens":
+        return f"{prefix}embed_tokens"
+    if module == "lm_head":
+        return "lm_head"
     return f"{prefix}layers.{layer}.{MODULE_PARENT[module]}.{module}"
 
 
@@ -63,17 +70,25 @@ def parse_config(name: str, raw: bytes, limits: AdapterLimits) -> PeftConfig:
                                   limit=limits.max_lora_rank)
     alpha = config.get("lora_alpha", DEFAULT_ALPHA)
     check_number(name, "lora_alpha", alpha, is_rank=False)
-    use_rslora = config.get("use_rslora") or False  # absent or null: off
-    if not isinstance(use_rslora, bool):
-        raise InvalidAdapter(name, "use_rslora", f"is {json_excerpt(use_rslora)}; it must be true or false",
-                             limit="true or false")
+    use_rslora = _flag(name, config, "use_rslora")
+    use_dora = _flag(name, config, "use_dora")
+    if use_dora and limits.base_format is not None:
+        raise InvalidAdapter(name, "use_dora", f"DoRA needs the base weights to norm them; the served base is "
+                             f"{limits.base_format}", limit="false")
     _check_targets(name, config.get("target_modules"))
     base_model = str(config.get("base_model_name_or_path") or "")
     _check_base_model(name, base_model, limits)
-    return PeftConfig(rank=rank, alpha=alpha, use_rslora=use_rslora,
+    return PeftConfig(rank=rank, alpha=alpha, use_rslora=use_rslora, use_dora=use_dora,
                       rank_pattern=compile_patterns(name, "rank_pattern", config.get("rank_pattern"), is_rank=True),
                       alpha_pattern=compile_patterns(name, "alpha_pattern", config.get("alpha_pattern"), is_rank=False),
                       base_model=base_model)
+
+
+def _flag(name: str, config: dict, key: str) -> bool:
+    value = config.get(key) or False  # absent or null: off
+    if not isinstance(value, bool):
+        raise InvalidAdapter(name, key, f"is {json_excerpt(value)}; it must be true or false", limit="true or false")
+    return value
 
 
 def _load_json(name: str, raw: bytes) -> dict:
@@ -108,10 +123,11 @@ def _check_targets(name: str, targets: object) -> None:
     if not all(isinstance(t, str) for t in targets):
         raise InvalidAdapter(name, "target_modules", f"must be module names, got {json_excerpt(targets)}",
                              limit="an array of strings")
-    unknown = sorted(set(targets) - set(MODULE_PARENT))  # the served model's own modules: checked on the tensors
+    adaptable = {*MODULE_PARENT, *VOCAB_TARGETS}
+    unknown = sorted(set(targets) - adaptable)  # the served model's own modules: checked on the tensors
     if unknown:
         raise AdapterTargetUnsupported(name, "target_modules", f"{unknown} are not adaptable modules of this "
-                                       f"model", limit=sorted(MODULE_PARENT))
+                                       f"model", limit=sorted(adaptable))
 
 
 def _check_base_model(name: str, base_model: str, limits: AdapterLimits) -> None:

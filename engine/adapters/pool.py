@@ -1,26 +1,46 @@
-"""The device adapter pool: per layer and module, rank rows at each adapter's own rank (kernels/lora.py layout).
+"""The device adapter pool: one arena of bytes, paged per module, each adapter at its own modules and ranks.
 
-Each module (q_proj, ..., down_proj) has one A buffer `[num_layers, num_rows, in_dim]` and one B^T buffer
-`[num_layers, num_rows, out_dim]`; every layer uses the same row addresses, so one `RowAllocator` per module
-places an adapter: `rank` contiguous rows in each module it adapts, nothing in the others. The pool's bytes
-are `num_rows * bytes_per_row(module)` summed over modules; an adapter costs `rank * bytes_per_row` per module.
+The arena is `[num_layers, arena_len]` elements of the pool's dtype; every allocation takes the same element range
+of every layer's strip. A module's A rows and its B^T rows are two allocations, each read through a view of the
+arena at the module's own row width (A: in_dim, B^T: out_dim), so the kernels see `[num_rows, width]` buffers per
+layer with contiguous rows (kernels/lora.py layout), A and B^T at rows of their own (`SlotView.row_start`,
+`b_row_start`). An allocation starts at a multiple of its width; an adapter takes the elements of the modules and
+ranks it has, nothing else.
+
+- DoRA: one more allocation per module, one row of out_dim: magnitude / ||W + scale * B A|| per output channel
+  (the norm detached, as PEFT computes it), computed from the base weight when the adapter is placed.
+- Vocabulary-wide modules (embed_tokens, lm_head) have one matrix for the whole model, not one per layer: their
+  rows are cut into num_layers pieces, piece l in layer l's strip, so they take their own bytes and no more. A
+  logical row is its pieces laid end to end (kernels/lora_formats.py: `vocab_rows`).
+
+What an adapter costs (`adapter_bytes`): per allocation its elements plus the alignment its start may need (less
+than one row); the sum over what the pool holds never exceeds the arena after compaction (which packs allocations
+to the front, each to the next multiple of its width). So adapters whose `adapter_bytes` sum to at most
+`total_bytes` can all be resident at once: the guarantee the engine reports (`/v1/models`' adapter_pool_bytes).
 Mutated only between steps (placement and compaction happen in `schedule()`, frees under the manager lock).
 """
 
 from __future__ import annotations
 
+import math
 from bisect import insort
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kubelora.engine.adapters.spec import HostAdapter
+from kubelora.engine.adapters.spec import AdapterSpec, HostAdapter
 from kubelora.engine.model.config import LORA_MODULES, PROJ_KINDS, ModelConfig
 from kubelora.engine.model.llama import LayerLoRABuffers
 
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+# Step table kinds beyond the projections: one slice each (engine/step/inputs.py)
+VOCAB_KINDS = {"embed": ("embed_tokens",), "lm_head": ("lm_head",)}
+BaseWeight = Callable[[int, str], torch.Tensor]  # (layer, module) -> W [out_dim, in_dim] as the model holds it
+
 
 class RowAllocator:
-    """First-fit allocator of contiguous row ranges in [0, num_rows)."""
+    """First-fit allocator of contiguous ranges in [0, num_rows), each starting at a multiple of its alignment."""
 
     def __init__(self, num_rows: int) -> None:
         self.num_rows = num_rows
@@ -30,11 +50,13 @@ class RowAllocator:
     def num_free(self) -> int:
         return sum(length for _, length in self._free)
 
-    def allocate(self, num_rows: int) -> int | None:
+    def allocate(self, num_rows: int, align: int = 1) -> int | None:
         for i, (start, length) in enumerate(self._free):
-            if length >= num_rows:
-                self._free[i : i + 1] = [(start + num_rows, length - num_rows)] if length > num_rows else []
-                return start
+            first = -(-start // align) * align
+            if first + num_rows <= start + length:
+                pieces = [(start, first - start), (first + num_rows, start + length - first - num_rows)]
+                self._free[i : i + 1] = [p for p in pieces if p[1] > 0]
+                return first
         return None
 
     def free(self, start: int, num_rows: int) -> None:
@@ -51,93 +73,194 @@ class RowAllocator:
         """After compaction: rows [0, used) taken, the rest free."""
         self._free = [(used, self.num_rows - used)] if used < self.num_rows else []
 
+    def reset_to(self, taken: list[tuple[int, int]]) -> None:
+        """Only the (start, length) ranges of `taken` (sorted, disjoint) taken, every gap between them free."""
+        self._free, cursor = [], 0
+        for start, length in [*taken, (self.num_rows, 0)]:
+            if start > cursor:
+                self._free.append((cursor, start - cursor))
+            cursor = start + length
+
 
 @dataclass(frozen=True)
 class SlotView:
     """Where one resident adapter lives in the pool, for one step's slot table (read by prepare_lora_*)."""
 
-    row_start: dict[str, int]  # module -> first row
+    row_start: dict[str, int]  # module -> first row of its A
     rank: dict[str, int]  # module -> rank rows (absent: module not adapted)
     scale: dict[str, float]
     placement: int = -1  # unique per placement of an adapter into the pool (staged copies are keyed by it)
+    b_row_start: dict[str, int] | None = None  # module -> first row of its B^T (None: the A rows' numbers)
+    dora_row: dict[str, int] | None = None  # module -> row of its DoRA output scale (absent: plain LoRA)
+
+    def b_row(self, module: str) -> int:
+        return (self.b_row_start if self.b_row_start is not None else self.row_start).get(module, 0)
+
+
+# (module, part): part "a" (A rows), "b" (B^T rows) or "g" (DoRA's output scale)
+_Key = tuple[str, str]
+
+
+def module_dims(model: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_dim, out_dim) of any adaptable module, the vocabulary-wide ones included (PEFT's lora_A, lora_B sizes:
+    embed_tokens' A is [r, vocab], its B [hidden, r])."""
+    if module == "embed_tokens":
+        return model.vocab_size, model.hidden_size
+    if module == "lm_head":
+        return model.hidden_size, model.vocab_size
+    return model.module_dims(module)
+
+
+def part_width(model: ModelConfig, module: str, part: str) -> int:
+    """Elements of one row of a module's part in one layer's strip (a vocabulary module's row is cut in pieces)."""
+    in_dim, out_dim = module_dims(model, module)
+    dim = in_dim if part == "a" else out_dim
+    return -(-dim // model.num_layers) if module in VOCAB_MODULES else dim
+
+
+def _widths(model: ModelConfig) -> list[int]:
+    modules = (*LORA_MODULES, *VOCAB_MODULES)
+    return [part_width(model, m, p) for m in modules for p in ("a", "b")]
+
+
+def adapter_bytes(model: ModelConfig, dtype: torch.dtype, ranks: dict[str, int], dora: bool = False) -> int:
+    """Pool bytes an adapter of these ranks takes at most: each allocation's rows plus the alignment its start may
+    need (less than one row: the width less the widths' common divisor)."""
+    unit = math.gcd(*_widths(model))
+    element = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for module, rank in ranks.items():
+        parts = [("a", rank), ("b", rank)] + ([("g", 1)] if dora and module not in VOCAB_MODULES else [])
+        for part, rows in parts:
+            width = part_width(model, module, "b" if part == "g" else part)
+            total += rows * width + width - unit
+    return total * model.num_layers * element
+
+
+def spec_bytes(model: ModelConfig, dtype: torch.dtype, spec: AdapterSpec) -> int:
+    return adapter_bytes(model, dtype, spec.ranks, spec.use_dora)
+
+
+def rank_row_bytes(model: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of one rank row (A row + B^T row, every layer) per module, vocabulary-wide ones included: what the
+    operator multiplies an adapter's ranks by (plus `adapter_bytes`' alignment) before the engine reads it."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return {m: model.num_layers * element * (part_width(model, m, "a") + part_width(model, m, "b"))
+            for m in (*LORA_MODULES, *VOCAB_MODULES)}
 
 
 class DeviceLoRAPool:
-    def __init__(self, model: ModelConfig, num_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: ModelConfig, num_rows: int, dtype: torch.dtype, device: torch.device,
+                 num_bytes: int | None = None) -> None:
+        """num_rows: the arena holds num_rows rank rows of every projection module (`bytes_per_rank` each);
+        num_bytes: its bytes instead (rounded down to whole elements of every layer)."""
         self.model = model
         self.num_rows = num_rows
         self.dtype = dtype
-        self.a: dict[str, torch.Tensor] = {}
-        self.b: dict[str, torch.Tensor] = {}
-        for module in LORA_MODULES:
-            in_dim, out_dim = model.module_dims(module)
-            self.a[module] = torch.zeros(model.num_layers, num_rows, in_dim, dtype=dtype, device=device)
-            self.b[module] = torch.zeros(model.num_layers, num_rows, out_dim, dtype=dtype, device=device)
-        self._allocators = {module: RowAllocator(num_rows) for module in LORA_MODULES}
-        self._placements: dict[int, dict[str, tuple[int, int]]] = {}  # owner -> module -> (start, rank)
+        element = torch.empty((), dtype=dtype).element_size()
+        self.arena_len = (num_rows * sum(sum(model.module_dims(m)) for m in LORA_MODULES) if num_bytes is None
+                          else num_bytes // (model.num_layers * element))
+        self.arena = torch.zeros(model.num_layers, self.arena_len, dtype=dtype, device=device)
+        self._views: dict[int, torch.Tensor] = {}
+        self.a = {m: self.rows_view(part_width(model, m, "a")) for m in (*LORA_MODULES, *VOCAB_MODULES)}
+        self.b = {m: self.rows_view(part_width(model, m, "b")) for m in (*LORA_MODULES, *VOCAB_MODULES)}
+        self._allocator = RowAllocator(self.arena_len)
+        self._placements: dict[int, dict[_Key, tuple[int, int]]] = {}  # owner -> key -> (first element, elements)
         self._placement_ids: dict[int, int] = {}  # owner -> its placement's id (a new one for every place)
+        self._costs: dict[int, int] = {}  # owner -> adapter_bytes
         self._next_placement = 0
+        self._base_weight: BaseWeight | None = None
+
+    def set_base_weight(self, base_weight: BaseWeight) -> None:
+        """Where DoRA adapters' norms read W (the served model's weights, on the pool's device)."""
+        self._base_weight = base_weight
+
+    def rows_view(self, width: int) -> torch.Tensor:
+        """The arena as rows of `width` elements: [num_layers, arena_len // width, width] (shared storage)."""
+        if width not in self._views:
+            self._views[width] = self.arena.as_strided((self.model.num_layers, self.arena_len // width, width),
+                                                       (self.arena_len, width, 1))
+        return self._views[width]
 
     @staticmethod
     def bytes_per_rank(model: ModelConfig, dtype: torch.dtype) -> int:
-        """Bytes of one rank row in every module (all targets), across all layers."""
-        return sum(row_bytes(model, m, dtype) for m in LORA_MODULES)
+        """Bytes of one rank row in every projection module, across all layers: the arena's unit of size."""
+        return sum(rank_row_bytes(model, dtype)[m] for m in LORA_MODULES)
+
+    @property
+    def element_size(self) -> int:
+        return self.arena.element_size()
 
     @property
     def total_bytes(self) -> int:
-        return self.num_rows * self.bytes_per_rank(self.model, self.dtype)
+        return self.arena.numel() * self.element_size
 
     @property
     def used_bytes(self) -> int:
-        return sum(self.bytes_for(ranks) for ranks in self._rank_maps())
+        """Bytes the resident adapters are counted at (`adapter_bytes`): what the room guarantee spends."""
+        return sum(self._costs.values())
 
-    def bytes_for(self, ranks: dict[str, int]) -> int:
-        return sum(rank * row_bytes(self.model, m, self.dtype) for m, rank in ranks.items())
+    def bytes_for(self, ranks: dict[str, int], dora: bool = False) -> int:
+        return adapter_bytes(self.model, self.dtype, ranks, dora)
+
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.used_bytes
 
     def layer_buffers(self) -> list[LayerLoRABuffers]:
         """Per-layer views grouped by projection kind, in slice order; valid for the pool's lifetime."""
         out = []
+        vocab = {m: (self.a[m], self.b[m]) for m in VOCAB_MODULES}
         for layer in range(self.model.num_layers):
             kinds = {kind: self.model.kind_modules(kind) for kind in PROJ_KINDS}
             out.append(LayerLoRABuffers(
                 lora_a={kind: [self.a[m][layer] for m in mods] for kind, mods in kinds.items()},
                 lora_b={kind: [self.b[m][layer] for m in mods] for kind, mods in kinds.items()},
+                vocab=vocab,
             ))
         return out
 
-    def free_rows(self, module: str) -> int:
-        return self._allocators[module].num_free
-
-    def place(self, owner: int, ranks: dict[str, int], host: HostAdapter) -> bool:
-        """Copy an adapter in; False (nothing changed) when some module lacks room even after compaction."""
+    def place(self, owner: int, spec: AdapterSpec, host: HostAdapter) -> bool:
+        """Copy an adapter in (DoRA: its output scales computed from W); False (nothing changed) when the arena
+        lacks room even after compaction."""
         if owner in self._placements:
             return True
-        if any(self._allocators[m].num_free < r for m, r in ranks.items()):
+        cost = spec_bytes(self.model, self.dtype, spec)
+        if cost > self.free_bytes():
             return False
-        placement = self._allocate(ranks)
+        sizes = self._sizes(spec)
+        placement = self._allocate(sizes)
         if placement is None:
             self.compact()
-            placement = self._allocate(ranks)
+            placement = self._allocate(sizes)
         if placement is None:
             return False
-        for module, (start, rank) in placement.items():
-            self.a[module][:, start : start + rank].copy_(host.a[module], non_blocking=True)
-            self.b[module][:, start : start + rank].copy_(host.b[module], non_blocking=True)
+        for (module, part), (start, length) in placement.items():
+            if part != "g":
+                host_rows = (host.a if part == "a" else host.b)[module]
+                self.arena[:, start : start + length].copy_(host_rows.reshape(self.model.num_layers, -1),
+                                                            non_blocking=True)
+        if spec.use_dora:
+            self._place_dora(spec, host, placement)
         self._placements[owner] = placement
         self._placement_ids[owner] = self._next_placement
+        self._costs[owner] = cost
         self._next_placement += 1
         return True
 
     def free(self, owner: int) -> None:
         self._placement_ids.pop(owner, None)
-        for module, (start, rank) in self._placements.pop(owner, {}).items():
-            self._allocators[module].free(start, rank)
+        self._costs.pop(owner, None)
+        for start, length in self._placements.pop(owner, {}).values():
+            self._allocator.free(start, length)
 
     def view(self, owner: int, scales: dict[str, float]) -> SlotView:
         placement = self._placements[owner]
-        return SlotView(row_start={m: s for m, (s, _) in placement.items()},
-                        rank={m: r for m, (_, r) in placement.items()}, scale=dict(scales),
-                        placement=self._placement_ids[owner])
+        rows = {key: start // self._width(key) for key, (start, _) in placement.items()}
+        ranks = {m: length // self._width((m, p)) for (m, p), (_, length) in placement.items() if p == "a"}
+        return SlotView(row_start={m: r for (m, p), r in rows.items() if p == "a"}, rank=ranks,
+                        scale=dict(scales), placement=self._placement_ids[owner],
+                        b_row_start={m: r for (m, p), r in rows.items() if p == "b"},
+                        dora_row={m: r for (m, p), r in rows.items() if p == "g"})
 
     def fill(self, owner: int, value: float, *, is_a: bool = True, is_b: bool = True) -> None:
         """Set a placed adapter's A and/or B rows to `value` in every layer and module it adapts.
@@ -145,41 +268,83 @@ class DeviceLoRAPool:
         For tests only: loads refuse non-finite weights, so this is how a test puts NaN or infinities into the
         pool to check that no other adapter's tokens see them (copies staged before the call keep their values).
         """
-        for module, (start, rank) in self._placements[owner].items():
-            for buf, is_filled in ((self.a[module], is_a), (self.b[module], is_b)):
-                if is_filled:
-                    buf[:, start : start + rank] = value
+        for (_, part), (start, length) in self._placements[owner].items():
+            if (part == "a" and is_a) or (part == "b" and is_b):
+                self.arena[:, start : start + length] = value
 
     def compact(self) -> None:
-        """Pack every module's placements to the front (rows move down, in address order: no overlap hazard)."""
-        for module, allocator in self._allocators.items():
-            owners = sorted((p[module][0], o) for o, p in self._placements.items() if module in p)
-            next_row = 0
-            for start, owner in owners:
-                rank = self._placements[owner][module][1]
-                if start != next_row:
-                    for buf in (self.a[module], self.b[module]):
-                        buf[:, next_row : next_row + rank] = buf[:, start : start + rank].clone()
-                    self._placements[owner][module] = (next_row, rank)
-                next_row += rank
-            allocator.reset(next_row)
+        """Pack every allocation to the front, each at the next multiple of its width (elements move down, in
+        address order: a move never overwrites what is still to move)."""
+        allocations = sorted((start, owner, key) for owner, p in self._placements.items()
+                             for key, (start, _) in p.items())
+        end = 0
+        for start, owner, key in allocations:
+            width = self._width(key)
+            length = self._placements[owner][key][1]
+            first = -(-end // width) * width
+            if first != start:
+                self.arena[:, first : first + length] = self.arena[:, start : start + length].clone()
+                self._placements[owner][key] = (first, length)
+            end = first + length
+        self._allocator.reset_to(sorted(p for placement in self._placements.values() for p in placement.values()))
 
-    def _allocate(self, ranks: dict[str, int]) -> dict[str, tuple[int, int]] | None:
+    def _width(self, key: _Key) -> int:
+        module, part = key
+        return part_width(self.model, module, "b" if part == "g" else part)
+
+    def _sizes(self, spec: AdapterSpec) -> dict[_Key, int]:
+        sizes = {}
+        for module, rank in spec.ranks.items():
+            sizes[(module, "a")] = rank * part_width(self.model, module, "a")
+            sizes[(module, "b")] = rank * part_width(self.model, module, "b")
+            if spec.use_dora and module not in VOCAB_MODULES:
+                sizes[(module, "g")] = part_width(self.model, module, "b")
+        return sizes
+
+    def _allocate(self, sizes: dict[_Key, int]) -> dict[_Key, tuple[int, int]] | None:
         placement = {}
-        for module, rank in ranks.items():
-            start = self._allocators[module].allocate(rank)
+        for key, length in sizes.items():
+            start = self._allocator.allocate(length, self._width(key))
             if start is None:
-                for m, (s, r) in placement.items():
-                    self._allocators[m].free(s, r)
+                for s, n in placement.values():
+                    self._allocator.free(s, n)
                 return None
-            placement[module] = (start, rank)
+            placement[key] = (start, length)
         return placement
 
-    def _rank_maps(self):
-        return ({m: r for m, (_, r) in p.items()} for p in self._placements.values())
+    def _place_dora(self, spec: AdapterSpec, host: HostAdapter, placement: dict[_Key, tuple[int, int]]) -> None:
+        """magnitude / ||W + scale * B A|| per output channel and layer (PEFT's DoRA weight norm: over each output
+        row of the merged weight, in float32, detached), into the module's "g" row."""
+        if self._base_weight is None:
+            raise RuntimeError("DoRA adapters need the pool's base weights (set_base_weight)")
+        device = self.arena.device
+        for module in spec.ranks:
+            if (module, "g") not in placement:
+                continue
+            start, length = placement[(module, "g")]
+            a = host.a[module].to(device, torch.float32)  # [layers, rank, in]
+            b = host.b[module].to(device, torch.float32)  # [layers, rank, out] (B^T)
+            magnitude = host.magnitude[module].to(device, torch.float32)  # [layers, out]
+            for layer in range(self.model.num_layers):
+                weight = self._base_weight(layer, module).float()
+                merged = weight + spec.scales[module] * (b[layer].T @ a[layer])
+                norm = torch.linalg.norm(merged, dim=1)
+                self.arena[layer, start : start + length] = magnitude[layer] / norm
 
 
-def row_bytes(model: ModelConfig, module: str, dtype: torch.dtype) -> int:
-    """Bytes of one rank row of one module across all layers (A row + B^T row)."""
-    in_dim, out_dim = model.module_dims(module)
-    return model.num_layers * (in_dim + out_dim) * torch.empty((), dtype=dtype).element_size()
+def table_modules(model: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Every step table kind -> its modules in slice order: the projection kinds, then the vocabulary kinds."""
+    return {**{kind: model.kind_modules(kind) for kind in PROJ_KINDS}, **VOCAB_KINDS}
+
+
+def slot_tables(slots: tuple[SlotView, ...], kinds: dict[str, tuple[str, ...]]) -> dict[str, tuple[list, ...]]:
+    """A step's slot tables: kind -> (row_start, rank, scale, b_row_start, dora_row + 1 or 0), each per slot and
+    module of the kind (engine/step/inputs.py lays them out)."""
+    tables = {}
+    for kind, modules in kinds.items():
+        tables[kind] = ([[view.row_start.get(m, 0) for m in modules] for view in slots],
+                        [[view.rank.get(m, 0) for m in modules] for view in slots],
+                        [[view.scale.get(m, 0.0) for m in modules] for view in slots],
+                        [[view.b_row(m) for m in modules] for view in slots],
+                        [[(view.dora_row or {}).get(m, -1) + 1 for m in modules] for view in slots])
+    return tables

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,8 @@ class AdapterLimits:
     max_pool_rows: int  # rows per module in the device pool: an adapter's rank must fit
     model_names: tuple[str, ...]  # names the served base model answers to (for base_model_name_or_path)
     is_base_model_strict: bool  # mismatch of base_model_name_or_path: error (True) or warning (False)
+    model_dir: str | None = None  # the base checkpoint, which PEFT's full embedding/lm_head copies must equal
+    base_format: str | None = None  # the base weights' quantized format (None: unquantized; DoRA needs W)
 
 
 @dataclass(frozen=True)
@@ -27,9 +29,13 @@ class AdapterSpec:
     num_weight_bytes: int  # adapter_model.safetensors' size, as its header accounts for every byte
     ranks: dict[str, int]  # PEFT module (q_proj, ...) -> rank (max over layers; smaller layers zero-padded)
     scales: dict[str, float]  # module -> alpha / r (or alpha / sqrt(r) with rsLoRA)
-    tensor_names: dict[tuple[int, str], tuple[str, str]]  # (layer, module) -> (lora_A key, lora_B key)
+    # (layer, module) -> (lora_A key, lora_B key); layer -1 for the vocabulary-wide modules (embed_tokens: PEFT's
+    # lora_embedding_A/B, lm_head)
+    tensor_names: dict[tuple[int, str], tuple[str, str]]
     base_model: str  # base_model_name_or_path as written by PEFT
     use_rslora: bool
+    use_dora: bool = False  # DoRA: every module's lora_magnitude_vector, named in magnitude_names
+    magnitude_names: dict[tuple[int, str], str] = field(default_factory=dict)  # (layer, PEFT module) -> key
 
     @property
     def max_rank(self) -> int:
@@ -45,12 +51,16 @@ class HostAdapter:
     """Weights staged in host memory (pinned on CUDA), laid out for one copy per module into the pool.
 
     a[module]: [num_layers, rank, in_dim]; b[module]: [num_layers, rank, out_dim] (B transposed). Layers the
-    adapter does not touch, and rank rows beyond a layer's own rank, are zero.
+    adapter does not touch, and rank rows beyond a layer's own rank, are zero. A vocabulary-wide module's rows are
+    cut into num_layers pieces as the pool holds them (engine/adapters/pool.py): [num_layers, rank, piece].
+    magnitude[module]: DoRA's [num_layers, out_dim] (empty without DoRA).
     """
 
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
+    magnitude: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        tensors = (*self.a.values(), *self.b.values(), *self.magnitude.values())
+        return sum(t.numel() * t.element_size() for t in tensors)

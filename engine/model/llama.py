@@ -25,9 +25,8 @@ from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused, gemv
 from kubelora.kernels.lora import LoRAOps, LoRAProj, LoRAStep, add_lora
+from kubelora.kernels.lora_formats import add_embed_lora_, add_lm_head_lora_, dora_scale_
 from kubelora.kernels.lora_rotary import add_lora_rotary_kv_cache_, is_expand_rotary
-
-
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,10 @@ class LayerLoRABuffers:
     """One layer's view of the device adapter pool: kind -> per-slice buffers (see kernels/lora.py)."""
 
     lora_a: dict[str, list[torch.Tensor]]  # kind -> [num_rows, in_dim] per slice
-    lora_b: dict[str, list[torch.Tensor]]  # kind -> [num_rows, out_dim_s] per slice
+    lora_b: dict[str, list[torch.Tensor]]  # kind -> [num_rows, out_dim_s] per slice (DoRA's output scales too)
+    # embed_tokens, lm_head -> (A, B^T) rows over every layer's strip, [num_layers, num_rows, piece] (the same in
+    # every layer's entry: a vocabulary-wide module's rows are cut in pieces, one per layer)
+    vocab: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class LoRAContext:
     step's shape, the kinds whose shrink is staged into the base matmul."""
 
     step: LoRAStep
-    proj: dict[str, LoRAProj]  # kind -> slot table for that projection kind
+    proj: dict[str, LoRAProj]  # kind -> slot table: each projection kind's, then "embed" and "lm_head"
     ops: LoRAOps
     # kind -> staged rows its matmul reads past the base output (engine/adapters/staging.py; triton backend):
     # those kinds compute their shrink in the base matmul and launch only the expand
@@ -102,6 +104,9 @@ class DecoderModel:
             distinct = {id(rope): rope for rope in self.ropes}
             angles = {key: rope.cos_sin(ctx.positions, self.dtype) for key, rope in distinct.items()}
         hidden, residual = F.embedding(token_ids, self.weights.embed), None
+        if self._is_adapted(ctx.lora, "embed"):  # before the scale, which PEFT applies to the adapter's output too
+            add_embed_lora_(hidden, token_ids, self.lora_buffers[0].vocab["embed_tokens"], ctx.lora.proj["embed"],
+                            ctx.lora.step)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         for layer in range(self.config.num_layers):
@@ -109,13 +114,24 @@ class DecoderModel:
         return self._add_norm(hidden, residual, self.weights.final_norm)[0]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] -> logits [n, vocab] float32 (soft-capped in the model's dtype, as transformers)."""
+    def compute_logits(self, hidden: torch.Tensor, lora: LoRAContext | None = None,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [n, hidden] -> logits [n, vocab] float32 (soft-capped in the model's dtype, as transformers);
+        lora: the step's, whose lm_head adapters add their deltas to the rows' logits; rows: the step's token rows
+        hidden holds (None: every row)."""
         logits = F.linear(hidden, self.weights.lm_head)
+        if self._is_adapted(lora, "lm_head"):
+            slots = lora.step.token_slots if rows is None else lora.step.token_slots.index_select(0, rows)
+            add_lm_head_lora_(logits, hidden, slots, self.lora_buffers[0].vocab["lm_head"], lora.proj["lm_head"],
+                              lora.step.num_slots)
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    @staticmethod
+    def _is_adapted(lora: LoRAContext | None, kind: str) -> bool:
+        return lora is not None and kind in lora.proj and any(lora.proj[kind].max_rank)
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +163,9 @@ class DecoderModel:
         rope = self.ropes[layer]
         lora = ctx.lora
         # the LoRA-rotary launch rotates the projection's output as it adds the delta: no room for q/k norms
+        # nor for DoRA's output scale, which applies before the rotation
         if (self.is_fused and not self.family.has_qk_norm and lora is not None and lora.ops.name == "triton"
-                and is_expand_rotary(lora.proj["qkv"], lora.step, cfg.head_dim)):
+                and lora.proj["qkv"].dora_row is None and is_expand_rotary(lora.proj["qkv"], lora.step, cfg.head_dim)):
             q = self._lora_rotary_q(layer, x, ctx, key_cache, value_cache)
         else:
             q, k, v = self._proj(layer, "qkv", x, ctx).split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -198,9 +215,13 @@ class DecoderModel:
             width = weights.weight[kind].shape[0]
             y = self._linear(x, weight[: width + staged], None if bias is None else bias[: width + staged])
             lora.ops.add_staged(y, width, self.lora_buffers[layer].lora_b[kind], lora.proj[kind], lora.step)
-            return y[:, :width]
-        y = self._linear(x, weights.weight[kind], weights.bias[kind])
-        if lora is not None:
-            buffers = self.lora_buffers[layer]
-            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], lora.proj[kind], lora.step, backend=lora.ops)
+            y = y[:, :width]
+        else:
+            y = self._linear(x, weights.weight[kind], weights.bias[kind])
+            if lora is not None:
+                buffers = self.lora_buffers[layer]
+                add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], lora.proj[kind], lora.step,
+                         backend=lora.ops)
+        if lora is not None and lora.proj[kind].dora_row is not None:
+            dora_scale_(y, weights.bias[kind], self.lora_buffers[layer].lora_b[kind], lora.proj[kind], lora.step)
         return y

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kubelora.engine.model.config import ModelConfig
+from kubelora.engine.model.config import LORA_MODULES, ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -57,6 +57,18 @@ class ModelWeights:
         return replace(self, embed=embed, final_norm=move(self.final_norm), lm_head=lm_head, layers=layers)
 
 
+def module_weight(weights: ModelWeights, config: ModelConfig, layer: int, module: str) -> torch.Tensor:
+    """One engine module's W [out_dim, in_dim]: its rows of the layer's fused projection (a view)."""
+    kind, _ = LORA_MODULES[module]
+    first = 0
+    for other in config.kind_modules(kind):
+        out_dim = config.module_dims(other)[1]
+        if other == module:
+            return weights.layers[layer].weight[kind][first : first + out_dim]
+        first += out_dim
+    raise KeyError(module)
+
+
 class CheckpointReader:
     """Name -> tensor over one safetensors file or the shards listed by model.safetensors.index.json."""
 
@@ -71,6 +83,26 @@ class CheckpointReader:
             raise ValueError(f"checkpoint tensor {name!r} is missing")
         with safe_open(str(self._files[name]), framework="pt") as f:
             return f.get_tensor(name).to(dtype)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of a 2-D tensor, read alone (the rest of the tensor is not read)."""
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            return f.get_slice(name)[start:end]
+
+    def vocab_names(self, config: ModelConfig) -> dict[str, str]:
+        """The checkpoint's names of the embedding and the lm_head ("embed_tokens", "lm_head" -> name): the
+        embedding's for the lm_head when tied or not stored."""
+        found = [prefix for prefix in DECODERS if self.has(f"{prefix}embed_tokens.weight")]
+        if not found:
+            raise ValueError(f"checkpoint tensor 'model.embed_tokens.weight' is missing (looked under "
+                             f"{list(DECODERS)})")
+        embed, lm_head = f"{found[0]}embed_tokens.weight", DECODERS[found[0]]
+        is_tied = config.tie_word_embeddings or not self.has(lm_head)
+        return {"embed_tokens": embed, "lm_head": embed if is_tied else lm_head}
 
 
 def _weight_map(model_dir: Path) -> dict[str, Path]:
@@ -87,12 +119,10 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
     reader = CheckpointReader(Path(model_dir))
-    found = [prefix for prefix in DECODERS if reader.has(f"{prefix}embed_tokens.weight")]
-    if not found:
-        raise ValueError(f"checkpoint tensor 'model.embed_tokens.weight' is missing (looked under {list(DECODERS)})")
-    prefix, lm_head_name = found[0], DECODERS[found[0]]
-    embed = reader.get(f"{prefix}embed_tokens.weight", dtype)
-    lm_head = embed if config.tie_word_embeddings or not reader.has(lm_head_name) else reader.get(lm_head_name, dtype)
+    names = reader.vocab_names(config)
+    prefix = names["embed_tokens"].removesuffix("embed_tokens.weight")
+    embed = reader.get(names["embed_tokens"], dtype)
+    lm_head = embed if names["lm_head"] == names["embed_tokens"] else reader.get(names["lm_head"], dtype)
     layers = [_load_layer(reader, f"{prefix}layers.{i}.", config, dtype) for i in range(config.num_layers)]
     return ModelWeights(embed=embed, final_norm=reader.get(f"{prefix}norm.weight", dtype), lm_head=lm_head,
                         layers=layers)

@@ -116,6 +116,7 @@ class StepExecutor:
         self.graphs.capture(shape, lambda: self._forward(inputs, extent), is_planned=True)
 
     def _forward(self, inputs: StepInputs, extent: Extent) -> torch.Tensor:
-        hidden = self.model.forward(inputs.token_ids(extent), inputs.context(extent, self.lora_ops))
+        ctx = inputs.context(extent, self.lora_ops)
+        hidden = self.model.forward(inputs.token_ids(extent), ctx)
         rows = inputs.logits_rows(extent)
-        return self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
+        return self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows), ctx.lora, rows)

@@ -9,7 +9,8 @@ queued. Regions, for at most T tokens and S sequences:
     token_ids, positions, slot_mapping, token_slots, sorted_tokens, logits_rows: [T]
     query_start_loc [S + 1], seq_lens [S], context_lens [S]
     tiles: the LoRA tile table (kernels/lora.py: tile_table)
-    per projection kind: row_start, rank [(S + 1) x slices], scale float32 (two to an int64)
+    per table kind (each projection kind, embed, lm_head): row_start, rank, b_row_start, dora [(S + 1) x slices],
+    scale float32 (two to an int64)
     per staged kind (engine/adapters/staging.py): t_col [(S + 1) x slices]
     block_tables: [S, max_blocks]   (last: a step copies only the rows it reads)
 
@@ -32,7 +33,7 @@ import torch
 
 from kubelora.engine.model.attention import AttentionMetadata
 from kubelora.engine.model.llama import ForwardContext, LoRAContext
-from kubelora.engine.step.shape import TILE_M, Phase, StepShape, Tables, max_tiles
+from kubelora.engine.step.shape import TILE_M, Phase, StepShape, Tables, dora_kinds, max_tiles
 from kubelora.kernels.lora import (MAX_TILES, TILE_HEAD, TILE_HEIGHTS, LoRAOps, LoRAProj, LoRAStep, TilePlan,
                                    plan_tiles, sort_by_slot, tile_table)
 
@@ -86,6 +87,7 @@ class LoRAExtent:
     num_lora_tokens: int  # sorted_tokens read
     max_rank: dict[str, tuple[int, ...]]  # per kind and slice: the shrink's lanes (0: no launch)
     stage: dict[str, int] = field(default_factory=dict)  # staged kind -> rows its matmul reads past the base
+    dora: tuple[str, ...] = ()  # kinds some DoRA adapter of the step adapts
     plan: TilePlan | None = None  # an eager step's tiles, as planned on the host
 
 
@@ -101,12 +103,16 @@ class Extent:
     lora: LoRAExtent | None
 
 
+_INT_TABLES = ("row_start", "rank", "b_row_start", "dora")  # a slot table's int64 columns, in Tables' order
+
+
 def table_regions(kind_slices: dict[str, int], table_rows: int) -> list[tuple[str, int]]:
-    """The regions of each kind's slot tables: row_start, rank and scale (float32, two to an int64)."""
+    """The regions of each kind's slot tables: row_start, rank, b_row_start, dora and scale (float32, two to an
+    int64)."""
     regions = []
     for kind, slices in kind_slices.items():
         cells = table_rows * slices
-        regions += [(f"{kind}.row_start", cells), (f"{kind}.rank", cells), (f"{kind}.scale", (cells + 1) // 2)]
+        regions += [(f"{kind}.{name}", cells) for name in _INT_TABLES] + [(f"{kind}.scale", (cells + 1) // 2)]
     return regions
 
 
@@ -163,7 +169,7 @@ class StepInputs:
             tiles = max_tiles(bucket, self.max_slots) if is_decode else bucket // TILE_M
             lora_extent = LoRAExtent(
                 tiles=tiles, block_m=TILE_M, is_slot_tiles=False, table_rows=table_rows, max_tile_count=lora.rows,
-                num_lora_tokens=bucket, stage=dict(lora.stage),
+                num_lora_tokens=bucket, stage=dict(lora.stage), dora=lora.dora,
                 max_rank={kind: (lora.lanes if kind in lora.kinds else 0,) * slices
                           for kind, slices in self.kind_slices.items()})
         if is_decode:
@@ -177,12 +183,12 @@ class StepInputs:
         if any(slot >= 0 for slot in step.seq_slots):
             table_rows = len(next(iter(step.slot_tables.values()))[1])
             plan = plan_tiles(step.token_slots(), table_rows, tile_heights=TILE_HEIGHTS, max_tiles=MAX_TILES)
-            max_rank = {kind: tuple(max(column) for column in zip(*rank))
-                        for kind, (_, rank, _) in step.slot_tables.items()}
+            max_rank = {kind: tuple(max(column) for column in zip(*table[1]))
+                        for kind, table in step.slot_tables.items()}
             lora_extent = LoRAExtent(tiles=plan.tiles.shape[0], block_m=plan.block_m,
                                      is_slot_tiles=plan.is_slot_tiles, table_rows=table_rows,
                                      max_tile_count=plan.max_tile_count, num_lora_tokens=plan.order.size,
-                                     max_rank=max_rank, plan=plan)
+                                     max_rank=max_rank, plan=plan, dora=dora_kinds(step.slot_tables))
         return Extent(step.num_tokens, step.num_seqs, max(step.query_lens), False, step.num_logits, lora_extent)
 
     # ---- device views (what a graph captures) ----
@@ -223,9 +229,12 @@ class StepInputs:
             cells = rows * slices
             scale = self._view(f"{kind}.scale", (cells + 1) // 2).view(torch.float32)[:cells]
             t_col = (self._view(f"{kind}.t_col", cells).view(rows, slices) if lora.stage.get(kind) else None)
+            dora = self._view(f"{kind}.dora", cells).view(rows, slices) if kind in lora.dora else None
             projs[kind] = LoRAProj(row_start=self._view(f"{kind}.row_start", cells).view(rows, slices),
                                    rank=self._view(f"{kind}.rank", cells).view(rows, slices),
-                                   scale=scale.view(rows, slices), max_rank=lora.max_rank[kind], t_col=t_col)
+                                   scale=scale.view(rows, slices), max_rank=lora.max_rank[kind], t_col=t_col,
+                                   b_row_start=self._view(f"{kind}.b_row_start", cells).view(rows, slices),
+                                   dora_row=dora)
         return LoRAContext(step=step, proj=projs, ops=ops, stage={k: v for k, v in lora.stage.items() if v})
 
     # ---- host side, once per step ----
@@ -286,12 +295,16 @@ class StepInputs:
                           (lora.table_rows - len(t_col)) * self.kind_slices[kind], 0)
 
     def _put_slot_tables(self, slot_tables: Tables, table_rows: int) -> None:
-        """Each kind's (row_start, rank, scale) per slot and slice; rows past the step's slots zero (rank 0)."""
+        """Each kind's tables per slot and slice; rows past the step's slots zero (rank 0)."""
         for kind, slices in self.kind_slices.items():
-            row_start, rank, scale = slot_tables[kind]
+            row_start, rank, scale, *rest = slot_tables[kind]
+            # tables of three columns (tests, benchmarks): B^T at the A rows' numbers, no DoRA
+            columns = {"b_row_start": row_start, "dora": [[0] * slices for _ in rank],
+                       **dict(zip(_INT_TABLES, (row_start, rank, *rest)))}
             blank = (table_rows - len(rank)) * slices
-            self._put(f"{kind}.row_start", [v for row in row_start for v in row], blank, 0)
-            self._put(f"{kind}.rank", [v for row in rank for v in row], blank, 0)
+            for name in _INT_TABLES:
+                values = columns[name]
+                self._put(f"{kind}.{name}", [v for row in values for v in row], blank, 0)
             scales = np.zeros(2 * ((table_rows * slices + 1) // 2), dtype=np.float32)
             scales[: len(rank) * slices] = [v for row in scale for v in row]
             self._put(f"{kind}.scale", scales.view(np.int64))

@@ -19,7 +19,8 @@ RANK_LANE = 16  # rank lanes are a multiple of this
 MAX_PREFILL_BUCKET = 512  # longer chunks are compute-bound, their launches a small share
 MIN_STAGE_BUCKET = 64
 
-Tables = Mapping[str, tuple[list, list, list]]  # kind -> (row_start, rank, scale) per slot and slice
+# kind -> (row_start, rank, scale, b_row_start, dora_row + 1) per slot and slice (engine/adapters/pool.py: slot_tables)
+Tables = Mapping[str, tuple[list, ...]]
 
 
 class Phase(enum.Enum):
@@ -36,6 +37,7 @@ class LoRAShape:
     rows: int  # most tokens of one adapter in a tile, rounded up to a power of two (<= TILE_M)
     # (kind, staged rows the kind's matmul reads) for the kinds whose shrink is staged (engine/adapters/staging.py)
     stage: tuple[tuple[str, int], ...] = ()
+    dora: tuple[str, ...] = ()  # kinds some DoRA adapter of the step adapts (their outputs scaled per token)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def max_tiles(num_tokens: int, num_slots: int) -> int:
 
 
 def lora_shape(kinds: tuple[str, ...], max_rank: int, max_tokens: int,
-               stage: Iterable[tuple[str, int]] = ()) -> LoRAShape | None:
+               stage: Iterable[tuple[str, int]] = (), dora: tuple[str, ...] = ()) -> LoRAShape | None:
     """The LoRA shape of a step whose adapters adapt `kinds` at ranks up to max_rank, with at most max_tokens
     tokens of one adapter; stage: (kind, staged rows, already a `stage_bucket`) of its staged kinds. None: no
     kind adapted."""
@@ -102,15 +104,21 @@ def lora_shape(kinds: tuple[str, ...], max_rank: int, max_tokens: int,
         return None
     by_kind = dict(stage)
     staged = tuple((kind, by_kind[kind]) for kind in kinds if by_kind.get(kind))
-    return LoRAShape(kinds=tuple(kinds), lanes=rank_lanes(max_rank), rows=tile_rows(max_tokens), stage=staged)
+    return LoRAShape(kinds=tuple(kinds), lanes=rank_lanes(max_rank), rows=tile_rows(max_tokens), stage=staged,
+                     dora=tuple(dora))
 
 
 # ---- the shape of a step ----
 
 def table_kinds(tables: Tables) -> tuple[tuple[str, ...], int]:
-    """(projection kinds some slot adapts, their max rank) of a step's slot tables."""
-    ranks = {kind: max((r for row in rank for r in row), default=0) for kind, (_, rank, _) in tables.items()}
+    """(kinds some slot adapts, their max rank) of a step's slot tables."""
+    ranks = {kind: max((r for row in table[1] for r in row), default=0) for kind, table in tables.items()}
     return tuple(kind for kind, rank in ranks.items() if rank > 0), max(ranks.values(), default=0)
+
+
+def dora_kinds(tables: Tables) -> tuple[str, ...]:
+    """The kinds some slot of a step adapts with DoRA."""
+    return tuple(kind for kind, table in tables.items() if len(table) > 4 and any(v for row in table[4] for v in row))
 
 
 def decode_shape(bucket: int, token_slots: list[int], tables: Tables,
@@ -123,13 +131,13 @@ def decode_shape(bucket: int, token_slots: list[int], tables: Tables,
     lora = None
     if counts:
         kinds, max_rank = table_kinds(tables)
-        lora = lora_shape(kinds, max_rank, max(counts.values()), (staged_rows or {}).items())
+        lora = lora_shape(kinds, max_rank, max(counts.values()), (staged_rows or {}).items(), dora_kinds(tables))
     return StepShape(Phase.DECODE, bucket, lora)
 
 
 def prefill_shape(bucket: int, tables: Tables | None) -> StepShape:
     """A one-sequence chunk's shape: tables of its one slot (None: base). Every tile of a chunk may be full."""
-    lora = lora_shape(*table_kinds(tables), TILE_M) if tables is not None else None
+    lora = lora_shape(*table_kinds(tables), TILE_M, dora=dora_kinds(tables)) if tables is not None else None
     return StepShape(Phase.PREFILL, bucket, lora)
 
 

@@ -13,7 +13,9 @@ from kubelora.engine import LLM, SamplingParams
 from kubelora.engine.adapters.pool import DeviceLoRAPool
 
 MAX_TOKENS = 12
-POOL_ROWS = 56  # A (4) + B (8) + C (32) + B's new revision (8) fit; D (16) beside them does not: D is evicted
+# In rank rows of every module: A (r4 q/v: 1), B (r8 all: 8.6), C (r32 attention: 14.2) and B's new revision fit,
+# D (r16 all: 16.6) beside them does not: D is evicted
+POOL_ROWS = 40
 
 
 def negated_copy(src, dst):

@@ -10,18 +10,28 @@ import torch
 
 from kubelora.engine.adapters.manager import AdapterManager
 from kubelora.engine.adapters.types import AdapterManagerConfig, Residency
-from kubelora.engine.adapters.pool import DeviceLoRAPool
+from kubelora.engine.adapters.pool import DeviceLoRAPool, spec_bytes
 from kubelora.engine.adapters.spec import AdapterLimits
 from kubelora.engine.errors import AdapterExists, AdapterUnloading, UnknownAdapter
 from kubelora.engine.model.config import LORA_MODULES, load_hf_config, model_config_from_hf
 
 
-def make_manager(material, max_cpu_loras: int = 8, rows: int = 64) -> tuple[AdapterManager, DeviceLoRAPool]:
+def make_manager(material, max_cpu_loras: int = 8, rows: int = 64,
+                 fitting: tuple[str, ...] = ()) -> tuple[AdapterManager, DeviceLoRAPool]:
+    """fitting: adapters of the material whose bytes, summed, are the pool's (instead of `rows` rank rows)."""
     model = model_config_from_hf(load_hf_config(material.model_dir), material.model_dir)
-    pool = DeviceLoRAPool(model, rows, torch.float32, torch.device("cpu"))
+    num_bytes = sum(_bytes(model, material, name) for name in fitting) if fitting else None
+    pool = DeviceLoRAPool(model, rows, torch.float32, torch.device("cpu"), num_bytes=num_bytes)
     limits = AdapterLimits(max_lora_rank=32, max_pool_rows=rows, model_names=(model.name,),
                            is_base_model_strict=False)
     return AdapterManager(AdapterManagerConfig(max_cpu_loras=max_cpu_loras), model, pool, limits), pool
+
+
+def _bytes(model, material, name: str) -> int:
+    from kubelora.engine.adapters.peft_reader import read_adapter_spec
+
+    limits = AdapterLimits(max_lora_rank=32, max_pool_rows=64, model_names=(model.name,), is_base_model_strict=False)
+    return spec_bytes(model, torch.float32, read_adapter_spec(name, material.adapters[name], model, limits))
 
 
 def wait_until(predicate, timeout: float = 30.0) -> None:  # generous: CI boxes are 2 busy cores
@@ -42,9 +52,9 @@ def tiers(manager) -> dict[str, str]:
 def assert_resident_weights(pool: DeviceLoRAPool, revision) -> None:
     view = pool.view(revision.id, revision.spec.scales)
     for module, start in view.row_start.items():
-        rank = view.rank[module]
+        rank, b_start = view.rank[module], view.b_row(module)
         assert torch.equal(pool.a[module][:, start : start + rank], revision.host.a[module])
-        assert torch.equal(pool.b[module][:, start : start + rank], revision.host.b[module])
+        assert torch.equal(pool.b[module][:, b_start : b_start + rank], revision.host.b[module])
 
 
 def test_load_is_idempotent_and_reports_each_adapter(llama):
@@ -53,7 +63,8 @@ def test_load_is_idempotent_and_reports_each_adapter(llama):
     again = manager.load("a", llama.adapters["r8-all"])
     assert again.revision == first.revision and len(manager.list()) == 1
     assert first.tier == "host" and first.rank == 8 and set(first.targets) == set(LORA_MODULES)
-    assert first.bytes == first.host_bytes > 0  # float32 pool: device bytes at its own rank == staged bytes
+    # float32 pool: device bytes are the staged bytes plus at most one row of alignment per allocation
+    assert first.host_bytes > 0 and first.host_bytes <= first.bytes < first.host_bytes * 9 // 8
     attn = manager.load("b", llama.adapters["r4-qv"])
     assert attn.targets == ("q_proj", "v_proj") and attn.bytes < first.bytes
     assert manager.unload("b") and not manager.unload("b")  # idempotent unload
@@ -90,7 +101,7 @@ def test_release_never_goes_negative(llama):
 
 
 def test_device_eviction_never_removes_protected_adapters(llama):
-    manager, pool = make_manager(llama, rows=48)
+    manager, pool = make_manager(llama, fitting=("r32-attn", "r16-all-rs"))  # r8-all beside both does not fit
     revisions = {}
     for name in ("r32-attn", "r8-all", "r16-all-rs"):
         manager.load(name, llama.adapters[name])
@@ -107,7 +118,7 @@ def test_device_eviction_never_removes_protected_adapters(llama):
 
 
 def test_device_eviction_prefers_idle_adapters(llama):
-    manager, _ = make_manager(llama, rows=40)
+    manager, _ = make_manager(llama, fitting=("r32-attn", "r4-qv"))  # r8-all beside both does not fit
     for name in ("r32-attn", "r4-qv", "r8-all"):
         manager.load(name, llama.adapters[name])
     busy = manager.acquire("r4-qv")  # a waiting request holds it (not running: not protected)
@@ -120,7 +131,7 @@ def test_device_eviction_prefers_idle_adapters(llama):
 
 
 def test_compaction_keeps_resident_weights(llama, tmp_path):
-    manager, pool = make_manager(llama, rows=36)
+    manager, pool = make_manager(llama, fitting=("r4-qv", "r16-all-rs", "r16-all-rs"))
     shutil.copytree(llama.adapters["r16-all-rs"], tmp_path / "r16-copy")
     paths = {"r4-qv": llama.adapters["r4-qv"], "r8-all": llama.adapters["r8-all"],
              "r16-all-rs": llama.adapters["r16-all-rs"], "r16-copy": tmp_path / "r16-copy"}
@@ -128,8 +139,8 @@ def test_compaction_keeps_resident_weights(llama, tmp_path):
     for name in ("r4-qv", "r8-all", "r16-all-rs"):
         assert placed(manager, revisions[name], set(revisions.values()) - {revisions["r8-all"]})
     manager.release(revisions["r8-all"])
-    manager.unload("r8-all")  # leaves an 8-row hole in q/v between r4 and r16: 16 rows free, not contiguous
-    assert pool.free_rows("q_proj") == 16
+    manager.unload("r8-all")  # leaves a hole between r4 and r16: the room for r16-copy, not contiguous
+    assert pool.free_bytes() == manager.get("r16-copy").bytes
     assert placed(manager, revisions["r16-copy"], set(revisions.values()))
     for name in ("r4-qv", "r16-all-rs", "r16-copy"):
         assert_resident_weights(pool, revisions[name])
@@ -195,7 +206,7 @@ def test_hundred_load_unload_cycles_return_memory_to_baseline(llama):
     stats = manager.stats()
     assert (stats.host_bytes, stats.pool_used_bytes) == (baseline.host_bytes, baseline.pool_used_bytes)
     assert [a.name for a in manager.list()] == ["resident"]
-    assert all(pool.free_rows(m) == pool.num_rows for m in LORA_MODULES)
+    assert pool.free_bytes() == pool.total_bytes  # "resident" stays on the host tier
 
 
 def test_known_adapter_is_loaded_on_demand_off_thread(llama):
@@ -261,14 +272,14 @@ def test_changed_files_fail_the_on_demand_load(llama, tmp_path):
 def test_prefetch_fills_free_rows_only_most_recent_first(llama):
     """Idle prefetch places host-tier adapters into free rows (most recently used first), evicts nothing, and
     leaves what does not fit on the host; a prefetched adapter is evicted like any idle resident."""
-    manager, pool = make_manager(llama, rows=48)
+    manager, pool = make_manager(llama, fitting=("r32-attn", "r16-all-rs"))
     for name in ("r32-attn", "r8-all", "r16-all-rs"):
         manager.load(name, llama.adapters[name])
     busy = manager.acquire("r32-attn")
     assert placed(manager, busy, set())
     assert manager.prefetch_device(1) == 1  # the most recently loaded first: r16-all-rs
     assert tiers(manager) == {"r32-attn": "device", "r8-all": "host", "r16-all-rs": "device"}
-    assert manager.prefetch_device(4) == 0  # r8-all needs 8 rows of every module: 48 - 32 - 16 left none
+    assert manager.prefetch_device(4) == 0  # r8-all does not fit beside both
     assert tiers(manager)["r8-all"] == "host" and manager.stats().num_device_evictions == 0
     prefetched = manager.acquire("r16-all-rs")
     assert_resident_weights(pool, prefetched)

@@ -67,13 +67,13 @@ def _unknown_target(tmp: Path, llama) -> Path:
     return _edit_config(_copy(llama.adapters[GOOD], tmp / "c_attn"), target_modules=["q_proj", "c_attn"])
 
 
-def _lm_head_tensor(tmp: Path, llama) -> Path:
-    def add_lm_head(tensors):
-        tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
-        tensors["base_model.model.lm_head.lora_B.weight"] = torch.zeros(512, 8)
+def _norm_tensor(tmp: Path, llama) -> Path:
+    def add_norm(tensors):
+        tensors["base_model.model.model.norm.lora_A.weight"] = torch.zeros(8, 64)
+        tensors["base_model.model.model.norm.lora_B.weight"] = torch.zeros(64, 8)
 
-    path = _edit_config(_copy(llama.adapters[GOOD], tmp / "lm_head"), target_modules=".*proj|lm_head")
-    return _edit_tensors(path, add_lm_head)
+    path = _edit_config(_copy(llama.adapters[GOOD], tmp / "norm"), target_modules=".*proj|norm")
+    return _edit_tensors(path, add_norm)
 
 
 def _wrong_shapes(tmp: Path, llama) -> Path:
@@ -112,7 +112,7 @@ def _missing_dir(tmp: Path, llama) -> Path:
     return tmp / "does-not-exist"
 
 
-def _dora(tmp: Path, llama) -> Path:
+def _dora_without_magnitudes(tmp: Path, llama) -> Path:
     return _edit_config(_copy(llama.adapters[GOOD], tmp / "dora"), use_dora=True)
 
 
@@ -200,14 +200,14 @@ CASES = [
     (_rank_too_high, errors.AdapterRankTooLarge, "r", "max_lora_rank 32"),
     (_rank_pattern_too_high, errors.AdapterRankTooLarge, "rank_pattern", "max_lora_rank 32"),
     (_unknown_target, errors.AdapterTargetUnsupported, "target_modules", "c_attn"),
-    (_lm_head_tensor, errors.AdapterTargetUnsupported, "target_modules", "lm_head"),
+    (_norm_tensor, errors.AdapterTargetUnsupported, "target_modules", "model.norm"),
     (_wrong_shapes, errors.AdapterShapeMismatch, None, "64"),
     (_truncated_weights, errors.AdapterCorrupt, "adapter_model.safetensors", "corrupt"),
     (_garbage_weights, errors.AdapterCorrupt, "adapter_model.safetensors", "corrupt"),
     (_missing_weights, errors.AdapterNotFound, "adapter_model.safetensors", "does not exist"),
     (_config_not_json, errors.AdapterCorrupt, "adapter_config.json", "not valid JSON"),
     (_missing_dir, errors.AdapterNotFound, "path", "not a directory"),
-    (_dora, errors.InvalidAdapter, "use_dora", "not supported"),
+    (_dora_without_magnitudes, errors.AdapterShapeMismatch, "adapter_model.safetensors", "lora_magnitude_vector"),
     (_int_tensors, errors.InvalidAdapter, "dtype", "I32"),
     (_crafted("offsets-scalar", data_offsets=0), errors.AdapterCorrupt, WEIGHTS, "data_offsets"),
     (_crafted("offsets-three", data_offsets=[0, 1024, 2048]), errors.AdapterCorrupt, WEIGHTS, "data_offsets"),
