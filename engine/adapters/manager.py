@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kubelora.engine.adapters.peft_reader import read_adapter_spec, read_adapter_weights
-from kubelora.engine.adapters.pool import DeviceLoRAPool, SlotView, spec_bytes
+from kubelora.engine.adapters.pool import DeviceLoRAPool, SlotView, module_costs, spec_bytes
 from kubelora.engine.adapters.revision import AdapterRevision
 from kubelora.engine.adapters.types import AdapterInfo, AdapterManagerConfig, AdapterStats, Residency, Tier
 from kubelora.engine.adapters.spec import AdapterLimits, AdapterSpec
@@ -119,6 +119,12 @@ class AdapterManager:
                 num_host_evictions=self._counts["host_evictions"],
                 load_latencies_s=tuple(self._latencies),
             )
+
+    def module_costs(self) -> dict[str, dict[str, int]]:
+        """What each module costs an adapter in the device pool (engine/adapters/pool.py: module_costs): an
+        adapter's `bytes` is what these give for its ranks, and every mix whose bytes sum to at most the pool's
+        total_bytes can be resident at once."""
+        return module_costs(self._model, self._pool.dtype)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -342,6 +348,7 @@ class AdapterManager:
             is_loading=revision.is_loading,
             is_unloading=entry.is_unloading,
             last_error=revision.last_error,
+            use_dora=spec.use_dora,
         )
 
 

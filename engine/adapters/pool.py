@@ -123,30 +123,31 @@ def _widths(model: ModelConfig) -> list[int]:
     return [part_width(model, m, p) for m in modules for p in ("a", "b")]
 
 
-def adapter_bytes(model: ModelConfig, dtype: torch.dtype, ranks: dict[str, int], dora: bool = False) -> int:
-    """Pool bytes an adapter of these ranks takes at most: each allocation's rows plus the alignment its start may
-    need (less than one row: the width less the widths' common divisor)."""
+def module_costs(model: ModelConfig, dtype: torch.dtype) -> dict[str, dict[str, int]]:
+    """What each module costs an adapter in the pool, in bytes: module -> {"per_rank", "fixed", "dora"}; an adapter
+    takes sum over its modules of rank * per_rank + fixed (+ dora with DoRA). per_rank: one A row and one B^T row
+    in every layer; fixed: the alignment each of the two allocations may need at most (less than a row: its width
+    less the widths' common divisor); dora: the output-scale row and its alignment (absent: DoRA not served there)."""
     unit = math.gcd(*_widths(model))
-    element = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for module, rank in ranks.items():
-        parts = [("a", rank), ("b", rank)] + ([("g", 1)] if dora and module not in VOCAB_MODULES else [])
-        for part, rows in parts:
-            width = part_width(model, module, "b" if part == "g" else part)
-            total += rows * width + width - unit
-    return total * model.num_layers * element
+    scale = model.num_layers * torch.empty((), dtype=dtype).element_size()
+    costs = {}
+    for module in (*LORA_MODULES, *VOCAB_MODULES):
+        a, b = part_width(model, module, "a"), part_width(model, module, "b")
+        costs[module] = {"per_rank": scale * (a + b), "fixed": scale * (a + b - 2 * unit)}
+        if module not in VOCAB_MODULES:
+            costs[module]["dora"] = scale * (2 * b - unit)
+    return costs
+
+
+def adapter_bytes(model: ModelConfig, dtype: torch.dtype, ranks: dict[str, int], dora: bool = False) -> int:
+    """Pool bytes an adapter of these ranks takes at most (`module_costs`)."""
+    costs = module_costs(model, dtype)
+    return sum(rank * costs[m]["per_rank"] + costs[m]["fixed"] + (costs[m].get("dora", 0) if dora else 0)
+               for m, rank in ranks.items())
 
 
 def spec_bytes(model: ModelConfig, dtype: torch.dtype, spec: AdapterSpec) -> int:
     return adapter_bytes(model, dtype, spec.ranks, spec.use_dora)
-
-
-def rank_row_bytes(model: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of one rank row (A row + B^T row, every layer) per module, vocabulary-wide ones included: what the
-    operator multiplies an adapter's ranks by (plus `adapter_bytes`' alignment) before the engine reads it."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return {m: model.num_layers * element * (part_width(model, m, "a") + part_width(model, m, "b"))
-            for m in (*LORA_MODULES, *VOCAB_MODULES)}
 
 
 class DeviceLoRAPool:
@@ -185,7 +186,8 @@ class DeviceLoRAPool:
     @staticmethod
     def bytes_per_rank(model: ModelConfig, dtype: torch.dtype) -> int:
         """Bytes of one rank row in every projection module, across all layers: the arena's unit of size."""
-        return sum(rank_row_bytes(model, dtype)[m] for m in LORA_MODULES)
+        costs = module_costs(model, dtype)
+        return sum(costs[m]["per_rank"] for m in LORA_MODULES)
 
     @property
     def element_size(self) -> int:

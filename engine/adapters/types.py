@@ -40,6 +40,7 @@ class AdapterInfo:
     is_loading: bool
     is_unloading: bool
     last_error: str | None
+    use_dora: bool = False
 
 
 @dataclass(frozen=True)

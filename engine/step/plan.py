@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from kubelora.engine.adapters.pool import table_modules
 from kubelora.engine.adapters.types import AdapterInfo
 from kubelora.engine.model.config import PROJ_KINDS, ModelConfig
 from kubelora.engine.step.shape import Phase, StepShape, plan_decode_shapes, plan_prefill_shapes, rank_lanes
@@ -21,9 +22,10 @@ Ranks = tuple[tuple[str, int], ...]  # (module, rank) of the modules an adapter 
 
 
 class AdapterShape(NamedTuple):
-    kinds: tuple[str, ...]  # projection kinds adapted
+    kinds: tuple[str, ...]  # table kinds adapted (projection kinds, then embed, lm_head)
     lanes: int  # max rank rounded up to RANK_LANE
     staged_rows: tuple[tuple[str, int], ...]  # (kind, its ranks summed over the kind's modules) per kind adapted
+    dora: tuple[str, ...] = ()  # projection kinds a DoRA adapter adapts
 
 
 def _most_common(items: Iterable, limit: int) -> tuple[list, dict]:
@@ -45,9 +47,10 @@ def adapter_shape(info: AdapterInfo, model: ModelConfig) -> AdapterShape | None:
     """What an adapter's graphs are specialised on: the projection kinds it adapts, its max rank rounded up to 16,
     and per kind the rows its A takes when staged (its ranks over the kind's modules, as engine/adapters/staging.py
     stages them)."""
-    rows = tuple((k, sum(info.ranks.get(m, 0) for m in model.kind_modules(k))) for k in PROJ_KINDS)
+    rows = tuple((k, sum(info.ranks.get(m, 0) for m in modules)) for k, modules in table_modules(model).items())
     kinds = tuple(k for k, n in rows if n > 0)
-    return AdapterShape(kinds, rank_lanes(info.rank), tuple((k, n) for k, n in rows if n > 0)) if kinds else None
+    dora = tuple(k for k in kinds if k in PROJ_KINDS) if info.use_dora else ()
+    return AdapterShape(kinds, rank_lanes(info.rank), tuple((k, n) for k, n in rows if n > 0), dora) if kinds else None
 
 
 def plan_graphs(infos: list[AdapterInfo], model: ModelConfig, steps: StepExecutor
@@ -60,6 +63,6 @@ def plan_graphs(infos: list[AdapterInfo], model: ModelConfig, steps: StepExecuto
     common, counts = _most_common(shapes, MAX_GRAPH_SHAPES)
     decode, prefill = steps.buckets(Phase.DECODE), steps.buckets(Phase.PREFILL)
     wanted = [step for shape in common for step in plan_decode_shapes(
-        decode, shape.kinds, shape.lanes, counts[shape], steps.staging, dict(shape.staged_rows))]
-    wanted += [step for shape in common for step in plan_prefill_shapes(prefill, shape.kinds, shape.lanes)]
+        decode, shape.kinds, shape.lanes, counts[shape], steps.staging, dict(shape.staged_rows), shape.dora)]
+    wanted += [step for shape in common for step in plan_prefill_shapes(prefill, shape.kinds, shape.lanes, shape.dora)]
     return [step for step in wanted if not steps.has_graph(step)], wanted

@@ -144,7 +144,8 @@ def prefill_shape(bucket: int, tables: Tables | None) -> StepShape:
 # ---- shapes planned ahead ----
 
 def plan_decode_shapes(buckets: list[int], kinds: tuple[str, ...], max_rank: int, num_adapters: int | None = None,
-                       staging=None, staged_rows: Mapping[str, int] | None = None) -> list[StepShape]:
+                       staging=None, staged_rows: Mapping[str, int] | None = None,
+                       dora: tuple[str, ...] = ()) -> list[StepShape]:
     """The decode shapes steps over adapters of one shape use most (num_adapters registered): per bucket, one token
     per adapter, two, and as many as a tile holds; with staging (ShrinkStaging: modules and capacity per kind), the
     rows a step over that many such adapters stages (staged_rows: kind -> one adapter's rows; its lanes on every
@@ -156,7 +157,7 @@ def plan_decode_shapes(buckets: list[int], kinds: tuple[str, ...], max_rank: int
             if num_adapters is not None:
                 adapters = min(adapters, num_adapters)
             stage = _planned_stage(kinds, rank_lanes(max_rank), adapters, staging, staged_rows or {})
-            shapes.append(StepShape(Phase.DECODE, bucket, lora_shape(kinds, max_rank, tokens, stage)))
+            shapes.append(StepShape(Phase.DECODE, bucket, lora_shape(kinds, max_rank, tokens, stage, dora)))
     return shapes
 
 
@@ -175,6 +176,7 @@ def _planned_stage(kinds: tuple[str, ...], lanes: int, num_adapters: int, stagin
     return tuple(stage)
 
 
-def plan_prefill_shapes(buckets: list[int], kinds: tuple[str, ...], max_rank: int) -> list[StepShape]:
+def plan_prefill_shapes(buckets: list[int], kinds: tuple[str, ...], max_rank: int,
+                        dora: tuple[str, ...] = ()) -> list[StepShape]:
     """The prefill shapes chunks over an adapter of one kind set and rank use: one per bucket."""
-    return [StepShape(Phase.PREFILL, bucket, lora_shape(kinds, max_rank, TILE_M)) for bucket in buckets]
+    return [StepShape(Phase.PREFILL, bucket, lora_shape(kinds, max_rank, TILE_M, dora=dora)) for bucket in buckets]

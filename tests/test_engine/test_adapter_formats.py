@@ -14,6 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from kubelora.engine import LLM, SamplingParams
 from kubelora.engine import errors
+from kubelora.engine.adapters.pool import slot_tables, table_modules
+from kubelora.engine.step.plan import plan_graphs
+from kubelora.engine.step.shape import decode_shape, prefill_shape
 
 TOL = 1e-4  # float32 max abs logit difference
 NUM_DECODE = 6
@@ -95,3 +98,219 @@ def test_mixed_formats_match_transformers_peft(arch, options, formats, prompt_id
         assert (result.logits - expected[num_prompt - 1 :]).abs().max() < TOL, name
         logprobs = torch.log_softmax(result.logits, -1)
         assert (logprobs - torch.log_softmax(expected[num_prompt - 1 :], -1)).abs().max() < 2 * TOL, name
+
+
+def test_graphs_planned_for_every_format_replay_them(formats, prompt_ids, peft_reference, cpu_graphs):
+    """With graphs on (stood in for on CPU), the graphs planned for the registered adapters (DoRA and vocabulary
+    kinds in their shapes) are the ones the steps replay, and their tokens are the reference's."""
+    material = formats("llama")
+    prompts = [prompt_ids(i, 5 + 2 * i) for i in range(len(BATCH))]
+    llm = LLM(material.model_dir, max_loras=len(ADAPTERS), max_lora_rank=8)
+    try:
+        for name, path in material.adapters.items():
+            llm.load_adapter(name, path)
+        engine = llm.engine
+        steps, model = engine._runner.steps, engine.model_config
+        for name in ADAPTERS:  # the graphs planned for an adapter are those its steps look up
+            revision = engine.adapters.acquire(name)
+            assert engine.adapters.ensure_device(revision, set()).value == "resident"
+            tables = slot_tables((engine.adapters.slot_view(revision),), table_modules(model))
+            engine.adapters.release(revision)
+            wanted = plan_graphs([engine.adapters.get(name)], model, steps)[1]
+            assert prefill_shape(16, tables) in wanted, name
+            assert decode_shape(1, [0], tables) in wanted, name
+        params = SamplingParams(max_tokens=NUM_DECODE, temperature=0.0, ignore_eos=True)
+        for name, prompt in zip(BATCH, prompts):  # one at a time: each decode step's shape is an adapter's own
+            result = llm.generate([prompt], params, adapters=[name])[0]
+            build_reference, reference_logits = peft_reference
+            expected = reference_logits(_reference(material, build_reference), name, prompt + result.token_ids[:-1])
+            assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
+    finally:
+        llm.close()
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(material, build_reference):
+    if material.model_dir not in _REFERENCES:
+        _REFERENCES[material.model_dir] = build_reference(material)
+    return _REFERENCES[material.model_dir]
+
+
+# ---- refusals: a 4xx naming the key ----
+
+def _spec(material, path: Path, **limits):
+    from kubelora.engine.adapters.peft_reader import read_adapter_spec
+    from kubelora.engine.adapters.spec import AdapterLimits
+    from kubelora.engine.model.config import load_hf_config, model_config_from_hf
+
+    model = model_config_from_hf(load_hf_config(material.model_dir), material.model_dir)
+    options = dict(max_lora_rank=16, max_pool_rows=64, model_names=(model.name,), is_base_model_strict=False,
+                   model_dir=str(material.model_dir))
+    return read_adapter_spec("tenant", path, model, AdapterLimits(**{**options, **limits})), model
+
+
+def _edited(material, name: str, out: Path, edit_tensors=None, **config) -> Path:
+    out.mkdir()
+    source = material.adapters[name]
+    tensors = load_file(source / "adapter_model.safetensors")
+    if edit_tensors is not None:
+        edit_tensors(tensors)
+    save_file(tensors, out / "adapter_model.safetensors")
+    adapter_config = json.loads((source / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**adapter_config, **config}))
+    return out
+
+
+COPY = "base_model.model.lm_head.base_layer.weight"
+EMBED_COPY = "base_model.model.model.embed_tokens.base_layer.weight"
+
+
+def test_full_copies_equal_to_the_base_are_served_and_counted_as_the_lora_alone(formats, tmp_path):
+    material = formats("llama")
+    with_copies, model = _spec(material, material.adapters["vocab"])
+    header = load_file(material.adapters["vocab"] / "adapter_model.safetensors")
+    assert COPY in header and EMBED_COPY in header  # PEFT's default save wrote them
+    without = _edited(material, "vocab", tmp_path / "without",
+                      lambda t: [t.pop(k) for k in (COPY, EMBED_COPY)])
+    spec, _ = _spec(material, without)
+    assert with_copies.ranks == spec.ranks == {"q_proj": 8, "embed_tokens": 8, "lm_head": 8}
+    assert COPY not in {k for pair in with_copies.tensor_names.values() for k in pair}
+
+
+@pytest.mark.parametrize("case", ["copy_differs", "resized_vocab", "modules_to_save", "dora_on_lm_head",
+                                  "magnitude_without_dora", "no_checkpoint"])
+def test_what_is_not_served_is_refused_naming_the_key(case, formats, tmp_path):
+    material = formats("llama")
+    out = tmp_path / case
+    limits = {}
+    if case == "copy_differs":
+        path = _edited(material, "vocab", out, lambda t: t[COPY][3].add_(1.0))
+        error, key = errors.InvalidAdapter, COPY
+    elif case == "resized_vocab":
+        path = _edited(material, "vocab", out, lambda t: t.update({EMBED_COPY: torch.cat(
+            [t[EMBED_COPY], torch.zeros(8, t[EMBED_COPY].shape[1])])}))
+        error, key = errors.AdapterShapeMismatch, EMBED_COPY
+    elif case == "modules_to_save":
+        path = _edited(material, "vocab", out, modules_to_save=["lm_head"])
+        error, key = errors.InvalidAdapter, "modules_to_save"
+    elif case == "dora_on_lm_head":
+        magnitude = "base_model.model.lm_head.lora_magnitude_vector"
+        path = _edited(material, "dora", out, lambda t: t.update({
+            magnitude: torch.ones(512), "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(512, 4)}))
+        error, key = errors.AdapterTargetUnsupported, magnitude
+    elif case == "magnitude_without_dora":
+        key = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+        path = _edited(material, "plain", out, lambda t: t.update({key: torch.ones(64)}))
+        error = errors.InvalidAdapter
+    else:
+        path, limits = material.adapters["vocab"], {"model_dir": None}
+        error, key = errors.AdapterTargetUnsupported, COPY  # the first copy in the file
+    with pytest.raises(error) as info:
+        _spec(material, path, **limits)
+    assert key in str(info.value) and info.value.adapter == "tenant"
+    if case not in ("dora_on_lm_head", "no_checkpoint"):
+        assert info.value.field == key
+
+
+def test_dora_over_a_quantized_base_is_refused_naming_its_format(formats):
+    material = formats("llama")
+    with pytest.raises(errors.InvalidAdapter) as info:
+        _spec(material, material.adapters["dora"], base_format="bitsandbytes nf4")
+    assert info.value.field == "use_dora" and "bitsandbytes nf4" in str(info.value)
+    _spec(material, material.adapters["plain"], base_format="bitsandbytes nf4")  # plain LoRA needs no W
+
+
+# ---- the pool, paged per module ----
+
+def _host(material, name: str):
+    from kubelora.engine.adapters.peft_reader import read_adapter_weights
+
+    spec, model = _spec(material, material.adapters[name])
+    return spec, read_adapter_weights(spec, model, torch.float32, pin=False), model
+
+
+def test_an_adapter_takes_bytes_for_its_own_modules_and_ranks_as_reported(formats):
+    from kubelora.engine.adapters.pool import module_costs, spec_bytes
+
+    material = formats("llama")
+    spec, _, model = _host(material, "dora")
+    costs = module_costs(model, torch.float32)
+    expected = sum(4 * costs[m]["per_rank"] + costs[m]["fixed"] + costs[m]["dora"]
+                   for m in ("q_proj", "v_proj", "o_proj", "down_proj"))
+    assert spec_bytes(model, torch.float32, spec) == expected
+    plain, _, _ = _host(material, "plain")
+    attention = {m: 8 for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    from kubelora.engine.adapters.pool import adapter_bytes
+
+    # attention-only pays for q/k/v/o alone: the share of their rows in every module's, not all of them
+    ratio = adapter_bytes(model, torch.float32, attention) / spec_bytes(model, torch.float32, plain)
+    rows = sum(costs[m]["per_rank"] for m in attention) / sum(costs[m]["per_rank"] for m in plain.ranks)
+    assert abs(ratio - rows) < 0.05 and ratio < 0.6
+    vocab, _, _ = _host(material, "vocab-only")
+    assert spec_bytes(model, torch.float32, vocab) == sum(4 * costs[m]["per_rank"] + costs[m]["fixed"]
+                                                          for m in ("embed_tokens", "lm_head"))
+
+
+def test_every_mix_within_the_reported_room_is_made_resident(formats):
+    """Adapters whose reported bytes sum to at most the pool's total are all placed, whatever the order of places
+    and frees before (the holes they leave are compacted away); their rows hold their weights."""
+    import random
+
+    from kubelora.engine.adapters.pool import DeviceLoRAPool, spec_bytes
+    from kubelora.kernels.lora_formats import vocab_rows
+
+    material = formats("qwen2")
+    universe = {name: _host(material, name) for name in ADAPTERS}
+    model = universe["plain"][2]
+    attention = _edited_attention(material, model, universe)
+    universe.update(attention)
+    cost = {name: spec_bytes(model, torch.float32, spec) for name, (spec, _, _) in universe.items()}
+    mix = ["plain", "vocab", "dora-all", "attn-0", "attn-1", "attn-2", "vocab-only"]
+    pool = DeviceLoRAPool(model, 1, torch.float32, torch.device("cpu"), num_bytes=sum(cost[n] for n in mix))
+    pool.set_base_weight(lambda layer, module: torch.zeros(model.module_dims(module)[::-1]))
+    rng = random.Random(0)
+    owners = {}  # owner id -> name
+    for round_ in range(300):  # the pool kept near full: a random adapter in when its bytes fit, else one out
+        name = rng.choice(sorted(universe))
+        spec, host, _ = universe[name]
+        fits = sum(cost[n] for n in owners.values()) + cost[name] <= pool.total_bytes
+        assert pool.place(round_, spec, host) == fits, (name, sorted(owners.values()))
+        if fits:
+            owners[round_] = name
+        else:
+            pool.free(owner := rng.choice(sorted(owners)))
+            del owners[owner]
+        assert pool.used_bytes == sum(cost[n] for n in owners.values())
+    for owner, name in owners.items():
+        spec, host, _ = universe[name]
+        view = pool.view(owner, spec.scales)
+        for module, rank in view.rank.items():
+            a_rows, b_rows = pool.a[module], pool.b[module]
+            start, b_start = view.row_start[module], view.b_row(module)
+            assert torch.equal(a_rows[:, start : start + rank], host.a[module])
+            assert torch.equal(b_rows[:, b_start : b_start + rank], host.b[module])
+    vocab_owner = next((o for o, n in owners.items() if n in ("vocab", "vocab-only")), None)
+    if vocab_owner is not None:  # a vocabulary module's logical rows are its pieces end to end
+        spec, host, _ = universe[owners[vocab_owner]]
+        view = pool.view(vocab_owner, spec.scales)
+        rows = torch.arange(view.row_start["lm_head"], view.row_start["lm_head"] + view.rank["lm_head"])
+        lora_a = load_file(material.adapters[owners[vocab_owner]] / "adapter_model.safetensors")[
+            "base_model.model.lm_head.lora_A.weight"]
+        assert torch.equal(vocab_rows(pool.a["lm_head"], rows, model.hidden_size), lora_a)
+
+
+def _edited_attention(material, model, universe) -> dict:
+    """Three attention-only adapters of different ranks (plain's q/k/v/o rows cut to rank 2, 5, 8)."""
+    import dataclasses
+
+    spec, host, _ = universe["plain"]
+    out = {}
+    for i, rank in enumerate((2, 5, 8)):
+        modules = ("q_proj", "k_proj", "v_proj", "o_proj")
+        cut = dataclasses.replace(spec, ranks={m: rank for m in modules}, scales={m: spec.scales[m] for m in modules})
+        out[f"attn-{i}"] = (cut, type(host)(a={m: host.a[m][:, :rank].clone() for m in modules},
+                                            b={m: host.b[m][:, :rank].clone() for m in modules}), model)
+    return out

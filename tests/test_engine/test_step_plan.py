@@ -28,8 +28,8 @@ ATTN = {"q_proj": 24, "k_proj": 24, "v_proj": 24, "o_proj": 24}
 
 def test_adapter_shape_is_kinds_and_rank_lanes():
     model: ModelConfig = _Model()  # type: ignore[assignment]
-    assert adapter_shape(_info("a", QV), model) == (("qkv",), 16, (("qkv", 16),))
-    assert adapter_shape(_info("b", ATTN), model) == (("qkv", "o"), 32, (("qkv", 72), ("o", 24)))
+    assert adapter_shape(_info("a", QV), model) == (("qkv",), 16, (("qkv", 16),), ())
+    assert adapter_shape(_info("b", ATTN), model) == (("qkv", "o"), 32, (("qkv", 72), ("o", 24)), ())
     assert adapter_shape(_info("c", {"q_proj": 0}), model) is None
 
 
