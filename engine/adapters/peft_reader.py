@@ -8,13 +8,13 @@ and the limit; nothing here touches engine state.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as load_safetensors
 
 from kubelora.engine.adapters.files import open_regular
 from kubelora.engine.adapters.peft_config import CONFIG_FILE, MAX_CONFIG_BYTES, PeftConfig, parse_config
@@ -83,20 +83,14 @@ def read_adapter_spec(name: str, path: str | Path, model: ModelConfig, limits: A
 
 
 def read_adapter_weights(spec: AdapterSpec, model: ModelConfig, dtype: torch.dtype, pin: bool) -> HostAdapter:
-    """Read the tensors (one file read), check they still hash to spec.revision, lay them out per engine module. A
+    """Read the tensors (one pass over the file), check they still hash to spec.revision, lay them out per engine
+    module. A
     fused module's (Phi-3's qkv_proj, gate_up_proj) lora_A goes to each module it holds, its lora_B split by their
     output rows: the same deltas, with A stored (and its shrink computed) once per module."""
     root = Path(spec.path)
     config_bytes = _read_config(spec.name, root / CONFIG_FILE)
-    # Never more than the registered size: bytes appended since registration are not read.
-    data = _read_file(spec.name, root / WEIGHTS_FILE, spec.num_weight_bytes + 1)
-    if len(data) != spec.num_weight_bytes or _revision_of_bytes(config_bytes, data) != spec.revision:
-        raise AdapterChanged(spec.name, f"files under {spec.path} changed since revision {spec.revision} was "
-                                        "registered; load it again with load_inplace")
-    try:
-        tensors = load_safetensors(data)
-    except Exception as exc:  # safetensors raises its own error types for corrupt payloads
-        raise AdapterCorrupt(spec.name, WEIGHTS_FILE, f"cannot be parsed: {exc}", limit="a safetensors file") from exc
+    keys = {*(k for pair in spec.tensor_names.values() for k in pair), *spec.magnitude_names.values()}
+    tensors = _read_tensors(spec, root / WEIGHTS_FILE, config_bytes, keys)
     a, b, magnitude = {}, {}, {}
     layers = model.num_layers
     for module, rank in spec.ranks.items():
@@ -336,5 +330,41 @@ def _revision(name: str, config_bytes: bytes, weights_file: Path, num_weight_byt
     return digest.hexdigest()[:12]
 
 
-def _revision_of_bytes(config_bytes: bytes, data: bytes) -> str:
-    return hashlib.sha256(config_bytes + data).hexdigest()[:12]
+def _read_tensors(spec: AdapterSpec, path: Path, config_bytes: bytes, keys: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors named in `keys`, read in one pass over the file that hashes all of it (never more than the
+    registered size): the other tensors (PEFT's full embedding copies) stream through the hash and are not kept.
+    A file whose bytes no longer hash to spec.revision is `AdapterChanged`."""
+    digest, left = hashlib.sha256(config_bytes), spec.num_weight_bytes
+    changed = AdapterChanged(spec.name, f"files under {spec.path} changed since revision {spec.revision} was "
+                                        "registered; load it again with load_inplace")
+
+    def read(count: int, keep: bool) -> bytes:
+        nonlocal left
+        parts = []
+        while count > 0:
+            block = f.read(min(count, left, 1 << 20))
+            if not block:
+                raise changed
+            digest.update(block)
+            left, count = left - len(block), count - len(block)
+            if keep:
+                parts.append(block)
+        return b"".join(parts)
+
+    with open_regular(spec.name, path) as f:
+        try:
+            header_len = int.from_bytes(read(8, True), "little")
+            header = json.loads(read(header_len, True))
+            entries = sorted((header[key]["data_offsets"], key, header[key]) for key in keys)
+        except (ValueError, KeyError, TypeError):
+            raise changed from None
+        raw, position = {}, 0
+        for (begin, end), key, _ in entries:
+            read(begin - position, False)
+            raw[key] = read(end - begin, True)
+            position = end
+        read(left, False)
+        if f.read(1) or digest.hexdigest()[:12] != spec.revision:
+            raise changed
+    return {key: torch.frombuffer(bytearray(raw[key]), dtype=ALLOWED_DTYPES[entry["dtype"]]).view(entry["shape"])
+            for _, key, entry in entries}

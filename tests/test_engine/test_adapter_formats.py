@@ -177,6 +177,11 @@ def test_full_copies_equal_to_the_base_are_served_and_counted_as_the_lora_alone(
     spec, _ = _spec(material, without)
     assert with_copies.ranks == spec.ranks == {"q_proj": 8, "embed_tokens": 8, "lm_head": 8}
     assert COPY not in {k for pair in with_copies.tensor_names.values() for k in pair}
+    from kubelora.engine.adapters.peft_reader import read_adapter_weights
+
+    host, host_without = (read_adapter_weights(s, model, torch.float32, pin=False) for s in (with_copies, spec))
+    assert host.num_bytes == host_without.num_bytes  # the copies stream through the load: not in the host tier
+    assert all(torch.equal(host.b[m], host_without.b[m]) for m in spec.ranks)
 
 
 @pytest.mark.parametrize("case", ["copy_differs", "resized_vocab", "modules_to_save", "dora_on_lm_head",
