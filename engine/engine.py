@@ -42,6 +42,7 @@ from kubelora.engine.errors import InvalidRequest, PromptTooLong, QueueFull
 from kubelora.engine.step.plan import plan_graphs, plan_warm_ups
 from kubelora.engine.model.config import load_hf_config, model_config_from_hf
 from kubelora.engine.model.llama import DecoderModel
+from kubelora.engine.model.quantized import base_weights_info
 from kubelora.engine.model.weights import extend_weights, load_weights, module_weight
 from kubelora.engine.outputs import EngineSnapshot, LogprobsDecoder, RequestOutput
 from kubelora.engine.prefix_key import root_key
@@ -90,6 +91,8 @@ class LLMEngine:
         self.startup_seconds: dict[str, float] = {}
         started = time.perf_counter()
         host_weights = load_weights(config.model_dir, self.model_config, self.dtype)
+        self.base_weights = base_weights_info(self.model_config, host_weights)
+        log.info("base weights: %s, %.2f GiB as stored", self.base_weights.format, self.base_weights.bytes / (1 << 30))
         # Staged shrinks: q/k/v and o weights inside taller buffers whose extra rows take adapters' A rows
         stage_buffers = {}
         if setup.uses_staged_shrink(config):
@@ -139,7 +142,8 @@ class LLMEngine:
         names = tuple(dict.fromkeys((self.model_name, self.model_config.name, str(self.config.model_dir))))
         return AdapterLimits(max_lora_rank=self.config.max_lora_rank, max_pool_rows=pool.num_rows,
                              model_names=names, is_base_model_strict=self.config.is_base_model_strict,
-                             model_dir=str(self.config.model_dir))
+                             model_dir=str(self.config.model_dir),
+                             base_format=self.base_weights.format if self.model_config.quantization else None)
 
     def _build_runner(self, hf_config, weights, pool: DeviceLoRAPool) -> ModelRunner:
         # One block past the scheduler's: the pad block padded rows of a static decode batch write into.

@@ -129,7 +129,9 @@ def staged_rows(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) ->
     """Staging capacity per staged kind, in rows per module: what one decode step's adapters can take, at most
     ROWS_PER_SLICE. A step's adapters hold at most max_num_seqs x max_lora_rank rank rows, and never more than the
     device pool's rows where the config fixes the pool's size (the default pool, a share of free memory, holds
-    more than ROWS_PER_SLICE at the 7B shape)."""
+    more than ROWS_PER_SLICE at the 7B shape). No kind over FP8 base weights: their matmul cannot take bf16 A rows."""
+    if model.quantization is not None:
+        return {}
     per_rank = DeviceLoRAPool.bytes_per_rank(model, dtype)
     per_module = min(ROWS_PER_SLICE, config.max_num_seqs * config.max_lora_rank)
     budget = _set_pool_budget(config, per_rank)

@@ -4,12 +4,15 @@ Every family is the Llama decoder with a few switches (`Family`): how RMSNorm ap
 norms, norms on the sublayer outputs, the MLP's activation, scaled embeddings, and the checkpoint's names for the
 fused projections. The numbers that vary within a family (attention scale, soft-caps, per-layer windows and RoPE
 bases) are read from the config into `ModelConfig`. A config this engine cannot serve is refused here, at
-start-up, with the field and what is supported.
+start-up, with the field and what is supported. So is a `quantization_config` other than the FP8 formats of
+`Fp8Quantization` (engine/model/quantized.py serves them).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +86,52 @@ FAMILIES = {
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
+# FP8 base checkpoints served (engine/model/quantized.py), as quantization_config says them
+WEIGHT_STRATEGIES = ("tensor", "channel", "block")  # one scale per tensor, per output row, per weight block
+ACTIVATION_SCHEMES = ("dynamic-token", "dynamic-group", "static-tensor")  # how the GPU path quantizes inputs
+SUPPORTED_QUANTIZATION = ("compressed-tensors format 'float-quantized': 8-bit float weights per tensor, channel or "
+                          "block, activations 8-bit float dynamic per token or token group or static per tensor; "
+                          "quant_method 'fp8' (e4m3) with weight_block_size and dynamic activations")
+
+
+@dataclass(frozen=True)
+class Fp8Quantization:
+    """An FP8 base checkpoint's scheme, from its config.json's quantization_config (one scheme for every quantized
+    linear layer). Weights are float8_e4m3fn with float scales (dequantized w = q * scale) in `scale_name`."""
+
+    method: str  # "compressed-tensors" or "fp8" (transformers' fine-grained FP8)
+    weight_strategy: str  # one of WEIGHT_STRATEGIES
+    weight_block: tuple[int, int] | None  # (rows, cols) of a weight block: the block strategy only
+    activations: str  # one of ACTIVATION_SCHEMES: what the checkpoint says the matmul's input is quantized as
+    activation_group: int | None  # input columns per activation scale (dynamic-group only)
+    ignore: tuple[str, ...] = ()  # modules kept unquantized: names, or "re:" + a regular expression
+
+    def __post_init__(self) -> None:
+        if self.weight_strategy not in WEIGHT_STRATEGIES:
+            raise ValueError(f"weight strategy must be one of {WEIGHT_STRATEGIES}, got {self.weight_strategy!r}")
+        if (self.weight_block is not None) != (self.weight_strategy == "block"):
+            raise ValueError("a weight block size is given exactly for the block strategy")
+        if self.activations not in ACTIVATION_SCHEMES:
+            raise ValueError(f"activations must be one of {ACTIVATION_SCHEMES}, got {self.activations!r}")
+
+    @property
+    def scale_name(self) -> str:
+        """The suffix of a quantized module's weight scale tensor (both formats multiply by it)."""
+        return "weight_scale_inv" if self.method == "fp8" else "weight_scale"
+
+    @property
+    def name(self) -> str:
+        """The format as the model card and metrics say it, e.g. "fp8-channel-dynamic-token"."""
+        block = f"{self.weight_block[0]}x{self.weight_block[1]}" if self.weight_block else ""
+        return f"fp8-{self.weight_strategy}{block}-{self.activations}"
+
+    def is_quantized(self, module: str) -> bool:
+        """Whether a checkpoint module (e.g. "model.layers.0.mlp.down_proj") is stored FP8: every linear layer the
+        ignore list does not name (compressed-tensors' matching: a name, or "re:" and a pattern matched at its
+        start)."""
+        return not any(re.match(entry[3:], module) if entry.startswith("re:") else entry == module
+                       for entry in self.ignore)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -107,6 +156,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scores scaled by its -0.5 power (None: head_dim's)
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    quantization: Fp8Quantization | None = None  # None: the base weights are stored in a float dtype
 
     def __post_init__(self) -> None:
         check_model_type(self.model_type)
@@ -196,7 +246,92 @@ def model_config_from_hf(hf_config, model_dir: str | Path) -> ModelConfig:
         query_pre_attn_scalar=getattr(text, "query_pre_attn_scalar", None),
         attn_logit_softcap=getattr(text, "attn_logit_softcapping", None),
         final_logit_softcap=getattr(text, "final_logit_softcapping", None),
+        quantization=quantization_from_hf(hf_config),
     )
+
+
+def quantization_from_hf(hf_config) -> Fp8Quantization | None:
+    """The checkpoint's FP8 scheme from quantization_config (None without one); any other format, scheme or
+    strategy refused naming the field, what it holds and what is served."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(qc)
+    if method == "fp8":
+        return _fine_grained_fp8_scheme(qc)
+    _refuse_quantization("quantization_config.quant_method", method)
+
+
+def _refuse_quantization(field_name: str, value) -> None:
+    raise ValueError(f"{field_name} {value!r} is not served; served FP8 base checkpoints: {SUPPORTED_QUANTIZATION}")
+
+
+def _compressed_tensors_scheme(qc: dict) -> Fp8Quantization:
+    """compressed-tensors' float-quantized format: one scheme (weights, input_activations) over config_groups."""
+    if qc.get("format") != "float-quantized":
+        _refuse_quantization("quantization_config.format", qc.get("format"))
+    groups = qc.get("config_groups") or {}
+    schemes = {(_freeze(g.get("weights")), _freeze(g.get("input_activations"))) for g in groups.values()}
+    if len(schemes) != 1:
+        _refuse_quantization("quantization_config.config_groups (one scheme for every group)",
+                             [{"weights": g.get("weights"), "input_activations": g.get("input_activations")}
+                              for g in groups.values()])
+    group = next(iter(groups.values()))
+    for key in ("kv_cache_scheme", "transform_config"):
+        if qc.get(key):
+            _refuse_quantization(f"quantization_config.{key}", qc[key])
+    if "Linear" not in group.get("targets", ()):
+        _refuse_quantization("quantization_config.config_groups.*.targets (must hold 'Linear')", group.get("targets"))
+    weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
+    _check_fp8_args("weights", weights)
+    strategy = weights.get("strategy")
+    if strategy not in WEIGHT_STRATEGIES or weights.get("dynamic"):
+        _refuse_quantization("quantization_config.config_groups.*.weights.strategy (static)", strategy)
+    block = tuple(weights["block_structure"]) if strategy == "block" else None
+    _check_fp8_args("input_activations", inputs)
+    activations = {(True, "token"): "dynamic-token", (True, "group"): "dynamic-group",
+                   (False, "tensor"): "static-tensor"}.get((bool(inputs.get("dynamic")), inputs.get("strategy")))
+    if activations is None:
+        _refuse_quantization("quantization_config.config_groups.*.input_activations (dynamic, strategy)",
+                             (inputs.get("dynamic"), inputs.get("strategy")))
+    ignore = tuple(qc.get("ignore") or ())
+    scheme = Fp8Quantization("compressed-tensors", strategy, block, activations,
+                             inputs.get("group_size") if activations == "dynamic-group" else None, ignore)
+    if scheme.is_quantized("lm_head"):  # its adapters' deltas add to bf16 logits; checkpoints keep it unquantized
+        _refuse_quantization("quantization_config.ignore (must list lm_head: a quantized lm_head)", list(ignore))
+    return scheme
+
+
+def _check_fp8_args(role: str, args: dict) -> None:
+    """Symmetric 8-bit float (e4m3) quantization arguments, nothing else."""
+    if args.get("num_bits") != 8 or args.get("type") != "float" or not args.get("symmetric", True):
+        _refuse_quantization(f"quantization_config.config_groups.*.{role} (num_bits, type, symmetric)",
+                             (args.get("num_bits"), args.get("type"), args.get("symmetric")))
+    for key in ("actorder", "scale_dtype", "zp_dtype"):
+        if args.get(key) not in (None, "float32", "torch.float32"):
+            _refuse_quantization(f"quantization_config.config_groups.*.{role}.{key}", args[key])
+
+
+def _fine_grained_fp8_scheme(qc: dict) -> Fp8Quantization:
+    """transformers' fine-grained FP8 (quant_method "fp8"): e4m3 weights in weight_block_size blocks with their
+    weight_scale_inv (multiplied to dequantize), inputs quantized per token and group of block columns."""
+    block = qc.get("weight_block_size")
+    if not block or len(block) != 2:
+        _refuse_quantization("quantization_config.weight_block_size (two block sizes)", block)
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        _refuse_quantization("quantization_config.activation_scheme", qc.get("activation_scheme"))
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("scale_fmt") not in (None, "float32"):
+        _refuse_quantization("quantization_config.fmt / scale_fmt", (qc.get("fmt"), qc.get("scale_fmt")))
+    # transformers never converts the output embedding (get_keys_to_not_convert)
+    ignore = (*(qc.get("modules_to_not_convert") or ()), "lm_head")
+    return Fp8Quantization("fp8", "block", (block[0], block[1]), "dynamic-group", block[1], ignore)
+
+
+def _freeze(args: dict | None) -> str:
+    return json.dumps(args or {}, sort_keys=True)
 
 
 def check_model_type(model_type: str) -> None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kubelora.engine.model.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from kubelora.engine.model.config import ModelConfig
+from kubelora.engine.model.quantized import Fp8Linear
 from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused, gemv
@@ -192,15 +193,18 @@ class DecoderModel:
         no second pass over the projection's output); K and V go to the caches; returns the rotated q."""
         cfg, lora = self.config, ctx.lora
         weights, buffers = self.weights.layers[layer], self.lora_buffers[layer]
-        qkv = F.linear(x, weights.weight["qkv"], weights.bias["qkv"])
+        qkv = self._linear(x, weights.weight["qkv"], weights.bias["qkv"])
         add_lora_rotary_kv_cache_(qkv, x, buffers.lora_a["qkv"], buffers.lora_b["qkv"], lora.proj["qkv"], lora.step,
                                   cfg.num_heads, cfg.num_kv_heads, ctx.positions, self.ropes[layer].inv_freq,
                                   self.ropes[layer].attention_scaling, key_cache, value_cache,
                                   ctx.attention.slot_mapping)
         return qkv[:, : cfg.num_heads * cfg.head_dim].view(-1, cfg.num_heads, cfg.head_dim)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T + b: a single-row Triton GEMV for one-token steps on CUDA (unless use_gemv is off), else cuBLAS."""
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Linear, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b: an FP8 weight's own matmul (engine/model/quantized.py); else a single-row Triton GEMV for
+        one-token steps on CUDA (unless use_gemv is off), else cuBLAS."""
+        if isinstance(weight, Fp8Linear):
+            return weight(x, bias)
         if self.is_gemv and x.shape[0] == 1:
             return gemv.linear(x, weight, bias)
         return F.linear(x, weight, bias)

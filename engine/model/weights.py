@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from kubelora.engine.model.config import LORA_MODULES, ModelConfig
+from kubelora.engine.model.quantized import Fp8Linear, is_stored_fp8, read_fp8_linear
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -30,7 +31,7 @@ POST_NORMS = {"input": "input_layernorm", "attn_out": "post_attention_layernorm"
 class LayerWeights:
     # role -> [hidden] ("input", "pre_mlp"; "attn_out", "mlp_out" with post-norms) or [head_dim] ("q", "k")
     norm: dict[str, torch.Tensor]
-    weight: dict[str, torch.Tensor]  # kind -> [sum of out dims, in_dim]
+    weight: dict[str, torch.Tensor | Fp8Linear]  # kind -> [sum of out dims, in_dim] (FP8 bases: engine/model/quantized.py)
     bias: dict[str, torch.Tensor | None]  # kind -> [sum of out dims] or None
     # kind -> (weight [out + staged rows, in_dim], bias [out + staged rows] or None): the weight and bias above are
     # their first rows (`extend_weights`, for staged shrinks: engine/adapters/staging.py)
@@ -132,7 +133,11 @@ def _load_layer(reader: CheckpointReader, prefix: str, config: ModelConfig, dtyp
     family = config.family
     weight, bias = {}, {}
     for kind, modules in family.checkpoint.items():
-        weight[kind] = torch.cat([reader.get(f"{prefix}{m}.weight", dtype) for m in modules])
+        names = [f"{prefix}{m}" for m in modules]
+        if is_stored_fp8(config.quantization, names):  # FP8 values and scales as stored (engine/model/quantized.py)
+            weight[kind] = read_fp8_linear(reader, names, config.quantization)
+        else:
+            weight[kind] = torch.cat([reader.get(f"{n}.weight", dtype) for n in names])
         bias[kind] = _fused_bias(reader, [f"{prefix}{m}" for m in modules], dtype)
     names = POST_NORMS if family.has_post_norms else NORMS
     roles = [r for r in names if family.has_qk_norm or r not in ("q", "k")]

@@ -55,11 +55,15 @@ def base_card(serving: Serving) -> dict:
     """The base model's card; `adapter_pool_bytes` is the room the device adapter pool guarantees: every set of
     adapters whose `bytes` sum to at most it can be resident at once. `adapter_module_bytes` is how an adapter's
     `bytes` are counted, per module (per_rank x its rank + fixed, + dora with DoRA), for placing an adapter before
-    the engine has read it."""
-    return {"id": serving.model_name, "object": "model", "created": int(serving.started_at), "owned_by": "kubelora",
+    the engine has read it. `format` is the base weights' ("bfloat16", or an FP8 scheme such as
+    "fp8-channel-dynamic-token"), `weight_bytes` their bytes as stored."""
+    card = {"id": serving.model_name, "object": "model", "created": int(serving.started_at), "owned_by": "kubelora",
             "root": serving.model_name, "parent": None, "max_model_len": serving.max_model_len,
             "adapter_pool_bytes": serving.adapters.stats().pool_total_bytes,
             "adapter_module_bytes": serving.adapters.module_costs()}
+    if serving.base_weights is not None:
+        card.update(format=serving.base_weights.format, weight_bytes=serving.base_weights.bytes)
+    return card
 
 
 def load_adapter(serving: Serving, req: LoadRequest) -> tuple[AdapterInfo, bool]:

@@ -90,11 +90,11 @@ class Lifecycle:
         engine = await loop.run_in_executor(None, self._factory, self.config.engine)
         # Copied before the engine thread starts decoding with it.
         prompts = await loop.run_in_executor(None, PromptTokenizer, engine.tokenizer, engine.max_model_len)
-        metrics = ServerMetrics(engine.model_name, self.config.engine.max_loras)
+        metrics = ServerMetrics(engine.model_name, self.config.engine.max_loras, engine.base_weights)
         async_engine = AsyncEngine(engine, metrics.observe_finished)
         async_engine.start()
         serving = Serving(async_engine, engine.adapters, prompts, engine.model_name, engine.max_model_len, metrics,
-                          source_config(self.config), AdapterOps(), started)
+                          source_config(self.config), AdapterOps(), started, base_weights=engine.base_weights)
         try:
             for name, path in self.config.lora:
                 await serving.adapter_ops.load(name, _load_startup_adapter, serving, name, path)

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
     from kubelora.engine import AdapterInfo, EngineSnapshot, RequestOutput
+    from kubelora.engine.model.quantized import BaseWeightsInfo
 
 TIERS = ("known", "host", "device")
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -33,11 +34,12 @@ class EngineView:
 
 
 class ServerMetrics:
-    def __init__(self, base_name: str, max_loras: int | None) -> None:
-        """max_loras: the engine's count limit of distinct adapters per batch (None: the pool's bytes decide)."""
+    def __init__(self, base_name: str, max_loras: int | None, base_weights: BaseWeightsInfo | None = None) -> None:
+        """max_loras: the engine's count limit of distinct adapters per batch (None: the pool's bytes decide);
+        base_weights: the base's format and bytes as stored (None: not reported)."""
         self.base_name = base_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self._engine = _EngineCollector(base_name, max_loras)
+        self._engine = _EngineCollector(base_name, max_loras, base_weights)
         self.registry.register(self._engine)
         by_adapter = dict(labelnames=["adapter"], registry=self.registry)
         self.prompt_tokens = Counter("kubelora_prompt_tokens", "Prompt tokens of finished requests", **by_adapter)
@@ -111,9 +113,10 @@ class ServerMetrics:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, base_name: str, max_loras: int | None) -> None:
+    def __init__(self, base_name: str, max_loras: int | None, base_weights: BaseWeightsInfo | None) -> None:
         self.base_name = base_name
         self.max_loras = max_loras
+        self.base_weights = base_weights
         self.view: EngineView | None = None
 
     def describe(self) -> list[Metric]:
@@ -124,6 +127,8 @@ class _EngineCollector(Collector):
             return
         yield from _adapter_families(self.view, self.base_name)
         yield from _engine_families(self.view.snapshot)
+        if self.base_weights is not None:
+            yield from _base_families(self.base_name, self.base_weights)
         yield from _vllm_families(self.view, self.base_name, self.max_loras)
 
 
@@ -163,6 +168,14 @@ def _adapter_families(view: EngineView, base_name: str) -> Iterator[Metric]:
         queries.add_metric([key or base_name], num_queries)
         hits.add_metric([key or base_name], num_hits)
     yield from (queries, hits)
+
+
+def _base_families(base_name: str, base: BaseWeightsInfo) -> Iterator[Metric]:
+    info = _gauge("kubelora_base_model_info", "The base model and its weights' format (bfloat16, fp8-...)",
+                  ["model", "format"])
+    info.add_metric([base_name, base.format], 1.0)
+    yield info
+    yield GaugeMetricFamily("kubelora_base_weight_bytes", "The base weights' bytes as stored", value=base.bytes)
 
 
 def _engine_families(snap: EngineSnapshot) -> Iterator[Metric]:

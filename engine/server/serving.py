@@ -19,6 +19,7 @@ from kubelora.engine.server.tokenization import PromptTokenizer
 
 if TYPE_CHECKING:  # the engine's public names; no import cost at runtime
     from kubelora.engine import AdapterManager
+    from kubelora.engine.model.quantized import BaseWeightsInfo
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Serving:
     # and the sha256 it was checked against: the operator compares both with the source it wants.
     # Only touched on the event loop.
     requested_sources: dict[tuple[str, str], RequestedSource] = field(default_factory=dict)
+    base_weights: BaseWeightsInfo | None = None  # the base's format and bytes as stored (None: not known)
 
     def remember_source(self, name: str, revision: str, source: str, sha256: str | None = None) -> None:
         for key in [k for k in self.requested_sources if k[0] == name]:
