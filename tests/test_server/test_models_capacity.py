@@ -1,5 +1,6 @@
 """`GET /v1/models` reports what the operator places by: each adapter's device pool bytes at its own
-rank, and the base card's device adapter pool budget."""
+rank (counted per module as the base card's adapter_module_bytes says), and the base card's device adapter pool
+budget."""
 
 from __future__ import annotations
 
@@ -14,5 +15,8 @@ async def test_cards_carry_bytes_at_their_own_rank_and_the_pool_budget(start_app
     cards = {c["id"]: c for c in (await (await api.get("/v1/models")).json())["data"]}
     base = next(c for c in cards.values() if c["parent"] is None)
     assert 0 < base["adapter_pool_bytes"] <= 1 << 20  # the budget, rounded down to whole rank rows
-    assert cards["a0"]["bytes"] > 0 and cards["a5"]["bytes"] == 4 * cards["a0"]["bytes"]
+    costs = base["adapter_module_bytes"]  # how bytes are counted: per module, per rank row plus alignment
+    for name, rank in (("a0", 4), ("a5", 16)):
+        assert cards[name]["bytes"] == sum(rank * costs[m]["per_rank"] + costs[m]["fixed"] for m in ("q_proj", "v_proj"))
+    assert 0 < cards["a0"]["bytes"] < cards["a5"]["bytes"] < 4 * cards["a0"]["bytes"]
     assert cards["a5"]["residency"] == "known"  # a registration reports its size too
