@@ -21,7 +21,7 @@ from kubelora.engine.step.shape import decode_shape, prefill_shape
 TOL = 1e-4  # float32 max abs logit difference
 NUM_DECODE = 6
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name -> (LoraConfig arguments, save_embedding_layers)
+# name -> (LoraConfig arguments, save_embedding_layers); Phi-3's targets are its fused modules (PHI3_TARGETS)
 ADAPTERS = {
     "plain": (dict(r=8, lora_alpha=16, target_modules=LINEAR), True),
     "dora": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], use_dora=True),
@@ -30,7 +30,16 @@ ADAPTERS = {
     "vocab": (dict(r=8, lora_alpha=16, target_modules=["q_proj", "embed_tokens", "lm_head"]), True),
     "vocab-only": (dict(r=4, lora_alpha=4, target_modules=["embed_tokens", "lm_head"]), False),
 }
+PHI3_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                "up_proj": "gate_up_proj"}
 BATCH = [None, "plain", "dora", "vocab", "dora-all", "vocab-only", "dora", "vocab"]
+
+
+def _for_arch(config: dict, arch: str) -> dict:
+    if arch != "phi3":
+        return config
+    targets = list(dict.fromkeys(PHI3_TARGETS.get(t, t) for t in config["target_modules"]))
+    return {**config, "target_modules": targets}
 
 
 def make_peft_adapter(out: Path, model_dir: Path, seed: int, config: dict, save_embedding_layers) -> Path:
@@ -63,7 +72,7 @@ def formats(tmp_path_factory):
         if arch not in built:
             root = tmp_path_factory.mktemp(arch)
             model_dir = make_tiny_model(root / "model", arch=arch, seed=0, num_layers=2)
-            adapters = {name: make_peft_adapter(root / name, model_dir, seed, config, save)
+            adapters = {name: make_peft_adapter(root / name, model_dir, seed, _for_arch(config, arch), save)
                         for seed, (name, (config, save)) in enumerate(ADAPTERS.items(), start=1)}
             built[arch] = Material(arch, model_dir, adapters)
         return built[arch]
@@ -82,11 +91,13 @@ def generate(material, prompts, names, **options):
         llm.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gemma3_text", "phi3"])
 @pytest.mark.parametrize("options", [{}, {"enforce_eager": True}], ids=["static", "eager"])
 def test_mixed_formats_match_transformers_peft(arch, options, formats, prompt_ids, peft_reference):
     material = formats(arch)
     prompts = [prompt_ids(i, 5 + 2 * i) for i in range(len(BATCH))]
+    if arch == "phi3":  # sequences within original_max_position_embeddings (32): longrope's short factors, as
+        options = {**options, "max_model_len": 32}  # transformers runs such sequences
     results = generate(material, prompts, BATCH, **options)
     build_reference, reference_logits = peft_reference
     reference = build_reference(material)
