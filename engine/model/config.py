@@ -323,8 +323,11 @@ def _fine_grained_fp8_scheme(qc: dict) -> Fp8Quantization:
         _refuse_quantization("quantization_config.weight_block_size (two block sizes)", block)
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         _refuse_quantization("quantization_config.activation_scheme", qc.get("activation_scheme"))
-    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("scale_fmt") not in (None, "float32"):
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("scale_fmt", "float") != "float":
         _refuse_quantization("quantization_config.fmt / scale_fmt", (qc.get("fmt"), qc.get("scale_fmt")))
+    if qc.get("modules_to_convert"):
+        _refuse_quantization("quantization_config.modules_to_convert (every linear layer but those not converted)",
+                             qc["modules_to_convert"])
     # transformers never converts the output embedding (get_keys_to_not_convert)
     ignore = (*(qc.get("modules_to_not_convert") or ()), "lm_head")
     return Fp8Quantization("fp8", "block", (block[0], block[1]), "dynamic-group", block[1], ignore)

@@ -123,12 +123,12 @@ class _EngineCollector(Collector):
         return []  # the families depend on the view; nothing to declare up front
 
     def collect(self) -> Iterator[Metric]:
+        if self.base_weights is not None:  # fixed at start-up: no view needed
+            yield from _base_families(self.base_name, self.base_weights)
         if self.view is None:
             return
         yield from _adapter_families(self.view, self.base_name)
         yield from _engine_families(self.view.snapshot)
-        if self.base_weights is not None:
-            yield from _base_families(self.base_name, self.base_weights)
         yield from _vllm_families(self.view, self.base_name, self.max_loras)
 
 
