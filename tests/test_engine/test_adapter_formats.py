@@ -35,6 +35,18 @@ PHI3_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"
 BATCH = [None, "plain", "dora", "vocab", "dora-all", "vocab-only", "dora", "vocab"]
 
 
+def _tie_embeddings(model_dir: Path) -> None:
+    """The model rewritten with its lm_head tied to the embedding (as small Qwen2 and Gemma checkpoints are)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
+    model.tie_weights()
+    model.save_pretrained(model_dir)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def _for_arch(config: dict, arch: str) -> dict:
     if arch != "phi3":
         return config
@@ -71,7 +83,9 @@ def formats(tmp_path_factory):
     def build(arch: str) -> Material:
         if arch not in built:
             root = tmp_path_factory.mktemp(arch)
-            model_dir = make_tiny_model(root / "model", arch=arch, seed=0, num_layers=2)
+            model_dir = make_tiny_model(root / "model", arch=arch.removesuffix("-tied"), seed=0, num_layers=2)
+            if arch.endswith("-tied"):
+                _tie_embeddings(model_dir)
             adapters = {name: make_peft_adapter(root / name, model_dir, seed, _for_arch(config, arch), save)
                         for seed, (name, (config, save)) in enumerate(ADAPTERS.items(), start=1)}
             built[arch] = Material(arch, model_dir, adapters)
@@ -91,7 +105,7 @@ def generate(material, prompts, names, **options):
         llm.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-tied", "gemma2", "gemma3_text", "phi3"])
 @pytest.mark.parametrize("options", [{}, {"enforce_eager": True}], ids=["static", "eager"])
 def test_mixed_formats_match_transformers_peft(arch, options, formats, prompt_ids, peft_reference):
     material = formats(arch)
