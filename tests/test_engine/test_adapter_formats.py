@@ -344,3 +344,27 @@ def _edited_attention(material, model, universe) -> dict:
         out[f"attn-{i}"] = (cut, type(host)(a={m: host.a[m][:, :rank].clone() for m in modules},
                                             b={m: host.b[m][:, :rank].clone() for m in modules}), model)
     return out
+
+
+# ---- on the GPU: graphs on and off, each LoRA backend ----
+
+TOLERANCE = {"torch": 1e-3, "triton": 3e-2}  # float32 on the GPU; Triton's tl.dot may use TF32 (test_cuda.py)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2-tied", "gemma2"])
+@pytest.mark.parametrize("options", [{}, {"enforce_eager": True}], ids=["graphs", "eager"])
+def test_cuda_mixed_formats_match_transformers_peft(arch, backend, options, formats, prompt_ids, peft_reference):
+    material = formats(arch)
+    prompts = [prompt_ids(i, 5 + 2 * i) for i in range(len(BATCH))]
+    results = generate(material, prompts, BATCH, device="cuda", dtype="float32", lora_backend=backend, **options)
+    build_reference, reference_logits = peft_reference
+    reference = build_reference(material, device="cuda")
+    worst = 0.0
+    for name, prompt, result in zip(BATCH, prompts, results):
+        expected = reference_logits(reference, name, prompt + result.token_ids[:-1]).cpu()
+        assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
+        worst = max(worst, float((torch.cat([result.prompt_logits, result.logits[1:]]) - expected).abs().max()))
+    print(f"\n{arch} cuda float32 {backend} {options}: max |logit diff| = {worst:.2e}")
+    assert worst < TOLERANCE[backend]
