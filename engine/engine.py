@@ -140,8 +140,8 @@ class LLMEngine:
 
     def _adapter_limits(self, pool: DeviceLoRAPool) -> AdapterLimits:
         names = tuple(dict.fromkeys((self.model_name, self.model_config.name, str(self.config.model_dir))))
-        return AdapterLimits(max_lora_rank=self.config.max_lora_rank, max_pool_rows=pool.num_rows,
-                             model_names=names, is_base_model_strict=self.config.is_base_model_strict,
+        return AdapterLimits(max_lora_rank=self.config.max_lora_rank, model_names=names,
+                             is_base_model_strict=self.config.is_base_model_strict,
                              model_dir=str(self.config.model_dir),
                              base_format=self.base_weights.format if self.model_config.quantization else None)
 

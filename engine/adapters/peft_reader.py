@@ -278,9 +278,6 @@ def _module_ranks(name: str, config: PeftConfig, tensor_names, shapes, model: Mo
         if rank > limits.max_lora_rank:
             raise AdapterRankTooLarge(name, "rank_pattern", f"{module} in layer {layer} has rank {rank}, above "
                                       f"max_lora_rank {limits.max_lora_rank}", limit=limits.max_lora_rank)
-        if rank > limits.max_pool_rows:
-            raise AdapterTooLarge(name, "max_lora_pool_bytes", f"{module} rank {rank} exceeds the pool's "
-                                  f"{limits.max_pool_rows} rows per module", limit=limits.max_pool_rows)
         for held in engine_modules(module):
             ranks[held] = max(ranks.get(held, 0), rank)
     return ranks

@@ -12,7 +12,6 @@ class AdapterLimits:
     """What the served model and engine accept; handed to validation by the adapter manager."""
 
     max_lora_rank: int
-    max_pool_rows: int  # rows per module in the device pool: an adapter's rank must fit
     model_names: tuple[str, ...]  # names the served base model answers to (for base_model_name_or_path)
     is_base_model_strict: bool  # mismatch of base_model_name_or_path: error (True) or warning (False)
     model_dir: str | None = None  # the base checkpoint, which PEFT's full embedding/lm_head copies must equal

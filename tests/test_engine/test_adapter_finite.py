@@ -25,7 +25,7 @@ def model(llama):
 
 
 def _read(path: Path, model, dtype: torch.dtype):
-    limits = AdapterLimits(max_lora_rank=64, max_pool_rows=64, model_names=(model.name,), is_base_model_strict=False)
+    limits = AdapterLimits(max_lora_rank=64, model_names=(model.name,), is_base_model_strict=False)
     spec = read_adapter_spec("x", path, model, limits)
     return spec, read_adapter_weights(spec, model, dtype, pin=False)
 

@@ -171,7 +171,7 @@ def _spec(material, path: Path, **limits):
     from kubelora.engine.model.config import load_hf_config, model_config_from_hf
 
     model = model_config_from_hf(load_hf_config(material.model_dir), material.model_dir)
-    options = dict(max_lora_rank=16, max_pool_rows=64, model_names=(model.name,), is_base_model_strict=False,
+    options = dict(max_lora_rank=16, model_names=(model.name,), is_base_model_strict=False,
                    model_dir=str(material.model_dir))
     return read_adapter_spec("tenant", path, model, AdapterLimits(**{**options, **limits})), model
 

@@ -22,7 +22,7 @@ def make_manager(material, max_cpu_loras: int = 8, rows: int = 64,
     model = model_config_from_hf(load_hf_config(material.model_dir), material.model_dir)
     num_bytes = sum(_bytes(model, material, name) for name in fitting) if fitting else None
     pool = DeviceLoRAPool(model, rows, torch.float32, torch.device("cpu"), num_bytes=num_bytes)
-    limits = AdapterLimits(max_lora_rank=32, max_pool_rows=rows, model_names=(model.name,),
+    limits = AdapterLimits(max_lora_rank=32, model_names=(model.name,),
                            is_base_model_strict=False)
     return AdapterManager(AdapterManagerConfig(max_cpu_loras=max_cpu_loras), model, pool, limits), pool
 
@@ -30,7 +30,7 @@ def make_manager(material, max_cpu_loras: int = 8, rows: int = 64,
 def _bytes(model, material, name: str) -> int:
     from kubelora.engine.adapters.peft_reader import read_adapter_spec
 
-    limits = AdapterLimits(max_lora_rank=32, max_pool_rows=64, model_names=(model.name,), is_base_model_strict=False)
+    limits = AdapterLimits(max_lora_rank=32, model_names=(model.name,), is_base_model_strict=False)
     return spec_bytes(model, torch.float32, read_adapter_spec(name, material.adapters[name], model, limits))
 
 
