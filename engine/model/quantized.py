@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kubelora.engine.model.config import Fp8Quantization, ModelConfig
-from kubelora.kernels.fp8 import FP8, dequantize, fp8_linear
+from kubelora.kernels.fp8 import FP8, fp8_linear
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,6 @@ class Fp8Linear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [num_tokens, in_dim] -> x W^T + b [num_tokens, out_dim] in x's dtype."""
         return fp8_linear(x, self.weight, self.scale, self.block, bias, self.activations, self.input_scale)
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """W [out_dim, in_dim] in `dtype`."""
-        return dequantize(self.weight, self.scale, self.block, dtype)
 
 
 def is_stored_fp8(quantization: Fp8Quantization | None, modules: list[str]) -> bool:

@@ -125,27 +125,37 @@ def dequantized_reference(model_dir: Path, adapters: dict[str, Path]):
     return model.eval()
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
-def test_mixed_batch_matches_dequantized_transformers_peft(preset, fp8_bases, prompt_ids, peft_reference):
-    material, build = fp8_bases
-    model_dir = build(preset)
-    prompts = [prompt_ids(i, 6 + 3 * i) for i in range(len(BATCH))]
-    llm = LLM(model_dir, max_loras=3, max_lora_rank=16)
+def run_batch(model_dir: Path, material, prompts: list[list[int]], **options) -> tuple[str, list]:
+    """(the base's reported format, results) of BATCH over the engine on model_dir with every test adapter."""
+    llm = LLM(model_dir, max_loras=3, max_lora_rank=16, **options)
     try:
         for name, path in material.adapters.items():
             llm.load_adapter(name, path)
-        assert llm.engine.base_weights.format == PRESETS[preset]
         params = SamplingParams(max_tokens=NUM_DECODE, temperature=0.0, ignore_eos=True, return_logits=True)
-        results = llm.generate(prompts, params, adapters=BATCH)
+        return llm.engine.base_weights.format, llm.generate(prompts, params, adapters=BATCH)
     finally:
         llm.close()
+
+
+def reference_logits_of(model_dir: Path, material, prompts, results, peft_reference) -> list[torch.Tensor]:
+    """The dequantized reference's logits over each prompt and the tokens the engine generated after it."""
     reference = dequantized_reference(model_dir, material.adapters)
     _, reference_logits = peft_reference
-    for name, prompt, result in zip(BATCH, prompts, results):
-        expected = reference_logits(reference, name, prompt + result.token_ids[:-1])
-        assert expected[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
-        assert (result.prompt_logits - expected[: len(prompt)]).abs().max() < TOL, name
-        assert (result.logits - expected[len(prompt) - 1 :]).abs().max() < TOL, name
+    return [reference_logits(reference, name, prompt + result.token_ids[:-1])
+            for name, prompt, result in zip(BATCH, prompts, results)]
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_mixed_batch_matches_dequantized_transformers_peft(preset, fp8_bases, prompt_ids, peft_reference):
+    material, build = fp8_bases
+    prompts = [prompt_ids(i, 6 + 3 * i) for i in range(len(BATCH))]
+    fmt, results = run_batch(build(preset), material, prompts)
+    assert fmt == PRESETS[preset]
+    expected = reference_logits_of(build(preset), material, prompts, results, peft_reference)
+    for name, prompt, result, logits in zip(BATCH, prompts, results, expected):
+        assert logits[len(prompt) - 1 :].argmax(-1).tolist() == result.token_ids, name
+        assert (result.prompt_logits - logits[: len(prompt)]).abs().max() < TOL, name
+        assert (result.logits - logits[len(prompt) - 1 :]).abs().max() < TOL, name
 
 
 def test_weights_stay_fp8_and_are_counted_as_stored(fp8_bases):
@@ -242,6 +252,7 @@ def test_fine_grained_fp8_reader_equals_transformers_dequantization(tmp_path):
     from kubelora.engine.model.config import quantization_from_hf
     from kubelora.engine.model.quantized import read_fp8_linear
     from kubelora.engine.model.weights import CheckpointReader
+    from kubelora.kernels.fp8 import dequantize
 
     hf_config = FineGrainedFP8Config(weight_block_size=[128, 128])
     quantizer = SimpleNamespace(quantization_config=hf_config)
@@ -257,7 +268,7 @@ def test_fine_grained_fp8_reader_equals_transformers_dequantization(tmp_path):
     expected = torch.cat([Fp8Dequantize(quantizer)._dequantize_one(tensors[f"{n}.weight"],
                                                                    tensors[f"{n}.weight_scale_inv"], torch.float32)
                           for n in names])
-    assert torch.equal(linear.dequantized(torch.float32), expected)
+    assert torch.equal(dequantize(linear.weight, linear.scale, linear.block, torch.float32), expected)
     assert linear.scale.shape == (4, 3) and linear.block == (128, 128)  # the grids stacked as stored
 
 
@@ -313,27 +324,18 @@ def test_cuda_fp8_matmul_close_to_dequantized_reference(preset, enforce_eager, f
     """On CUDA in bfloat16 the projections run torch's scaled FP8 matmul with inputs quantized as the checkpoint
     says: logits within the preset's tolerance of the dequantized reference (float32, inputs not quantized)."""
     material, build = fp8_bases
-    model_dir = build(preset)
     prompts = [prompt_ids(i, 6 + 3 * i) for i in range(len(BATCH))]
-    llm = LLM(model_dir, max_loras=3, max_lora_rank=16, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager)
-    try:
-        for name, path in material.adapters.items():
-            llm.load_adapter(name, path)
-        params = SamplingParams(max_tokens=NUM_DECODE, temperature=0.0, ignore_eos=True, return_logits=True)
-        results = llm.generate(prompts, params, adapters=BATCH)
-    finally:
-        llm.close()
-    reference = dequantized_reference(model_dir, material.adapters)
-    _, reference_logits = peft_reference
-    for name, prompt, result in zip(BATCH, prompts, results):
-        expected = reference_logits(reference, name, prompt + result.token_ids[:-1])
-        assert (result.prompt_logits - expected[: len(prompt)]).abs().max() < CUDA_LOGIT_TOLERANCE[preset], name
+    _, results = run_batch(build(preset), material, prompts, device="cuda", dtype="bfloat16",
+                           enforce_eager=enforce_eager)
+    expected = reference_logits_of(build(preset), material, prompts, results, peft_reference)
+    for name, prompt, result, logits in zip(BATCH, prompts, results, expected):
+        assert (result.prompt_logits - logits[: len(prompt)]).abs().max() < CUDA_LOGIT_TOLERANCE[preset], name
 
 
 @pytest.mark.gpu
 def test_cuda_transformers_fine_grained_fp8_checkpoint(fp8_bases, prompt_ids, tmp_path):
-    """A quant_method fp8 checkpoint as transformers writes it (on a GPU): the engine's greedy tokens equal
-    transformers running it dequantized, in float32 on CPU paths of both."""
+    """A quant_method fp8 checkpoint as transformers writes it (on a GPU), served by the engine in float32 on CPU
+    (weights dequantized): its greedy tokens equal transformers' dequantizing load of the same file."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     material, _ = fp8_bases
