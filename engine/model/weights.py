@@ -31,7 +31,7 @@ POST_NORMS = {"input": "input_layernorm", "attn_out": "post_attention_layernorm"
 class LayerWeights:
     # role -> [hidden] ("input", "pre_mlp"; "attn_out", "mlp_out" with post-norms) or [head_dim] ("q", "k")
     norm: dict[str, torch.Tensor]
-    weight: dict[str, torch.Tensor | Fp8Linear]  # kind -> [sum of out dims, in_dim] (FP8 bases: engine/model/quantized.py)
+    weight: dict[str, torch.Tensor | Fp8Linear]  # kind -> [sum of out dims, in_dim] (FP8: engine/model/quantized.py)
     bias: dict[str, torch.Tensor | None]  # kind -> [sum of out dims] or None
     # kind -> (weight [out + staged rows, in_dim], bias [out + staged rows] or None): the weight and bias above are
     # their first rows (`extend_weights`, for staged shrinks: engine/adapters/staging.py)

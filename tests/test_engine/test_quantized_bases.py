@@ -29,7 +29,8 @@ PRESETS = {"FP8_DYNAMIC": "fp8-channel-dynamic-token", "FP8": "fp8-tensor-static
            "FP8_BLOCK": "fp8-block128x128-dynamic-group"}
 # name -> (rank, alpha, targets): adapters over the quantized projections (qkv, whose k and v end mid-block for
 # FP8_BLOCK; gate_up, whose blocks stack whole)
-ADAPTERS = {"r4-qv": (4, 8, "q_proj,v_proj"), "r8-all": (8, 16, "all-linear"), "r16-mlp": (16, 8, "gate_proj,up_proj,down_proj")}
+ADAPTERS = {"r4-qv": (4, 8, "q_proj,v_proj"), "r8-all": (8, 16, "all-linear"),
+            "r16-mlp": (16, 8, "gate_proj,up_proj,down_proj")}
 BATCH = [None, "r4-qv", "r8-all", "r16-mlp", "r4-qv", None]
 # 128-wide layers: one 128x128 block across a projection's input; k and v (64 rows each) are partial blocks
 SIZES = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
@@ -64,7 +65,9 @@ def write_compressed_tensors(model_dir: Path, out: Path, preset: str, calibratio
     input_max: dict[str, float] = {}
 
     def observe(name):
-        return lambda module, args: input_max.__setitem__(name, max(input_max.get(name, 0.0), float(args[0].abs().max())))
+        def hook(module, args):
+            input_max[name] = max(input_max.get(name, 0.0), float(args[0].abs().max()))
+        return hook
 
     hooks = [m.register_forward_pre_hook(observe(name)) for name, m in modules.items()]
     with torch.no_grad():

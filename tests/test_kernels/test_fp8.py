@@ -8,7 +8,7 @@ import torch
 
 from kubelora.kernels.fp8 import FP8, dequantize, fp8_linear, fp8_linear_torch
 
-# (strategy, block): compressed-tensors' weight strategies and the grid block each is read as (engine/model/quantized.py)
+# (strategy, block): compressed-tensors' weight strategies, with the block of the block strategy
 STRATEGIES = [("tensor", None), ("channel", None), ("block", (128, 128))]
 
 
