@@ -102,8 +102,9 @@ class Fp8Quantization:
     method: str  # "compressed-tensors" or "fp8" (transformers' fine-grained FP8)
     weight_strategy: str  # one of WEIGHT_STRATEGIES
     weight_block: tuple[int, int] | None  # (rows, cols) of a weight block: the block strategy only
-    activations: str  # one of ACTIVATION_SCHEMES: what the checkpoint says the matmul's input is quantized as
-    activation_group: int | None  # input columns per activation scale (dynamic-group only)
+    # one of ACTIVATION_SCHEMES: how the checkpoint says the matmul's input is quantized (dynamic-group: per token
+    # and weight block of columns)
+    activations: str
     ignore: tuple[str, ...] = ()  # modules kept unquantized: names, or "re:" + a regular expression
 
     def __post_init__(self) -> None:
@@ -280,7 +281,7 @@ def _compressed_tensors_scheme(qc: dict) -> Fp8Quantization:
                              [{"weights": g.get("weights"), "input_activations": g.get("input_activations")}
                               for g in groups.values()])
     group = next(iter(groups.values()))
-    for key in ("kv_cache_scheme", "transform_config"):
+    for key in ("kv_cache_scheme", "transform_config", "sparsity_config"):
         if qc.get(key):
             _refuse_quantization(f"quantization_config.{key}", qc[key])
     if "Linear" not in group.get("targets", ()):
@@ -297,11 +298,12 @@ def _compressed_tensors_scheme(qc: dict) -> Fp8Quantization:
     if activations is None:
         _refuse_quantization("quantization_config.config_groups.*.input_activations (dynamic, strategy)",
                              (inputs.get("dynamic"), inputs.get("strategy")))
-    ignore = tuple(qc.get("ignore") or ())
-    scheme = Fp8Quantization("compressed-tensors", strategy, block, activations,
-                             inputs.get("group_size") if activations == "dynamic-group" else None, ignore)
+    if activations == "dynamic-group" and (block is None or inputs.get("group_size") != block[1]):
+        _refuse_quantization("quantization_config.config_groups.*.input_activations.group_size (a weight block's "
+                             "width, with block weights)", (inputs.get("group_size"), block))
+    scheme = Fp8Quantization("compressed-tensors", strategy, block, activations, tuple(qc.get("ignore") or ()))
     if scheme.is_quantized("lm_head"):  # its adapters' deltas add to bf16 logits; checkpoints keep it unquantized
-        _refuse_quantization("quantization_config.ignore (must list lm_head: a quantized lm_head)", list(ignore))
+        _refuse_quantization("quantization_config.ignore (must list lm_head: a quantized lm_head)", list(scheme.ignore))
     return scheme
 
 
@@ -330,7 +332,7 @@ def _fine_grained_fp8_scheme(qc: dict) -> Fp8Quantization:
                              qc["modules_to_convert"])
     # transformers never converts the output embedding (get_keys_to_not_convert)
     ignore = (*(qc.get("modules_to_not_convert") or ()), "lm_head")
-    return Fp8Quantization("fp8", "block", (block[0], block[1]), "dynamic-group", block[1], ignore)
+    return Fp8Quantization("fp8", "block", (block[0], block[1]), "dynamic-group", ignore)
 
 
 def _freeze(args: dict | None) -> str:

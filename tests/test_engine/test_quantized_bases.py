@@ -225,10 +225,15 @@ def test_other_compressed_tensors_schemes_are_refused_naming_them(preset, fmt, c
         _quantization(_compressed_tensors_config(preset, fmt, **changes))
 
 
-def test_fp8_weight_strategies_other_than_served_are_refused():
-    config = _compressed_tensors_config("FP8_DYNAMIC", "float-quantized")
-    config["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=128)
-    with pytest.raises(ValueError, match=r"weights.strategy.*'group'"):
+@pytest.mark.parametrize(("preset", "role", "changes", "named"), [
+    ("FP8_DYNAMIC", "weights", {"strategy": "group", "group_size": 128}, r"weights.strategy.*'group'"),
+    ("FP8_BLOCK", "input_activations", {"group_size": 64}, r"group_size \(a weight block's width"),
+    ("FP8_DYNAMIC", "weights", {"num_bits": 4}, r"weights \(num_bits, type, symmetric\) \(4, 'float'"),
+])
+def test_fp8_schemes_other_than_served_are_refused(preset, role, changes, named):
+    config = _compressed_tensors_config(preset, "float-quantized")
+    config["config_groups"]["group_0"][role].update(changes)
+    with pytest.raises(ValueError, match=named):
         _quantization(config)
 
 
