@@ -78,7 +78,7 @@ class LoRAProj:
     # (engine/adapters/pool.py); None: the rows of its A (row_start)
     b_row_start: torch.Tensor | None = None
     # [num_slots, num_slices] int64: the row + 1 of the slot's DoRA output scale at the slice's width (0: plain
-    # LoRA there; kernels/lora_formats.py: dora_scale_); None: no slot of the step is DoRA
+    # LoRA there; applied in the expand's store, add_lora_torch's reference); None: no slot of the step is DoRA
     dora_row: torch.Tensor | None = None
     # Host-side launch parameters a backend derives from this step's sizes, filled by the first layer's call
     # and reused by the others (the object lives for one step). Not part of the value.
@@ -243,8 +243,11 @@ def add_lora_torch(
     lora_b: list[torch.Tensor],
     proj: LoRAProj,
     step: LoRAStep,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """Reference: y[t, off_s:off_s+d_s] += scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slot of t.
+    """Reference: y[t, off_s:off_s+d_s] += scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slot of t; where
+    proj.dora_row names the slot's DoRA output scales g (row dora_row - 1 of lora_b[s]), y[t, slice] becomes
+    g * (y + delta - bias) + bias, PEFT's DoRA forward (bias [sum_s d_s] or None).
 
     y: [num_tokens, sum_s d_s], x: [num_tokens, in_dim], lora_a[s]: [num_rows_s, in_dim],
     lora_b[s]: [num_rows_s, d_s]. Per slice, one dense shrink against every slot's A, from which each token
@@ -264,8 +267,20 @@ def add_lora_torch(
             delta = _slice_delta(x, a_pool, b_pool, proj, step.num_slots, slots, s)
             is_adapted = has_slot & (proj.rank[slots, s] > 0)  # rows to add into; the rest keep their bits
             y_slice = y[:, offset : offset + width]
-            y_slice.copy_(torch.where(is_adapted[:, None], y_slice + delta.to(y.dtype), y_slice))
+            out = y_slice + delta.to(y.dtype)
+            if proj.dora_row is not None:
+                out = _dora_scale(out, b_pool, proj.dora_row[slots, s], None if bias is None else
+                                  bias[offset : offset + width])
+            y_slice.copy_(torch.where(is_adapted[:, None], out, y_slice))
         offset += width
+
+
+def _dora_scale(y: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """g * (y - bias) + bias per token whose g row (rows: row + 1, 0 none) names one; the others' y as it is."""
+    g = pool[(rows - 1).clamp(min=0)].to(torch.float32)
+    b = 0 if bias is None else bias.to(torch.float32)
+    scaled = (g * (y.to(torch.float32) - b) + b).to(y.dtype)
+    return torch.where((rows > 0)[:, None], scaled, y)
 
 
 def _slot_rows(pool: torch.Tensor, proj: LoRAProj, s: int, row_start: torch.Tensor) -> torch.Tensor:
@@ -326,9 +341,11 @@ def add_lora(
     proj: LoRAProj,
     step: LoRAStep,
     backend: str | LoRAOps = "torch",
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """`backend`'s add (a name, or the ops the engine resolved once), skipped where nothing is adapted."""
+    """`backend`'s add (a name, or the ops the engine resolved once), skipped where nothing is adapted. bias: the
+    projection's, which DoRA's scale leaves out (None: no bias)."""
     ops = backend if isinstance(backend, LoRAOps) else lora_ops(backend)
     if not step.has_lora or not any(proj.max_rank):  # e.g. the MLP of a step whose adapters adapt attention only
         return
-    ops.add(y, x, lora_a, lora_b, proj, step)
+    ops.add(y, x, lora_a, lora_b, proj, step, bias=bias)

@@ -89,12 +89,13 @@ def _add_chunks(acc, t_c0, t_c1, t_c2, t_c3, b_c0, b_c1, b_c2, b_c3, scale, rank
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr, tcol_ptr,
+    y_ptr, b0_ptr, b1_ptr, b2_ptr, t_ptr, tiles_ptr, rank_ptr, row_ptr, scale_ptr, tcol_ptr, dora_ptr, bias_ptr,
     col0, col1, col2, meta_stride, width0, width1, width2, y_off0, y_off1, y_off2, first_nb1, first_nb2,
     y_stride, lanes,
     NUM_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOT_TILES: tl.constexpr, B_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
     PRECISION: tl.constexpr, STACK: tl.constexpr, RED_Y: tl.constexpr, T_IN_Y: tl.constexpr,
+    HAS_DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     # Program (column block of one slice, tile of tokens of one slot). Which slice: by the column block.
     # STACK > 1 (tiles of at most BLOCK_M / STACK tokens): the BLOCK_M rows of the product are STACK column
@@ -105,6 +106,8 @@ def _expand_kernel(
     # T_IN_Y (a staged shrink, kernels/lora_triton.py: add_lora_staged_triton): t is not the shrink launch's
     # [num_sorted, NUM_S, lanes] float32 buffer but columns of the projection's own output row: token tok's
     # shrink row for this slice starts at t_ptr + tok * lanes + tcol[slot, col] (lanes: that row's pitch).
+    # HAS_DORA (some slot of the step is DoRA; never with RED_Y): a DoRA slot's tokens get g * (y + delta - b) + b,
+    # g its output scales, held in the B pool's row dora[slot, col] - 1 (0: plain LoRA), b the bias (HAS_BIAS).
     ROWS: tl.constexpr = BLOCK_M // STACK
     SUB_N: tl.constexpr = BLOCK_N // STACK
     pid_n = tl.program_id(0)
@@ -173,7 +176,17 @@ def _expand_kernel(
         # program: deterministic), so no program waits on y's loads or holds y in registers.
         tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
     else:
-        tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=y_mask)
+        out = y_old.to(tl.float32) + acc
+        if HAS_DORA:
+            g_row = tl.load(dora_ptr + slot * meta_stride + col)
+            if g_row > 0:
+                g = tl.load(b_ptr + (g_row - 1) * width + y_cols, mask=y_mask, other=1.0).to(tl.float32)
+                if HAS_BIAS:
+                    bias = tl.load(bias_ptr + y_off + y_cols, mask=y_mask, other=0.0).to(tl.float32)
+                    out = g * (out - bias) + bias
+                else:
+                    out = g * out
+        tl.store(y_ptrs, out.to(y_old.dtype), mask=y_mask)
 
 
 @dataclass(frozen=True)
@@ -185,9 +198,10 @@ class ExpandShape:
 
 
 def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[int], y_offsets: list[int],
-                config: KernelConfig, device: torch.device, dtype: torch.dtype, is_t_in_y: bool = False
-                ) -> ExpandShape:
-    """The expand launch's host-side parameters (see `launch_expand`; is_t_in_y: `launch_expand_staged`)."""
+                config: KernelConfig, device: torch.device, dtype: torch.dtype, is_t_in_y: bool = False,
+                has_bias: bool = False) -> ExpandShape:
+    """The expand launch's host-side parameters (see `launch_expand`; is_t_in_y: `launch_expand_staged`;
+    has_bias: the projection's bias is given, for DoRA's scale)."""
     assert 1 <= len(slices) <= MAX_SLICES and len(widths) == len(slices) == len(y_offsets)
     num_blocks = [triton.cdiv(w, config.block_n) for w in widths]
     first_nb = [sum(num_blocks[:j]) for j in range(MAX_SLICES)]
@@ -198,8 +212,9 @@ def plan_expand(widths: list[int], proj: LoRAProj, step: LoRAStep, slices: list[
     constexprs = dict(
         NUM_S=len(slices), BLOCK_M=step.block_m, BLOCK_N=config.block_n, BLOCK_R=BLOCK_R,
         SLOT_TILES=step.is_slot_tiles, B_FIRST=min(config.b_first, num_chunks),
-        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config), RED_Y=config.is_red_y,
-        T_IN_Y=is_t_in_y, num_warps=config.expand_warps, num_stages=config.expand_stages,
+        USE_PDL=use_pdl, PRECISION=dot_precision(dtype), STACK=stack_factor(step, config),
+        RED_Y=config.is_red_y and proj.dora_row is None, T_IN_Y=is_t_in_y, HAS_DORA=proj.dora_row is not None,
+        HAS_BIAS=has_bias and proj.dora_row is not None, num_warps=config.expand_warps, num_stages=config.expand_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return ExpandShape(scalars, shared_launch(_expand_kernel, (sum(num_blocks), step.num_tiles), constexprs, scalars))
@@ -215,20 +230,27 @@ def launch_expand(
     y_offsets: list[int],
     config: KernelConfig,
     shape: ExpandShape | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * t[i, j, :r] @ B_{a,s}^T, tok = sorted[i], s = slices[j].
 
     y: [num_tokens, total_width]; t: [num_lora_tokens, len(slices), lanes] from the shrink;
     lora_b[j]: [num_rows, d_j], the pool of slice slices[j]; y_offsets[j]: its first column in y.
-    Rows of tokens without adapter and slices of rank 0 are not touched.
+    Rows of tokens without adapter and slices of rank 0 are not touched. With proj.dora_row, a DoRA slot's rows
+    become g * (y + delta - bias) + bias in the same store (bias [total_width] or None).
     shape: this step's `plan_expand` result when the caller has it (config then unused).
     """
     if shape is None:
         shape = plan_expand([b.shape[1] for b in lora_b], proj, step, slices, y_offsets, config, y.device,
-                            lora_b[0].dtype)
+                            lora_b[0].dtype, has_bias=bias is not None)
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and t.is_contiguous()
     shape.launch(y, *pad_slices(lora_b), t, step.tiles, proj.rank, proj.b_rows, proj.scale, proj.rank,
-                 *shape.scalars, y.stride(0), t.shape[2])
+                 *_dora_args(proj, bias, y), *shape.scalars, y.stride(0), t.shape[2])
+
+
+def _dora_args(proj: LoRAProj, bias: torch.Tensor | None, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dora table, bias) as the kernel takes them; stand-ins it never reads where there is no DoRA or bias."""
+    return (proj.rank if proj.dora_row is None else proj.dora_row), (y if bias is None else bias)
 
 
 def launch_expand_staged(
@@ -240,8 +262,10 @@ def launch_expand_staged(
     slices: list[int],
     y_offsets: list[int],
     shape: ExpandShape,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * y[tok, width + t_col[a,s] : ... + r] @ B_{a,s}^T.
+    """Triton: y[tok, off_j:off_j+d_j] += scale[a,s] * y[tok, width + t_col[a,s] : ... + r] @ B_{a,s}^T (DoRA's
+    scale as `launch_expand`'s; shape planned with has_bias=bias is not None).
 
     y: [num_tokens, width + staged rows], the output of a matmul whose weight rows past `width` are the step's
     adapters' A rows (engine/adapters/staging.py), so its columns past `width` hold every token's shrink rows;
@@ -251,7 +275,7 @@ def launch_expand_staged(
     assert len(lora_b) == len(slices) and y.stride(1) == 1 and proj.t_col is not None
     assert proj.t_col.stride() == proj.rank.stride()
     shape.launch(y, *pad_slices(lora_b), y[:, width:], step.tiles, proj.rank, proj.b_rows, proj.scale,
-                 proj.t_col, *shape.scalars, y.stride(0), y.stride(0))
+                 proj.t_col, *_dora_args(proj, bias, y), *shape.scalars, y.stride(0), y.stride(0))
 
 
 def lora_expand_staged_torch(y: torch.Tensor, width: int, lora_b: list[torch.Tensor], proj: LoRAProj,

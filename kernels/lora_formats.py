@@ -1,9 +1,7 @@
-"""What PEFT's adapter formats add to the batched LoRA of kernels/lora.py, as PyTorch ops inside the step (on CUDA
-they are captured into the step's graph with the rest; the CPU runs the same ops):
+"""LoRA on the vocabulary-wide modules, beside the batched projections of kernels/lora.py, as PyTorch ops inside the
+step (on CUDA they are captured into the step's graph with the rest; the CPU runs the same ops). (DoRA's output
+scale is applied by the projections' own ops: kernels/lora.py, the expand launch's store.)
 
-- DoRA: each adapted projection's output, per token of a DoRA adapter, becomes g * (x W^T + scale * x A^T B^T) + b,
-  g = magnitude / ||W + scale * B A|| per output channel (computed once when the adapter is placed in the pool,
-  engine/adapters/pool.py), as PEFT's DoRA forward gives it (its norm is detached; the bias is left out).
 - LoRA on embed_tokens: hidden[t] += scale * A[:, token]^T @ B^T (a gather of A's column, a rank-r matmul),
   before the family's embedding scale multiplies both (PEFT scales the adapter's output by it too).
 - LoRA on lm_head: logits[t] += scale * (h A^T) B^T, before any soft-cap.
@@ -17,26 +15,6 @@ from __future__ import annotations
 import torch
 
 from kubelora.kernels.lora import LoRAProj, LoRAStep
-
-
-def dora_scale_(y: torch.Tensor, bias: torch.Tensor | None, g_pools: list[torch.Tensor], proj: LoRAProj,
-                step: LoRAStep) -> None:
-    """y [num_tokens, sum of widths] (base output + bias + LoRA delta) -> g * (y - b) + b per DoRA token and slice.
-
-    g_pools[s]: [num_rows, width_s], the pool's rows at slice s's output width; proj.dora_row: per slot and slice,
-    its g row + 1 (0: that slot is plain LoRA there)."""
-    slots = step.token_slots.clamp(min=0)
-    rows = proj.dora_row[slots]  # [num_tokens, num_slices]
-    offset = 0
-    for s, pool in enumerate(g_pools):
-        width = pool.shape[1]
-        has = rows[:, s] > 0
-        g = pool[(rows[:, s] - 1).clamp(min=0)]  # [num_tokens, width]
-        y_slice = y[:, offset : offset + width]
-        b = 0 if bias is None else bias[offset : offset + width]
-        scaled = (g.to(torch.float32) * (y_slice.to(torch.float32) - b) + b).to(y.dtype)
-        y_slice.copy_(torch.where((has & (step.token_slots >= 0))[:, None], scaled, y_slice))
-        offset += width
 
 
 def vocab_rows(view: torch.Tensor, rows: torch.Tensor, dim: int) -> torch.Tensor:

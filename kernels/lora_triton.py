@@ -46,24 +46,26 @@ def slice_groups(lora_b: list[torch.Tensor], proj: LoRAProj) -> list[tuple[list[
 
 
 def plan_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
-                config: KernelConfig | None) -> list[GroupLaunch]:
+                config: KernelConfig | None, has_bias: bool = False) -> list[GroupLaunch]:
     """The step's launches for this projection, from sizes only (the same for every layer of the step)."""
     groups = []
     for slices, y_offsets, widths in slice_groups(lora_b, proj):
         group_config = config or choose_config(step, proj, slices)
         shrink = plan_shrink(x.shape[1], proj, step, slices, group_config, x.device, x.dtype)
-        expand = plan_expand(widths, proj, step, slices, y_offsets, group_config, x.device, lora_b[0].dtype)
+        expand = plan_expand(widths, proj, step, slices, y_offsets, group_config, x.device, lora_b[0].dtype,
+                             has_bias=has_bias)
         groups.append(GroupLaunch(slices, y_offsets, group_config, shrink, expand))
     return groups
 
 
-def step_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep) -> list[GroupLaunch]:
+def step_groups(x: torch.Tensor, lora_b: list[torch.Tensor], proj: LoRAProj, step: LoRAStep,
+                has_bias: bool = False) -> list[GroupLaunch]:
     """`plan_groups` with the step's own configs, planned by the step's first layer and kept in `proj.launch_cache`
     (keyed by sizes; the step is kept and compared by identity: a proj may be paired with another step)."""
-    key = (x.shape[1], x.dtype, x.device, tuple(b.shape[1] for b in lora_b))
+    key = (x.shape[1], x.dtype, x.device, tuple(b.shape[1] for b in lora_b), has_bias)
     cached_step, groups = proj.launch_cache.get(key, (None, None))
     if cached_step is not step:
-        groups = plan_groups(x, lora_b, proj, step, None)
+        groups = plan_groups(x, lora_b, proj, step, None, has_bias)
         proj.launch_cache[key] = (step, groups)
     return groups
 
@@ -76,10 +78,12 @@ def add_lora_triton(
     proj: LoRAProj,
     step: LoRAStep,
     config: KernelConfig | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Triton: y[t, off_s:off_s+d_s] += scale[a,s] * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with a = slot of t.
 
-    Same arguments and semantics as `add_lora_torch`; slices of rank 0 everywhere are skipped entirely.
+    Same arguments and semantics as `add_lora_torch` (DoRA's scale, with its bias, in the expand launch's store);
+    slices of rank 0 everywhere are skipped entirely.
     config: the launch configuration (default: `choose_config` for the step); the benchmark and tests pass
     one to compare. The launch shapes of a step's own choice are computed by its first layer and kept in
     `proj.launch_cache`.
@@ -89,34 +93,39 @@ def add_lora_triton(
     if x.device.type != "cuda" and not is_interpreted():
         raise RuntimeError("the triton LoRA backend off CUDA needs TRITON_INTERPRET=1 before kubelora.kernels loads")
     step = with_tiles(step)
-    groups = step_groups(x, lora_b, proj, step) if config is None else plan_groups(x, lora_b, proj, step, config)
+    has_bias = bias is not None
+    groups = (step_groups(x, lora_b, proj, step, has_bias) if config is None
+              else plan_groups(x, lora_b, proj, step, config, has_bias))
     for group in groups:
         a_group, b_group = [lora_a[s] for s in group.slices], [lora_b[s] for s in group.slices]
         t = launch_shrink(x, a_group, proj, step, group.slices, group.config, shape=group.shrink)
-        launch_expand(y, t, b_group, proj, step, group.slices, group.y_offsets, group.config, shape=group.expand)
+        launch_expand(y, t, b_group, proj, step, group.slices, group.y_offsets, group.config, shape=group.expand,
+                      bias=bias)
 
 
 def add_lora_staged_triton(y: torch.Tensor, width: int, lora_b: list[torch.Tensor], proj: LoRAProj,
-                           step: LoRAStep, config: KernelConfig | None = None) -> None:
+                           step: LoRAStep, config: KernelConfig | None = None,
+                           bias: torch.Tensor | None = None) -> None:
     """The expand half of `add_lora_triton` for a staged shrink: y[:, :width] += each token's delta.
 
     y: [num_tokens, width + staged rows], computed as x @ [W; A_staged]^T by one matmul whose weight rows past
     `width` hold the step's adapters' A rows (engine/adapters/staging.py): its columns past `width` are the
     shrink rows, at proj.t_col[slot, slice]. One expand launch per group of slices, as `add_lora_triton`'s, with
-    `staged_expand_config` (config: another one, for the benchmark and tests); no shrink launch.
+    `staged_expand_config` (config: another one, for the benchmark and tests); no shrink launch. bias: the
+    projection's [width], for DoRA's scale (`launch_expand`).
     """
     if not step.has_lora:
         return
     assert step.tiles is not None and proj.t_col is not None
-    key = ("staged", width, y.dtype, y.device, tuple(b.shape[1] for b in lora_b), config)
+    key = ("staged", width, y.dtype, y.device, tuple(b.shape[1] for b in lora_b), config, bias is not None)
     cached_step, groups = proj.launch_cache.get(key, (None, None))
     if cached_step is not step:
         groups = []
         for slices, y_offsets, widths in slice_groups(lora_b, proj):
             group_config = config or staged_expand_config(step, proj, slices)
             shape = plan_expand(widths, proj, step, slices, y_offsets, group_config, y.device, lora_b[0].dtype,
-                                is_t_in_y=True)
+                                is_t_in_y=True, has_bias=bias is not None)
             groups.append((slices, y_offsets, shape))
         proj.launch_cache[key] = (step, groups)
     for slices, y_offsets, shape in groups:
-        launch_expand_staged(y, width, [lora_b[s] for s in slices], proj, step, slices, y_offsets, shape)
+        launch_expand_staged(y, width, [lora_b[s] for s in slices], proj, step, slices, y_offsets, shape, bias=bias)

@@ -190,20 +190,13 @@ class DeviceLoRAPool:
         return sum(costs[m]["per_rank"] for m in LORA_MODULES)
 
     @property
-    def element_size(self) -> int:
-        return self.arena.element_size()
-
-    @property
     def total_bytes(self) -> int:
-        return self.arena.numel() * self.element_size
+        return self.arena.numel() * self.arena.element_size()
 
     @property
     def used_bytes(self) -> int:
         """Bytes the resident adapters are counted at (`adapter_bytes`): what the room guarantee spends."""
         return sum(self._costs.values())
-
-    def bytes_for(self, ranks: dict[str, int], dora: bool = False) -> int:
-        return adapter_bytes(self.model, self.dtype, ranks, dora)
 
     def free_bytes(self) -> int:
         return self.total_bytes - self.used_bytes

@@ -26,7 +26,7 @@ from kubelora.engine.model.rope import RotaryEmbedding, apply_rotary
 from kubelora.engine.model.weights import ModelWeights
 from kubelora.kernels import fused, gemv
 from kubelora.kernels.lora import LoRAOps, LoRAProj, LoRAStep, add_lora
-from kubelora.kernels.lora_formats import add_embed_lora_, add_lm_head_lora_, dora_scale_
+from kubelora.kernels.lora_formats import add_embed_lora_, add_lm_head_lora_
 from kubelora.kernels.lora_rotary import add_lora_rotary_kv_cache_, is_expand_rotary
 
 
@@ -218,14 +218,12 @@ class DecoderModel:
             weight, bias = weights.extended[kind]
             width = weights.weight[kind].shape[0]
             y = self._linear(x, weight[: width + staged], None if bias is None else bias[: width + staged])
-            lora.ops.add_staged(y, width, self.lora_buffers[layer].lora_b[kind], lora.proj[kind], lora.step)
-            y = y[:, :width]
-        else:
-            y = self._linear(x, weights.weight[kind], weights.bias[kind])
-            if lora is not None:
-                buffers = self.lora_buffers[layer]
-                add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], lora.proj[kind], lora.step,
-                         backend=lora.ops)
-        if lora is not None and lora.proj[kind].dora_row is not None:
-            dora_scale_(y, weights.bias[kind], self.lora_buffers[layer].lora_b[kind], lora.proj[kind], lora.step)
+            lora.ops.add_staged(y, width, self.lora_buffers[layer].lora_b[kind], lora.proj[kind], lora.step,
+                                bias=weights.bias[kind])
+            return y[:, :width]
+        y = self._linear(x, weights.weight[kind], weights.bias[kind])
+        if lora is not None:  # DoRA's output scale, where a slot has one, in the same op (the expand's store)
+            buffers = self.lora_buffers[layer]
+            add_lora(y, x, buffers.lora_a[kind], buffers.lora_b[kind], lora.proj[kind], lora.step, backend=lora.ops,
+                     bias=weights.bias[kind])
         return y

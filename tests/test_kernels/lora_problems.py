@@ -122,7 +122,7 @@ def count_calls(monkeypatch, module, name: str) -> list:
     """Wrap module.name so that every call appends to the returned list (which a test may clear)."""
     calls: list = []
     op = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *args: calls.append(1) or op(*args))
+    monkeypatch.setattr(module, name, lambda *args, **kwargs: calls.append(1) or op(*args, **kwargs))
     return calls
 
 

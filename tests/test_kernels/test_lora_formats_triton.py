@@ -1,6 +1,7 @@
 """The engine with lora_backend="triton" (Triton's CPU interpreter, float32) over DoRA and embed_tokens / lm_head
 adapters mixed with plain LoRA gives the torch backend's tokens and logits: the batched launches read each module's
-B^T at rows of their own in the pool arena, decode steps stage A rows from it, and the formats' ops run beside."""
+B^T at rows of their own in the pool arena, decode steps stage A rows from it, the expand launch's store applies
+DoRA's output scale (the bias left out), and the vocabulary modules' ops run beside."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ def _formats():
     return module
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen2"])  # Qwen2: q/k/v biases, which DoRA's scale leaves out
+def tiny(tmp_path_factory, request):
     from kubelora.cli.tiny import make_tiny_model
 
-    formats, root = _formats(), tmp_path_factory.mktemp("formats-triton")
-    model_dir = make_tiny_model(root / "model", arch="llama", seed=0, num_layers=2)
+    formats, root = _formats(), tmp_path_factory.mktemp(f"formats-triton-{request.param}")
+    model_dir = make_tiny_model(root / "model", arch=request.param, seed=0, num_layers=2)
     adapters = {name: formats.make_peft_adapter(root / name, model_dir, seed, config, save)
                 for seed, (name, (config, save)) in enumerate(formats.ADAPTERS.items(), start=1)}
     return model_dir, adapters
