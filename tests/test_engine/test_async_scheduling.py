@@ -80,7 +80,7 @@ def test_overlapped_steps_survive_preemption_and_time_slices(llama):
     prompts = [make_prompt(i, 6 + i % 5) for i in range(12)]
     adapters = [ADAPTER_CYCLE[1 + i % 4] for i in range(12)]
     params = [greedy(14 + i % 3) for i in range(12)]
-    rows = 40  # per target module: r32-attn beside r8-all, not beside r16-all-rs
+    rows = 24  # in rank rows of every module (the pool is paged per module): r32-attn beside r8-all, not r16-all-rs
     limits = dict(max_loras=None, max_lora_pool_bytes=rows * POOL_ROW_BYTES, num_kv_blocks=14, kv_block_size=4,
                   max_model_len=40, lora_time_slice_steps=3)
     sync, (sync_preemptions, sync_pauses) = generate(llama, False, prompts, params, adapters, **limits)
