@@ -368,3 +368,37 @@ def test_cuda_mixed_formats_match_transformers_peft(arch, backend, options, form
         worst = max(worst, float((torch.cat([result.prompt_logits, result.logits[1:]]) - expected).abs().max()))
     print(f"\n{arch} cuda float32 {backend} {options}: max |logit diff| = {worst:.2e}")
     assert worst < TOLERANCE[backend]
+
+
+def test_an_engine_holds_at_once_every_adapter_its_reported_room_admits(formats, prompt_ids):
+    """The engine's reported room (the pool's total_bytes, /v1/models' adapter_pool_bytes) against the adapters'
+    reported bytes, as the operator places them: a mix of attention-only, all-linear, DoRA and embedding adapters
+    whose bytes fit is resident at once, one batch over all of them, no eviction; one more adapter past the room
+    evicts."""
+    from kubelora.engine.adapters.pool import DeviceLoRAPool
+
+    material = formats("llama")
+    model = _spec(material, material.adapters["plain"])[1]
+    per_rank = DeviceLoRAPool.bytes_per_rank(model, torch.float32)
+    probe = LLM(material.model_dir, max_loras=len(ADAPTERS), max_lora_rank=8)
+    try:
+        sizes = {name: probe.load_adapter(name, path).bytes for name, path in material.adapters.items()}
+    finally:
+        probe.close()
+    mix = ["plain", "dora", "vocab", "vocab-only"]
+    rows = -(-sum(sizes[n] for n in mix) // per_rank)  # the budget the operator's sum asks for, in whole rows
+    llm = LLM(material.model_dir, max_loras=len(ADAPTERS), max_lora_rank=8, max_lora_pool_bytes=rows * per_rank)
+    try:
+        for name in mix:
+            llm.load_adapter(name, material.adapters[name])
+        stats = llm.engine.adapters.stats()
+        assert sum(sizes[n] for n in mix) <= stats.pool_total_bytes < sum(sizes[n] for n in mix) + per_rank
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        llm.generate([prompt_ids(i, 6) for i in range(len(mix))], params, adapters=mix)
+        infos = {info.name: info for info in llm.engine.adapters.list()}
+        assert all(infos[n].tier == "device" for n in mix) and llm.engine.adapters.stats().num_device_evictions == 0
+        llm.load_adapter("dora-all", material.adapters["dora-all"])  # past the room: someone is evicted
+        llm.generate([prompt_ids(9, 6)], params, adapters=["dora-all"])
+        assert llm.engine.adapters.stats().num_device_evictions >= 1
+    finally:
+        llm.close()
