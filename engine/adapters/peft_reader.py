@@ -27,7 +27,6 @@ from kubelora.engine.errors import (
     AdapterRankTooLarge,
     AdapterShapeMismatch,
     AdapterTargetUnsupported,
-    AdapterTooLarge,
     InvalidAdapter,
 )
 from kubelora.engine.adapters.pool import VOCAB_MODULES, module_dims, part_width
