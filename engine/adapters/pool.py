@@ -258,13 +258,14 @@ class DeviceLoRAPool:
                         dora_row={m: r for (m, p), r in rows.items() if p == "g"})
 
     def fill(self, owner: int, value: float, *, is_a: bool = True, is_b: bool = True) -> None:
-        """Set a placed adapter's A and/or B rows to `value` in every layer and module it adapts.
+        """Set a placed adapter's A and/or B rows (with B, DoRA's output scales) to `value` in every layer and module
+        it adapts.
 
         For tests only: loads refuse non-finite weights, so this is how a test puts NaN or infinities into the
         pool to check that no other adapter's tokens see them (copies staged before the call keep their values).
         """
         for (_, part), (start, length) in self._placements[owner].items():
-            if (part == "a" and is_a) or (part == "b" and is_b):
+            if (part == "a" and is_a) or (part in ("b", "g") and is_b):
                 self.arena[:, start : start + length] = value
 
     def compact(self) -> None:

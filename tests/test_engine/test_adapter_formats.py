@@ -402,3 +402,33 @@ def test_an_engine_holds_at_once_every_adapter_its_reported_room_admits(formats,
         assert llm.engine.adapters.stats().num_device_evictions >= 1
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("bad", ["dora", "vocab"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_poisoned_format_leaves_other_requests_alone(bad, value, formats, prompt_ids):
+    """NaN or infinities in every pool row of a DoRA or an embed/lm_head adapter (A, B^T, DoRA's scales) reach no
+    other adapter's tokens, nor the base model's: their tokens and logits are bit for bit the clean run's."""
+    from kubelora.engine.adapters.types import Residency
+
+    material = formats("qwen2")
+    victims = [None, "plain", "dora-all", "vocab-only"]
+    prompts = [prompt_ids(i, 4 + 3 * i) for i in range(len(victims) + 1)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_logits=True)
+    llm = LLM(material.model_dir, max_loras=len(ADAPTERS), max_lora_rank=8)
+    try:
+        for name, path in material.adapters.items():
+            llm.load_adapter(name, path)
+        clean = llm.generate(prompts, params, adapters=[*victims, bad])
+        manager = llm.engine.adapters
+        revision = manager.acquire(bad)
+        assert manager.ensure_device(revision, set()) is Residency.RESIDENT
+        manager._pool.fill(revision.id, value)
+        manager.release(revision)
+        poisoned = llm.generate(prompts, params, adapters=[*victims, bad])
+    finally:
+        llm.close()
+    for name, want, got in zip(victims, clean, poisoned):
+        assert got.token_ids == want.token_ids and torch.equal(got.logits, want.logits), name
+    own = poisoned[-1]  # the poisoned adapter's own request sees it: failed, or non-finite logits
+    assert own.logits is None or not torch.isfinite(own.logits).all()
