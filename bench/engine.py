@@ -8,9 +8,10 @@ registered but unused, a device budget smaller than the adapters in flight, the 
 against the device's matmul rate; transformers with a static cache and torch.compile in a subprocess; the bytes
 floor from the measured copy bandwidth; `kubelora engine serve` under streaming HTTP clients; and the base batch
 with `--structured-requests` of its requests constrained by a grammar (a JSON schema, a regex), against the same
-batch unconstrained. It prints the report (bench/engine_report.py) and its targets (bench/engine_targets.py), met
-or missed by how much. With `--checkpoint FILE` one run can span several processes on one machine
-(bench/engine_checkpoint.py), for device calls shorter than a whole run.
+batch unconstrained; when named (`--preset long-context`), decode at long contexts against the bytes floor
+(bench/engine_long_context.py). It prints the report (bench/engine_report.py) and its targets
+(bench/engine_targets.py), met or missed by how much. With `--checkpoint FILE` one run can span several processes
+on one machine (bench/engine_checkpoint.py), for device calls shorter than a whole run.
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ _INT_FLAGS = {"prompt_len": "--prompt-len", "output_len": "--output-len", "num_r
               "prefill_adapters": "--prefill-adapters", "prefill_repeats": "--prefill-repeats",
               "structured_requests": "--structured-requests",
               "matmul_size": "--matmul-size", "server_starts": "--server-starts",
-              "profile_steps": "--profile-steps", "seed": "--seed"}
+              "profile_steps": "--profile-steps", "long_batch": "--long-batch", "long_adapters": "--long-adapters",
+              "seed": "--seed"}
 _LIST_FLAGS = {"base_batches": "--base-batches", "adapter_counts": "--adapter-counts", "mixed_ranks": "--mixed-ranks",
-               "hf_batches": "--hf-batches"}
+               "hf_batches": "--hf-batches", "long_contexts": "--long-contexts"}
 _SHAPE_FLAGS = {"hidden_size": "--hidden", "num_layers": "--layers", "num_heads": "--heads",
                 "num_kv_heads": "--kv-heads", "intermediate_size": "--intermediate", "vocab_size": "--vocab"}
 
@@ -142,7 +144,11 @@ SMOKE = {"device": "cpu", "shape": "tiny", "num_repeats": 1, "warmup_tokens": 2,
 # call; flags given beside it still win.
 FAMILY = {"scenarios": "base,adapters,hf,floor", "base_batches": (1, 64), "adapter_counts": (32,),
           "num_registered": 32, "profile": True}
-PRESETS = {"smoke": SMOKE, "family": FAMILY}
+# `--preset long-context`: decode at batch 16 at 8k and 32k tokens of context, base and over 16 adapters, against
+# the bytes floor, at the Llama-3.1-8B shape (GQA: 128 KiB of KV a token, 64 GiB for 16 x 32k: an H200, not an
+# H100); flags given beside it still win (the CPU test: a tiny shape, --long-contexts of a few blocks).
+LONG_CONTEXT = {"shape": "8b", "scenarios": "long-context"}
+PRESETS = {"smoke": SMOKE, "family": FAMILY, "long-context": LONG_CONTEXT}
 
 
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
@@ -150,7 +156,8 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubelora bench engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), help="smoke: small sizes for a CPU smoke run; family: "
-                        "the model-family comparison's scenarios")
+                        "the model-family comparison's scenarios; long-context: decode at 8k and 32k tokens of "
+                        "context at the Llama-3.1-8B shape")
     parser.add_argument("--write", help="write the markdown report to this file (it is always printed)")
     parser.add_argument("--json", help="write every raw number to this JSON file")
     parser.add_argument("--device", default=defaults.device)
@@ -158,7 +165,7 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--model-dir", type=Path, help="use this model directory (written here when it has none)")
     parser.add_argument("--workdir", type=Path, help="model and adapters (default: a temporary folder)")
     parser.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
-                        help=f"comma list of {','.join(SCENARIOS)} (default: all but torch-backend)")
+                        help=f"comma list of {','.join(SCENARIOS)} (default: all but torch-backend and long-context)")
     for dest, flag in _INT_FLAGS.items():
         parser.add_argument(flag, dest=dest, type=int, default=getattr(defaults, dest))
     for dest, flag in _LIST_FLAGS.items():

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 from kubelora.bench.engine_assets import ATTENTION, MLP, SHAPES, AdapterSpec, ModelShape
 
-# The scenarios a run does by default, each selectable with --scenarios; "torch-backend" (the adapter rows on
-# the PyTorch reference LoRA backend, and how far its greedy tokens agree with the default backend's) only
-# when named.
+# The scenarios a run does by default, each selectable with --scenarios; only when named: "torch-backend" (the
+# adapter rows on the PyTorch reference LoRA backend, and how far its greedy tokens agree with the default
+# backend's) and "long-context" (decode at long_contexts tokens of context, bench/engine_long_context.py: its KV
+# cache needs the memory of a whole H200 at the Llama-3.1-8B shape).
 DEFAULT_SCENARIOS = ("base", "adapters", "mixed", "all-linear", "unused", "budget", "defaults", "prefill", "hf",
                      "floor", "http", "structured")
-SCENARIOS = DEFAULT_SCENARIOS + ("torch-backend",)
+SCENARIOS = DEFAULT_SCENARIOS + ("torch-backend", "long-context")
 # Scenarios whose rows are compared with our base model at the adapter batch size.
 _NEEDS_BASE_BATCH = {"adapters", "mixed", "all-linear", "unused", "budget", "defaults", "floor", "http",
                      "torch-backend", "structured"}
@@ -49,6 +50,9 @@ class EngineBenchConfig:
     matmul_size: int = 8192
     copy_bytes: int = 2 << 30
     hf_batches: tuple[int, ...] = (1, 64)
+    long_contexts: tuple[int, ...] = (8192, 32768)  # prompt tokens of the long-context rows, one engine each
+    long_batch: int = 16  # requests of a long-context row
+    long_adapters: int = 16  # distinct rank-`rank` adapters of the long-context adapter rows
     hf_timeout_s: float = 420.0
     server_timeout_s: float = 300.0
     # Fresh `engine serve` processes whose first request after /ready is timed; the target compares the medians.
@@ -69,10 +73,10 @@ class EngineBenchConfig:
         for name in ("prompt_len", "output_len", "num_repeats", "warmup_tokens", "batch", "num_adapters",
                      "num_registered", "rank", "budget_adapters", "prefill_prompts", "prefill_len",
                      "prefill_adapters", "prefill_repeats", "structured_requests", "matmul_size", "copy_bytes",
-                     "profile_steps", "server_starts"):
+                     "profile_steps", "server_starts", "long_batch", "long_adapters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("base_batches", "adapter_counts", "mixed_ranks", "hf_batches"):
+        for name in ("base_batches", "adapter_counts", "mixed_ranks", "hf_batches", "long_contexts"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"EngineBenchConfig.{name} must be non-empty integers >= 1, got {getattr(self, name)}")
         if self.structured_requests > self.batch:
@@ -80,6 +84,9 @@ class EngineBenchConfig:
         if max(self.adapter_counts) > self.batch or self.num_adapters > self.batch:
             raise ValueError(f"adapter_counts and num_adapters must be <= batch ({self.batch}): every adapter of a "
                              f"row has a request")
+        if self.long_adapters > self.long_batch:
+            raise ValueError(f"long_adapters ({self.long_adapters}) must be <= long_batch ({self.long_batch}): every "
+                             f"adapter of a row has a request")
         if max(self.adapter_counts) > self.num_registered:
             raise ValueError(f"num_registered ({self.num_registered}) must be >= adapter_counts "
                              f"({max(self.adapter_counts)})")
@@ -105,7 +112,7 @@ class EngineBenchConfig:
 
 @dataclass(frozen=True)
 class AdapterPlan:
-    uniform: list[AdapterSpec]  # rank-`rank` q,k,v,o: the adapter rows, unused, budget, defaults, prefill, HTTP
+    uniform: list[AdapterSpec]  # rank-`rank` q,k,v,o: adapter, unused, budget, defaults, prefill, HTTP, long context
     num_preloaded: int  # of `uniform`, how many are staged in host memory at registration (the rest: known)
     mixed: list[AdapterSpec] = field(default_factory=list)
     mean_rank: list[AdapterSpec] = field(default_factory=list)
@@ -127,6 +134,8 @@ def adapter_plan(config: EngineBenchConfig) -> AdapterPlan:
         used.add(config.prefill_adapters)
     if {"budget", "defaults", "http", "torch-backend"} & set(config.scenarios):
         used.add(config.num_adapters)
+    if config.has("long-context"):
+        used.add(config.long_adapters)
     num_preloaded = max(used, default=1)
     num_uniform = config.num_registered if {"adapters", "unused"} & set(config.scenarios) else num_preloaded
     r = config.rank

@@ -9,6 +9,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
+from kubelora.bench import engine_long_context as long_context
 from kubelora.bench.engine_assets import SHAPES, ModelShape
 from kubelora.bench.engine_offline import Row
 from kubelora.bench.engine_plan import EngineBenchConfig
@@ -75,6 +76,8 @@ class BenchResult:
                 "copy_bytes_per_s": self.copy_bytes_per_s, "matmul_flops": self.matmul_flops,
                 "rows": {k: r.as_dict() for k, r in self.rows.items()}, "engines": self.engines, "hf": self.hf,
                 "floors": {f"{b}x{n}": vars(f) | {"ms": f.ms} for (b, n), f in floors(self).items()},
+                "long_context_floors": {f"{context}x{n}": vars(f) | {"ms": f.ms}
+                                        for (context, n), f in long_context.floors(self).items()},
                 "targets": [vars(t) for t in targets(self)], "stages": self.stages, "errors": self.errors,
                 "total_s": self.total_s, "processes": self.processes, "unfinished": self.unfinished,
                 "reference": self.reference}
@@ -132,7 +135,7 @@ def results_table(result: BenchResult) -> list[str]:
     lines = ["| row | requests | ms/step | ms/step spread | tokens/s | tokens/s spread | TTFT p50 / p99 ms | vs base "
              "| notes |", "|---|---|---|---|---|---|---|---|---|"]
     for row in result.rows.values():
-        if row.key.startswith("prefill"):
+        if row.key.startswith(("prefill", long_context.KEY_PREFIX)):  # in their own tables
             continue
         p50, p99 = row.ttft(50), row.ttft(99)
         ttft = "-" if p50 is None else f"{1e3 * p50:.0f} / {1e3 * p99:.0f}"
@@ -278,6 +281,7 @@ def render_markdown(result: BenchResult) -> str:
             f"- wall time: {result.total_s or 0:.0f} s (" + ", ".join(f"{n} {s:.0f} s" for n, s in result.stages) + ")",
             *_process_lines(result), "", METHOD, "", "## Results", "", *results_table(result)]
     for title, lines in (("Prefill", prefill_table(result)), ("Bytes floor", floor_table(result)),
+                         ("Decode at long contexts", long_context.table(result)),
                          ("Model family row (docs/benchmarks-engine.md, \"Model families\")", family_table(result)),
                          ("Engines", engines_table(result))):
         if lines:

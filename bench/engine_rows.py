@@ -4,7 +4,8 @@
 - adapter engine (every adapter registered): distinct-adapter counts, mixed ranks and their mean rank,
   all-linear, registered but unused, prefill with adapters; the HTTP server gets the same limits;
 - budget engine: a device pool for `budget_adapters` adapters under more adapters in flight;
-- defaults engine: EngineConfig's own adapter limits and pool budget.
+- defaults engine: EngineConfig's own adapter limits and pool budget;
+- long-context engines, one per context: base and adapter decode at that context (bench/engine_long_context.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kubelora.bench import engine_long_context as long_context
 from kubelora.bench.engine_device import device_bytes_in_use, free_device, is_cuda
 from kubelora.bench.engine_hf import run_baseline
 from kubelora.bench.engine_http import Server, ServerSettings, probe_ttft, run_clients, server_flags
@@ -66,11 +68,13 @@ class EngineRows:
     def uniform_names(self, count: int) -> list[str]:
         return [s.name for s in self.plan.uniform[:count]]
 
-    def _row(self, llm, key: str, label: str, workload: Workload, is_profiled: bool = False) -> Row:
+    def _row(self, llm, key: str, label: str, workload: Workload, is_profiled: bool = False,
+             is_tracked: bool = False) -> Row:
         c = self.config
         steps = c.profile_steps if is_profiled and c.is_profiled else 0
         repeats = c.prefill_repeats if key.startswith("prefill") else c.num_repeats
-        row = time_row(llm, key, label, workload, c.device, repeats, c.warmup_tokens, profile_steps=steps)
+        row = time_row(llm, key, label, workload, c.device, repeats, c.warmup_tokens, is_tracked=is_tracked,
+                       profile_steps=steps)
         row.extra["num_requests"] = len(workload.prompts)
         self.result.rows[key] = row
         return row
@@ -90,6 +94,9 @@ class EngineRows:
             steps.append(("defaults engine", self.run_defaults_engine))
         if c.has("torch-backend"):
             steps.append(("torch-backend engine", self.run_torch_engine))
+        if c.has("long-context"):  # one engine, and one stage, per context: a resumed run picks up between them
+            steps += [(f"long-context engine, {context} tokens",
+                       lambda context=context: self.run_long_context_engine(context)) for context in c.long_contexts]
         return steps
 
     def _with_engine(self, key: str, options: dict, adapters: dict[str, bool], body) -> None:
@@ -102,7 +109,7 @@ class EngineRows:
         if c.max_num_batched_tokens:
             common["max_num_batched_tokens"] = c.max_num_batched_tokens
         start = time.perf_counter()
-        llm = LLM(self.model_dir, **common, **options)
+        llm = LLM(self.model_dir, **{**common, **options})  # options win: an engine sized for its own rows
         info = {"options": options, "startup_s": time.perf_counter() - start,
                 "startup_phases_s": dict(getattr(llm.engine, "startup_seconds", {})), **self._memory(llm)}
         self.result.engines[key] = info
@@ -223,6 +230,21 @@ class EngineRows:
                           self.decode(names[:count]))
 
         self._with_engine("torch-backend", {**self.lora_limits(), "lora_backend": "torch"},
+                          dict.fromkeys(names, True), body)
+
+    def run_long_context_engine(self, context: int) -> None:
+        c = self.config
+        names = self.uniform_names(c.long_adapters)
+
+        def body(llm) -> None:
+            for n in long_context.adapter_counts(c):
+                # Tracked in the timed repeats (host reads between steps, beside steps of tens of ms): the warm-up
+                # prefills in chunks, so its first sequences can finish before its last start; a repeat's cached
+                # prompts start every sequence in one step.
+                self._row(llm, long_context.row_key(context, n), long_context.row_label(c, context, n),
+                          long_context.workload(c, self.result.shape.vocab_size, context, names[:n]), is_tracked=True)
+
+        self._with_engine(f"long-context {context}", long_context.engine_options(c, context),
                           dict.fromkeys(names, True), body)
 
     # ---- subprocesses ----

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from kubelora.bench import engine_long_context as long_context
 from kubelora.bench.engine_device import Floor, decode_floor, prefill_flops
 from kubelora.bench.engine_assets import AdapterSpec
 
@@ -20,6 +21,8 @@ GIB = 1 << 30
 MAX_BATCH1_OVER_FLOOR = 1.30
 # The bytes floor over our base model's ms/step at the benchmark's batch.
 MIN_FLOOR_SHARE = 0.70
+# The bytes floor over ms/step of each long-context row (its context's KV and its adapters counted in the floor).
+MIN_LONG_CONTEXT_FLOOR_SHARE = 0.70
 # Compiled transformers' ms/step over ours, at each of its batch sizes: Llama shapes, the other families.
 MIN_SPEEDUP_OVER_TRANSFORMERS = 1.50
 MIN_FAMILY_SPEEDUP_OVER_TRANSFORMERS = 1.30
@@ -115,8 +118,8 @@ def prefill_rate(result, key: str) -> float | None:
 
 
 def targets(result) -> list[Target]:
-    return [*_floor_targets(result), *_hf_targets(result), *_adapter_targets(result), *_prefill_targets(result),
-            *_serving_targets(result), *_startup_targets(result)]
+    return [*_floor_targets(result), *_long_context_targets(result), *_hf_targets(result), *_adapter_targets(result),
+            *_prefill_targets(result), *_serving_targets(result), *_startup_targets(result)]
 
 
 def _floor_targets(result) -> list[Target]:
@@ -143,6 +146,21 @@ def _floor_targets(result) -> list[Target]:
                               f"{reference['device']})", f"{floor / ms:.0%} (reference {reference['share']:.0%})",
                               f">= {limit:.0%} ({100 * MAX_FLOOR_SHARE_BELOW_REFERENCE:.0f} points below it at most)",
                               _points_verdict(floor / ms, limit, (floor / hi, floor / lo))))
+    return out
+
+
+def _long_context_targets(result) -> list[Target]:
+    c, out = result.config, []
+    for (context, n), floor in long_context.floors(result).items():
+        row = result.rows[long_context.row_key(context, n)]
+        ms = row.median("decode_ms")
+        if not ms:
+            continue
+        lo, hi = row.spread("decode_ms")
+        out.append(Target(f"{long_context.row_label(c, context, n)}: share of the bytes floor bound",
+                          f"{floor.ms / ms:.0%} ({floor.ms:.2f} / {ms:.2f} ms)",
+                          f">= {MIN_LONG_CONTEXT_FLOOR_SHARE:.0%}",
+                          _verdict(floor.ms / ms, MIN_LONG_CONTEXT_FLOOR_SHARE, False, (floor.ms / hi, floor.ms / lo))))
     return out
 
 

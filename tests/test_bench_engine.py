@@ -139,3 +139,69 @@ def test_bench_engine_run_resumes_from_its_checkpoint(tiny_model: Path, tmp_path
     monkeypatch.setattr(engine_checkpoint, "machine_id", lambda: "elsewhere/0")
     assert engine.main(argv) == 2
     assert "holds a run of machine" in capsys.readouterr().out
+
+
+def test_bench_long_context_decode_against_the_floor_on_cpu(tiny_model: Path, tmp_path: Path):
+    """`--preset long-context` with its contexts scaled down to a few KV blocks: one engine per context, each
+    sized for the whole batch at it, a base row and an adapter row per context, their floors (weights + each
+    sequence's KV + the adapters' bytes) and the >= 70% target judged on each."""
+    from kubelora.bench import engine
+    from kubelora.bench.engine_assets import AdapterSpec, shape_of
+    from kubelora.bench.engine_device import kv_bytes, weight_bytes
+    from kubelora.bench.engine_targets import MIN_LONG_CONTEXT_FLOOR_SHARE, _verdict
+
+    report, raw = tmp_path / "report.md", tmp_path / "raw.json"
+    argv = ["--preset", "long-context", "--device", "cpu", "--shape", "tiny", "--model-dir", str(tiny_model),
+            "--workdir", str(tmp_path / "work"), "--long-contexts", "48,120", "--long-batch", "4",
+            "--long-adapters", "2", "--output-len", "6", "--warmup-tokens", "2", "--repeats", "2", "--copy-mib", "4",
+            "--matmul-size", "64", "--max-num-batched-tokens", "64", "--write", str(report), "--json", str(raw)]
+    assert engine.main(argv) == 0
+    text, data = report.read_text(), json.loads(raw.read_text())
+    assert data["errors"] == {} and set(data["rows"]) == {"long-48-a0", "long-48-a2", "long-120-a0", "long-120-a2"}
+    assert [name for name, _ in data["stages"]][-2:] == ["long-context engine, 48 tokens",
+                                                         "long-context engine, 120 tokens"]
+    # The engine of the longer context: 126 tokens a sequence -> 128 (8 blocks), plus two spare blocks each.
+    options = data["engines"]["long-context 120"]["options"]
+    assert options.items() >= {"max_model_len": 128, "num_kv_blocks": 4 * 10, "max_num_seqs": 4}.items()
+    shape = shape_of(tiny_model)
+    adapter = AdapterSpec("r", 16).num_bytes(shape)
+    table = text.split("## Decode at long contexts")[1].split("\n## ")[0]
+    targets = {t["name"]: t for t in data["targets"]}
+    for context in (48, 120):  # a whole number of KV blocks (as 8k and 32k), and not
+        for n in (0, 2):
+            row, floor = data["rows"][f"long-{context}-a{n}"], data["long_context_floors"][f"{context}x{n}"]
+            assert len(row["runs"]) == 2 and all(r["max_batch"] == 4 for r in row["runs"])  # one batch
+            # Prefilled once: the warm-up's prompts take chunks of 64 tokens, a timed repeat finds them in the prefix
+            # cache (all but the last block) and takes one step for its first tokens, then one per decode step.
+            assert row["warmup"]["num_steps"] > 2 * context / 64 and all(r["num_steps"] == 6 for r in row["runs"])
+            assert floor["step_bytes"] == weight_bytes(shape) + kv_bytes(shape, 4, context, 6) + n * adapter
+            steps = sorted(r["decode_ms"] for r in row["runs"])
+            share = floor["ms"] / statistics.median(steps)
+            adapters = f"{n} adapters r16" if n else "base"
+            assert f"| {context} | {n} | 4 | " in table and f"| {share:.0%} |" in table
+            target = targets[f"batch 4 at {context} tokens of context, {adapters}: share of the bytes floor bound"]
+            assert target["required"] == ">= 70%"
+            assert target["verdict"] == _verdict(share, MIN_LONG_CONTEXT_FLOOR_SHARE, False,
+                                                 (floor["ms"] / steps[-1], floor["ms"] / steps[0]))
+    assert "missed by" in targets["batch 4 at 120 tokens of context, base: share of the bytes floor bound"]["verdict"]
+
+
+@pytest.mark.parametrize(("share", "verdict"), [(0.8, "met (14% margin)"), (0.35, "missed by 50%")])
+def test_long_context_target_says_met_or_missed_by_how_much(share: float, verdict: str):
+    """A long-context row at a given share of its bytes floor: met above 70%, else missed by the shortfall."""
+    from kubelora.bench.engine_assets import SHAPES
+    from kubelora.bench.engine_long_context import floors
+    from kubelora.bench.engine_offline import Row, RunStats
+    from kubelora.bench.engine_plan import EngineBenchConfig
+    from kubelora.bench.engine_report import BenchResult, render_markdown
+
+    config = EngineBenchConfig(device="cpu", shape=SHAPES["8b"], scenarios=("long-context",), long_contexts=(8192,))
+    result = BenchResult(config, {}, shape=SHAPES["8b"], copy_bytes_per_s=4e12)
+    result.rows["long-8192-a0"] = Row("long-8192-a0", "base at 8k", [RunStats(1.0, 16, 10.0, 128, [], max_batch=16)])
+    floor = floors(result)[(8192, 0)]
+    result.rows["long-8192-a0"].runs[0].decode_ms = floor.ms / share
+    # 8B weights (the embedding table only indexed) and 16 sequences' 128 KiB of KV a token at 8192..8320 tokens.
+    assert floor.step_bytes == pytest.approx(2 * (8.03e9 - 128256 * 4096) + 16 * 8256 * 128 * 1024, rel=1e-3)
+    line = next(line for line in render_markdown(result).splitlines()
+                if line.startswith("| batch 16 at 8192 tokens of context, base: share of the bytes floor bound"))
+    assert line.endswith(f"| >= 70% | {verdict} |")
