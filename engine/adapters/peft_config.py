@@ -124,7 +124,8 @@ def _check_targets(name: str, targets: object) -> None:
         raise InvalidAdapter(name, "target_modules", f"must be module names, got {json_excerpt(targets)}",
                              limit="an array of strings")
     adaptable = {*MODULE_PARENT, *VOCAB_TARGETS}
-    unknown = sorted(set(targets) - adaptable)  # the served model's own modules: checked on the tensors
+    # PEFT writes a module's short name, or its full name when it resolved "all-linear" (model.layers.0.mlp.up_proj)
+    unknown = sorted(t for t in set(targets) if t.rsplit(".", 1)[-1] not in adaptable)  # the rest: on the tensors
     if unknown:
         raise AdapterTargetUnsupported(name, "target_modules", f"{unknown} are not adaptable modules of this "
                                        f"model", limit=sorted(adaptable))

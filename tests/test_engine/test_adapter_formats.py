@@ -29,10 +29,12 @@ ADAPTERS = {
     "dora-all": (dict(r=8, lora_alpha=8, target_modules=LINEAR, use_dora=True, use_rslora=True), True),
     "vocab": (dict(r=8, lora_alpha=16, target_modules=["q_proj", "embed_tokens", "lm_head"]), True),
     "vocab-only": (dict(r=4, lora_alpha=4, target_modules=["embed_tokens", "lm_head"]), False),
+    # PEFT resolves all-linear and writes every module's full name (model.layers.0.mlp.up_proj) in the config
+    "all-linear": (dict(r=4, lora_alpha=8, target_modules="all-linear"), True),
 }
 PHI3_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
                 "up_proj": "gate_up_proj"}
-BATCH = [None, "plain", "dora", "vocab", "dora-all", "vocab-only", "dora", "vocab"]
+BATCH = [None, "plain", "dora", "vocab", "dora-all", "vocab-only", "all-linear", "vocab"]
 
 
 def _tie_embeddings(model_dir: Path) -> None:
@@ -48,7 +50,7 @@ def _tie_embeddings(model_dir: Path) -> None:
 
 
 def _for_arch(config: dict, arch: str) -> dict:
-    if arch != "phi3":
+    if arch != "phi3" or isinstance(config["target_modules"], str):
         return config
     targets = list(dict.fromkeys(PHI3_TARGETS.get(t, t) for t in config["target_modules"]))
     return {**config, "target_modules": targets}
