@@ -135,6 +135,10 @@ class FakeAdapters:
         with self._lock:
             return self._entries.get(name)
 
+    def module_costs(self) -> dict[str, dict[str, int]]:
+        """Each target module's share of BYTES_PER_RANK, so an adapter's bytes are what the costs give."""
+        return {module: {"per_rank": BYTES_PER_RANK // len(TARGETS), "fixed": 0} for module in TARGETS}
+
     def stats(self) -> AdapterStats:
         with self._lock:
             host = sum(info.host_bytes for info in self._entries.values())

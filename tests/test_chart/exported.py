@@ -24,7 +24,8 @@ def _engine_text() -> str:
         num_running={"a": 1}, num_waiting={"a": 1}, last_batch_size=1, last_batch_tokens=1, last_batch_adapters=1,
         kv_cache_usage=0.5, num_kv_blocks=8, adapter_pool_used_bytes=1, adapter_pool_total_bytes=2,
         adapter_host_bytes=1, num_adapter_loads=1, num_adapter_load_failures=0, num_device_evictions=0,
-        num_host_evictions=0, adapter_load_latencies_s=(("a", 0.1),), num_preemptions=0, num_steps=1)
+        num_host_evictions=0, adapter_load_latencies_s=(("a", 0.1),), num_preemptions=0, num_steps=1,
+        prefix_cache_tokens={"a": (4, 2)})
     adapter = SimpleNamespace(name="a", tier="device", revision="r", rank=8, bytes=1, host_bytes=1)
     return ServerMetrics("base", 2).render(EngineView(snapshot, [adapter])).decode()
 
